@@ -1,0 +1,96 @@
+"""Tests for zaya_jax.tokenizer: byte tokenizer, HF tokenizer.json wrapper, load_tokenizer/save."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from zaya_jax.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+TEXTS = ["the cat sat on the mat", "the dog sat on the log", "a cat and a dog"]
+
+
+def build_hf_tokenizer(path, specials=("<pad>", "</s>", "<s>", "<unk>")):
+    """Trains a tiny word-level tokenizer on TEXTS and writes it as a tokenizer.json."""
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(TEXTS, trainers.WordLevelTrainer(special_tokens=list(specials)))
+    tok.save(str(path))
+    return path
+
+
+def test_byte_round_trip_including_non_ascii():
+    tok = ByteTokenizer()
+    text = "Call me Ishmael — naïve café, 日本語, emoji 🐋\n\ttabs"
+    ids = tok.encode(text)
+    assert ids == [b + 3 for b in text.encode("utf-8")]
+    assert tok.decode(ids) == text
+    assert tok.encode("") == []
+    assert tok.encode_batch(["a", "é"]) == [[ord("a") + 3], [0xC3 + 3, 0xA9 + 3]]
+
+
+def test_byte_special_ids():
+    tok = ByteTokenizer()
+    assert (tok.pad_id, tok.eos_id, tok.bos_id, tok.vocab_size, tok.name) == (0, 1, 2, 259, "byte")
+    ids = tok.encode("hi")
+    assert min(ids) >= 3 and max(tok.encode("\xff")) < tok.vocab_size
+    # Specials are skipped when decoding; invalid UTF-8 is replaced rather than raising.
+    assert tok.decode([tok.bos_id, *ids, tok.eos_id, tok.pad_id]) == "hi"
+    assert tok.decode([0xFF + 3]) == "\ufffd"
+
+
+def test_hf_tokenizer_from_built_json(tmp_path):
+    path = build_hf_tokenizer(tmp_path / "tokenizer.json")
+    tok = HFTokenizer(path)
+    assert (tok.pad_id, tok.eos_id, tok.bos_id) == (0, 1, 2)
+    assert tok.vocab_size == Tokenizer.from_file(str(path)).get_vocab_size()
+    ids = tok.encode("the cat sat on the log")
+    assert len(ids) == 6 and tok.eos_id not in ids  # no specials added
+    assert tok.decode(ids + [tok.eos_id]) == "the cat sat on the log"
+    assert tok.encode_batch(["a dog", "the cat"]) == [tok.encode("a dog"), tok.encode("the cat")]
+    assert tok.name.startswith("hf-")
+
+
+def test_hf_special_overrides_and_missing_specials(tmp_path):
+    path = build_hf_tokenizer(tmp_path / "tokenizer.json", specials=("<|endoftext|>", "<unk>"))
+    tok = HFTokenizer(path)
+    assert tok.eos_id == 0 and tok.pad_id == tok.eos_id and tok.bos_id is None  # pad falls back to eos
+    assert HFTokenizer(path, eos="<unk>").eos_id == 1
+    assert HFTokenizer(path, pad=1).pad_id == 1
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        HFTokenizer(path, bos="<nope>")
+
+    no_eos = build_hf_tokenizer(tmp_path / "noeos.json", specials=("<unk>",))
+    with pytest.raises(ValueError, match=r"noeos\.json.*no recognised EOS"):
+        HFTokenizer(no_eos)
+
+
+def test_missing_and_unreadable_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        HFTokenizer(tmp_path / "missing.json")
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        load_tokenizer(str(tmp_path / "missing.json"))
+    bad = tmp_path / "garbage.json"
+    bad.write_text("{not a tokenizer")
+    with pytest.raises(ValueError, match="garbage.json"):
+        load_tokenizer(str(bad))
+    with pytest.raises(FileNotFoundError, match="neither"):
+        load_tokenizer(tmp_path)  # a directory without a saved tokenizer
+
+
+def test_load_tokenizer_specs_and_save_round_trip(tmp_path):
+    assert isinstance(load_tokenizer(None), ByteTokenizer)
+    assert isinstance(load_tokenizer("byte"), ByteTokenizer)
+
+    ByteTokenizer().save(tmp_path / "byte_dir")
+    assert json.loads((tmp_path / "byte_dir" / "zaya_tokenizer.json").read_text())["type"] == "byte"
+    assert isinstance(load_tokenizer(tmp_path / "byte_dir"), ByteTokenizer)
+
+    path = build_hf_tokenizer(tmp_path / "tokenizer.json", specials=("<|endoftext|>", "<unk>"))
+    hf = HFTokenizer(path, pad="<unk>")
+    assert isinstance(load_tokenizer(str(path)), HFTokenizer)
+    hf.save(tmp_path / "hf_dir")
+    reloaded = load_tokenizer(tmp_path / "hf_dir")
+    assert isinstance(reloaded, HFTokenizer)
+    assert (reloaded.name, reloaded.pad_id, reloaded.eos_id) == (hf.name, 1, 0)  # override survived
+    assert reloaded.encode("a cat") == hf.encode("a cat")

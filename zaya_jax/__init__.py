@@ -1,0 +1,1 @@
+"""zaya_jax: a JAX/XLA training stack for Zyphra's ZAYA1 mixture-of-experts LLM."""

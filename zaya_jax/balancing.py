@@ -1,0 +1,199 @@
+"""Aux-loss-free load balancing of the ZAYA1 router (SPEC §2.2).
+
+Each block's router picks ``argmax(stop_gradient(p) + balancing_biases)``; the biases [E+1] change
+*which* class wins, never the routing weight, and get no gradient from the loss. After every
+training step they are moved by a separate AdamW step whose "gradient" for routed expert e is
+
+    g_e = f_e - 1/E,        f_e = count_e / (tokens of that block in the GLOBAL batch)
+
+so an overloaded expert (f_e > 1/E) gets a positive gradient and its bias goes *down*, an
+underloaded one goes up. Adam normalises g, so each step moves a bias by about ``lr`` whatever the
+size of the imbalance: a bounded-rate controller (Zyphra call it PID-like), not a jump to the
+balanced point. With the default lr 1e-3 a bias moves ~1e-3 per step.
+
+Everything here is pure and jit-able (pass the frozen :class:`BalancingConfig` as a static
+argument); shapes are per block, stacked over the scanned L axis: biases and counts are [L, E+1],
+class E being the skip class.
+
+**Counts must be global.** ``counts_le`` is ``ZayaOutput.expert_counts`` summed over the whole
+global batch (and over gradient-accumulation micro-batches). Under ``jit`` with globally sharded
+arrays the model's own sum already spans every data-parallel shard; under ``shard_map``/``pmap``
+the caller must ``psum`` the counts over the data axes before calling :func:`balancing_update`,
+or each shard would balance only its local slice and the replicas' biases would diverge.
+
+**The skip class (E).** Not updated by default (``update_skip=False``): its bias starts at -1 so
+that skipping stays rare, and pushing its share towards 1/E, as for an expert, would make a
+quarter of the tokens (E = 4) skip the MLP. Its bias and its AdamW moments stay exactly as they
+are (weight decay included). ``update_skip=True`` treats it as one more class with target
+``skip_target`` (default 1/E, i.e. exactly the spec formula applied to all E+1 classes).
+
+Skipped tokens still count in the denominator of f_e (``fraction_of="all"``, the spec's "fraction of
+tokens"). Then sum_e g_e = -skip_fraction <= 0, so while some tokens skip every routed bias drifts
+up together, which in turn makes skipping rarer. ``fraction_of="routed"`` divides by the routed
+tokens only, so the controller balances the experts among themselves and leaves the skip rate to
+the router.
+
+An empty batch (no tokens: all padding) leaves biases and optimizer state unchanged rather than
+reading "every expert is underloaded" into it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+# Where the biases live inside the model's variables (see zaya_jax/model/router.py): the
+# "balancing" collection, stacked over the scanned layers -> [L, E+1].
+BIASES_PATH = ("balancing", "layers", "mlp", "gate", "balancing_biases")
+
+FRACTION_OF = ("all", "routed")
+
+
+@dataclasses.dataclass(frozen=True)
+class BalancingConfig:
+    """Hyper-parameters of the bias controller (frozen: usable as a static jit argument).
+
+    lr, b1, b2, eps, weight_decay: the AdamW step (decoupled decay pulls biases towards 0).
+    update_skip: also move the skip-class bias (default False; see module docstring).
+    skip_target: the skip share aimed at when update_skip; None = 1/E (the spec formula).
+    fraction_of: "all" = f_e over every non-padding token (spec); "routed" = over routed tokens.
+    """
+
+    lr: float = 1e-3
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    update_skip: bool = False
+    skip_target: float | None = None
+    fraction_of: str = "all"
+
+    def validate(self) -> "BalancingConfig":
+        """Raise ValueError on an invalid field; returns self for chaining."""
+        if not self.lr > 0:
+            raise ValueError(f"balancing lr must be > 0, got {self.lr}")
+        for name in ("b1", "b2"):
+            v = getattr(self, name)
+            if not 0.0 <= v < 1.0:
+                raise ValueError(f"balancing {name} must be in [0, 1), got {v}")
+        if not self.eps > 0:
+            raise ValueError(f"balancing eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"balancing weight_decay must be >= 0, got {self.weight_decay}")
+        if self.skip_target is not None and not 0.0 <= self.skip_target <= 1.0:
+            raise ValueError(f"balancing skip_target must be in [0, 1], got {self.skip_target}")
+        if self.fraction_of not in FRACTION_OF:
+            raise ValueError(f"balancing fraction_of must be one of {FRACTION_OF}, got {self.fraction_of!r}")
+        return self
+
+
+def _optimizer(cfg: BalancingConfig) -> optax.GradientTransformation:
+    return optax.adamw(cfg.lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def init_balancing_state(biases_le: jax.Array, cfg: BalancingConfig) -> optax.OptState:
+    """AdamW state for biases [L, E+1] (moments [L, E+1] fp32 + a step count)."""
+    cfg.validate()
+    return _optimizer(cfg).init(jnp.asarray(biases_le, jnp.float32))
+
+
+def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
+    """num / den, 0 where den == 0 (the double where keeps gradients and values NaN-free)."""
+    ok = den > 0
+    return jnp.where(ok, num / jnp.where(ok, den, 1.0), 0.0)
+
+
+def expert_load_stats(counts_le: jax.Array, num_experts: int) -> dict[str, jax.Array]:
+    """Per-layer load statistics from token counts [L, E+1] (class E = skip). Each value is [L]:
+
+    load_max_over_mean: max_e count_e / mean_e count_e over the E routed experts (1 = balanced,
+      E = everything on one expert); 1.0 for a layer that routed no token.
+    load_min_over_mean: the same with min (0 = some expert idle); 1.0 when nothing was routed.
+    skip_fraction: skipped tokens / all tokens; 0 for an empty batch.
+    """
+    counts = jnp.asarray(counts_le, jnp.float32)
+    routed = counts[:, :num_experts]
+    mean = jnp.mean(routed, axis=-1)
+    empty = mean <= 0
+    total = jnp.sum(counts, axis=-1)
+    return {
+        "load_max_over_mean": jnp.where(empty, 1.0, _safe_div(jnp.max(routed, axis=-1), mean)),
+        "load_min_over_mean": jnp.where(empty, 1.0, _safe_div(jnp.min(routed, axis=-1), mean)),
+        "skip_fraction": _safe_div(counts[:, num_experts], total),
+    }
+
+
+def balancing_gradient(counts_le: jax.Array, cfg: BalancingConfig) -> jax.Array:
+    """The controller's pseudo-gradient [L, E+1]: f_e - 1/E for routed experts; for the skip
+    class f_skip - skip_target if cfg.update_skip else 0. Zero for a layer without tokens."""
+    counts = jnp.asarray(counts_le, jnp.float32)
+    num_experts = counts.shape[-1] - 1
+    total = jnp.sum(counts, axis=-1, keepdims=True)
+    if cfg.fraction_of == "routed":
+        denom = jnp.sum(counts[:, :num_experts], axis=-1, keepdims=True)
+    else:
+        denom = total
+    # f_e - 1/E as (E c_e - N) / (E N): the numerator is exact for integer counts, so an exactly
+    # balanced expert gets exactly 0. (A rounding residue of ~1e-9 would not be harmless: Adam
+    # divides by sqrt(v) + eps, eps = 1e-8, and turns it into a step of a sizeable fraction of lr.)
+    grad = _safe_div(num_experts * counts - denom, num_experts * denom)
+    if cfg.update_skip:
+        if cfg.skip_target is not None:
+            grad = grad.at[:, num_experts].set(
+                _safe_div(counts[:, num_experts] - cfg.skip_target * denom[:, 0], denom[:, 0]))
+    else:
+        grad = grad.at[:, num_experts].set(0.0)
+    return jnp.where(denom > 0, grad, 0.0)
+
+
+def balancing_update(biases_le: jax.Array, counts_le: jax.Array, state: optax.OptState,
+                     cfg: BalancingConfig) -> tuple[jax.Array, optax.OptState, dict[str, jax.Array]]:
+    """One controller step: biases [L, E+1], GLOBAL counts [L, E+1] (see module docstring), state.
+
+    Returns (new biases [L, E+1] fp32, new state, metrics). Metrics, each [L], describe the load
+    that produced ``counts_le`` (i.e. under the old biases): the :func:`expert_load_stats` keys
+    plus ``bias_spread`` = max - min of the new routed-expert biases.
+    """
+    biases = jnp.asarray(biases_le, jnp.float32)
+    num_experts = biases.shape[-1] - 1
+    if counts_le.shape != biases.shape:
+        raise ValueError(f"counts {counts_le.shape} and biases {biases.shape} must both be [L, E+1]")
+    grad = balancing_gradient(counts_le, cfg)
+    tx = _optimizer(cfg)
+    updates, new_state = tx.update(grad, state, biases)
+    new_biases = optax.apply_updates(biases, updates)
+    if not cfg.update_skip:
+        # Weight decay would otherwise still move the skip bias with a zero gradient.
+        new_biases = new_biases.at[:, num_experts].set(biases[:, num_experts])
+    # No token anywhere (e.g. an all-padding batch): nothing was observed, so change nothing;
+    # not even the Adam step count / momentum, which a zero gradient would still advance.
+    has_tokens = jnp.sum(counts_le) > 0
+    new_biases = jnp.where(has_tokens, new_biases, biases)
+    new_state = jax.tree.map(lambda n, o: jnp.where(has_tokens, n, o), new_state, state)
+    metrics = expert_load_stats(counts_le, num_experts)
+    routed = new_biases[:, :num_experts]
+    metrics["bias_spread"] = jnp.max(routed, axis=-1) - jnp.min(routed, axis=-1)
+    return new_biases, new_state, metrics
+
+
+def get_balancing_biases(variables: dict[str, Any]) -> jax.Array:
+    """The [L, E+1] biases out of the model variables {"params", "balancing"}."""
+    node = variables
+    for key in BIASES_PATH:
+        node = node[key]
+    return node
+
+
+def set_balancing_biases(variables: dict[str, Any], biases_le: jax.Array) -> dict[str, Any]:
+    """A copy of ``variables`` with the biases replaced (other leaves shared, not copied)."""
+
+    def replace(node: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+        out = dict(node)
+        out[path[0]] = biases_le if len(path) == 1 else replace(node[path[0]], path[1:])
+        return out
+
+    return replace(variables, BIASES_PATH)

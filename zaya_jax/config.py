@@ -1,0 +1,156 @@
+"""The one training configuration schema (ml_collections), validated once at start-up.
+
+`configs/<name>.py` files call `base_config()` and change what they need; the command line
+overrides any key (`--config.train.steps=100`). Sections:
+
+  seed                      global seed (params, data order)
+  model.*                   every field of zaya_jax.model.ZayaConfig (sizes, dtypes, impls)
+  data.path                 directory written by `python -m zaya_jax.data.prepare`; unset = embedded corpus
+  data.num_threads, data.prefetch
+  train.steps               optimizer steps of this run (phase)
+  train.batch_size          global batch, sequences per optimizer step (all devices and microbatches)
+  train.seq_len             tokens per sequence
+  train.grad_accum          microbatches per step (batch_size must divide by it)
+  train.init_from           a checkpoint directory whose params start this run (phase chaining); unset = random
+  optim.*                   see zaya_jax.optim.chain (lr, schedule, warmup, muon.*, adamw.*, clipping)
+  balancing.*               aux-loss-free router balancing (zaya_jax.balancing)
+  mesh.data / mesh.fsdp / mesh.expert   device mesh; one may be -1 = the remaining devices
+  checkpoint.every_steps, checkpoint.keep   periodic saves under WORKDIR/checkpoints
+  eval.every_steps, eval.batches, eval.batch_size   held-out evaluation (0 batches = the whole split)
+  logging.every_steps, logging.tensorboard, logging.console
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_collections
+from ml_collections import config_dict
+
+from zaya_jax.model.config import ZayaConfig
+from zaya_jax.optim.chain import default_optim_config
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every key with its default; config files override, nothing adds keys."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.model = ml_collections.ConfigDict(_model_fields(ZayaConfig.tiny()))
+
+  c.data = ml_collections.ConfigDict()
+  c.data.path = config_dict.placeholder(str)
+  c.data.num_threads = 2
+  c.data.prefetch = 4
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 1000
+  c.train.batch_size = 16
+  c.train.seq_len = 256
+  c.train.grad_accum = 1
+  c.train.init_from = config_dict.placeholder(str)
+
+  c.optim = default_optim_config()
+
+  c.balancing = ml_collections.ConfigDict()
+  c.balancing.enabled = True
+  c.balancing.lr = 1e-3
+  c.balancing.b1 = 0.9
+  c.balancing.b2 = 0.999
+  c.balancing.eps = 1e-8
+  c.balancing.weight_decay = 0.0
+  c.balancing.update_skip = False
+  c.balancing.fraction_of = "all"
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1
+  c.mesh.fsdp = 1
+  c.mesh.expert = 1
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every_steps = 500
+  c.checkpoint.keep = 3
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every_steps = 200
+  c.eval.batches = 0
+  c.eval.batch_size = 16
+
+  c.logging = ml_collections.ConfigDict()
+  c.logging.every_steps = 10
+  c.logging.tensorboard = True
+  c.logging.console = True
+  return c
+
+
+def _model_fields(cfg: ZayaConfig) -> dict[str, Any]:
+  d = cfg.to_dict()
+  # ConfigDict cannot hold None for a typed field without a placeholder; keep the types explicit.
+  for name, typ in (("layer_types", list), ("sliding_window", int), ("pad_token_id", int),
+                    ("bos_token_id", int), ("eos_token_id", int)):
+    d[name] = config_dict.placeholder(typ) if d[name] is None else d[name]
+  return d
+
+
+def model_config(c: ml_collections.ConfigDict) -> ZayaConfig:
+  """The validated ZayaConfig of a training config (ValueError names the bad `model.` key)."""
+  d = c.model.to_dict()
+  try:
+    return ZayaConfig.from_dict(d)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"config.model: {e}") from None
+
+
+def _check(cond: bool, key: str, message: str) -> None:
+  if not cond:
+    raise ValueError(f"config.{key}: {message}")
+
+
+def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
+  """Checks the whole config once, before anything is built. Returns the model config."""
+  base = base_config()
+  unknown = _unknown_keys(c, base)
+  _check(not unknown, unknown[0] if unknown else "", "unknown key (typo?)")
+  cfg = model_config(c)
+  t = c.train
+  for key in ("steps", "batch_size", "seq_len", "grad_accum"):
+    value = t[key]
+    _check(isinstance(value, int) and value > 0, f"train.{key}", f"must be a positive int, got {value!r}")
+  _check(t.batch_size % t.grad_accum == 0, "train.grad_accum",
+         f"batch_size={t.batch_size} is not divisible by grad_accum={t.grad_accum}")
+  _check(t.seq_len <= cfg.max_position_embeddings, "train.seq_len",
+         f"{t.seq_len} exceeds model.max_position_embeddings={cfg.max_position_embeddings}")
+  _check(c.optim.lr > 0, "optim.lr", f"must be > 0, got {c.optim.lr}")
+  _check(c.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+  for key in ("data", "fsdp", "expert"):
+    value = c.mesh[key]
+    _check(isinstance(value, int) and (value > 0 or value == -1), f"mesh.{key}",
+           f"must be a positive int or -1, got {value!r}")
+  _check([c.mesh.data, c.mesh.fsdp, c.mesh.expert].count(-1) <= 1, "mesh",
+         "at most one of data/fsdp/expert may be -1")
+  for key in ("checkpoint.every_steps", "checkpoint.keep", "eval.every_steps", "eval.batches",
+              "eval.batch_size", "logging.every_steps", "data.num_threads", "data.prefetch"):
+    section, name = key.split(".")
+    value = c[section][name]
+    _check(isinstance(value, int) and value >= 0, key, f"must be an int >= 0, got {value!r}")
+  _check(c.logging.every_steps > 0, "logging.every_steps", "must be > 0")
+  _check(c.balancing.lr >= 0, "balancing.lr", "must be >= 0")
+  return cfg
+
+
+def _unknown_keys(c: Any, base: Any, prefix: str = "") -> list[str]:
+  out = []
+  for key in c.keys():
+    path = f"{prefix}{key}"
+    if key not in base:
+      out.append(path)
+    elif isinstance(c[key], ml_collections.ConfigDict) and isinstance(base[key], ml_collections.ConfigDict):
+      out += _unknown_keys(c[key], base[key], path + ".")
+  return out
+
+
+def set_model(c: ml_collections.ConfigDict, cfg: ZayaConfig) -> None:
+  """Writes a ZayaConfig into `c.model` (config files use this with the ZayaConfig presets)."""
+  fields = _model_fields(cfg)
+  for f in dataclasses.fields(ZayaConfig):
+    c.model[f.name] = fields[f.name]

@@ -1,0 +1,258 @@
+"""grain input pipeline: token documents -> packed, process-sharded, checkpointable LM batches.
+
+Batch format (numpy, B = global_batch_size // process_count local rows, S = seq_len):
+    input_ids  int32   [B, S]
+    targets    int32   [B, S]   targets[:, t] is the token that follows input_ids[:, t]
+    loss_mask  float32 [B, S]   1 for real targets, 0 for padding
+
+Packing (concat-then-split with a one-token overlap). For each epoch the documents are shuffled
+(permutation seeded by (seed, epoch)), each followed by its EOS, and concatenated into one stream
+x[0..T), preceded by one extra EOS at position -1 so that the first document is predicted from a
+document boundary exactly like all others. Sequence i of the epoch is the window x[i*S-1 : (i+1)*S]
+of S+1 tokens: input_ids = window[:-1], targets = window[1:]. Consecutive windows overlap by one
+token, so every token of the epoch is a target exactly once: nothing is lost, nothing duplicated,
+and a document that does not fit continues at the start of the next sequence (documents are only
+ever split at sequence boundaries). An epoch has ceil(T / S) sequences; the end of the last one is
+filled with pad_id with loss_mask 0 (at most S-1 padded positions per epoch; the next epoch starts
+afresh rather than carrying over, which keeps every sequence addressable by index). Attention is
+not masked between packed documents: the EOS separator is the only boundary signal.
+
+Why random access instead of grain's ConcatThenSplitIterDataset: the packing above is a pure
+function of (seed, global sequence index), computed with a binary search over the epoch's
+cumulative document lengths. That gives
+    * exact sharding: process p reads only the sequences p, p+P, p+2P, ... (a grain slice), and
+      never tokenizes or packs the other processes' data;
+    * O(1) checkpoints: the iterator state is grain's {"next_index": n} (JSON-serialisable), and
+      restoring it does not replay any packing;
+    * the one-token overlap above, which iterator-based packing into disjoint chunks cannot do
+      (it would silently drop one target per sequence).
+
+Sharding: global batch k consists of the sequences k*G .. k*G+G-1 (G = global_batch_size). Process
+p gets the rows with (index mod P) == p, in order, so row r of process p's batch is row r*P + p of
+the single-process global batch (`interleave_process_batches` reassembles it). The global sequence
+count is padded to a multiple of G with all-padding sequences (loss_mask 0), so every process yields
+the same number of batches and no real sequence is dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import grain
+import numpy as np
+
+from zaya_jax.data import EMBEDDED_EVAL_FRACTION, EMBEDDED_SPLIT_SEED, load_embedded_corpus, split_documents
+from zaya_jax.data.prepare import SPLITS, TokenDocuments, load_split, read_meta
+from zaya_jax.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+Source = str | os.PathLike | None
+_EMBEDDED = "embedded"
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources
+
+
+def _is_embedded(source: Source) -> bool:
+    return source is None or (isinstance(source, str) and source == _EMBEDDED)
+
+
+@functools.lru_cache(maxsize=len(SPLITS))
+def _embedded_documents(split: str) -> TokenDocuments:
+    # Small (~1.5 M byte tokens, well under a second to tokenize): kept in memory, never cached on disk.
+    train, held_out = split_documents(load_embedded_corpus(), EMBEDDED_EVAL_FRACTION, EMBEDDED_SPLIT_SEED)
+    tok = ByteTokenizer()
+    docs = train if split == "train" else held_out
+    return TokenDocuments.from_token_lists(tok.encode_batch(docs), eos_id=tok.eos_id, pad_id=tok.pad_id,
+                                           vocab_size=tok.vocab_size)
+
+
+def load_documents(source: Source, split: str = "train") -> TokenDocuments:
+    """Token documents of `split`: from a prepared data dir, or the embedded corpus (None/"embedded")."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    if _is_embedded(source):
+        return _embedded_documents(split)
+    return load_split(source, split)
+
+
+def source_tokenizer(source: Source) -> Tokenizer:
+    """The tokenizer that produced `source` (the byte tokenizer for the embedded corpus)."""
+    if _is_embedded(source):
+        return ByteTokenizer()
+    read_meta(source)  # clear error if this is not a prepared dataset
+    return load_tokenizer(Path(source))
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing
+
+
+class PackedSequences:
+    """Random-access grain data source: global sequence index -> one packed example (see module doc).
+
+    Element: {"input_ids": int32 [S], "targets": int32 [S], "loss_mask": float32 [S]}.
+    Length: num_epochs * sequences_per_epoch rounded up to a multiple of `pad_to_multiple`
+    (extra indices are all-padding sequences), or sys.maxsize when num_epochs is None.
+    """
+
+    def __init__(self, docs: TokenDocuments, *, seq_len: int, seed: int = 0, shuffle: bool = True,
+                 num_epochs: int | None = None, pad_to_multiple: int = 1):
+        if docs.num_docs == 0:
+            raise ValueError("cannot build sequences from an empty split")
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if num_epochs is not None and num_epochs < 1:
+            raise ValueError(f"num_epochs must be None (repeat forever) or >= 1, got {num_epochs}")
+        self.docs = docs
+        self.seq_len = seq_len
+        self.seed = seed
+        self.shuffle = shuffle
+        self.num_epochs = num_epochs
+        self.tokens_per_epoch = docs.num_tokens
+        self.sequences_per_epoch = math.ceil(self.tokens_per_epoch / seq_len)
+        if num_epochs is None:
+            self._num_real = sys.maxsize
+            self._len = sys.maxsize
+        else:
+            self._num_real = num_epochs * self.sequences_per_epoch
+            self._len = math.ceil(self._num_real / pad_to_multiple) * pad_to_multiple
+        self._lock = threading.Lock()
+        self._layouts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __len__(self) -> int:
+        return self._len
+
+    # grain may pickle the source into worker processes (mp_prefetch); locks do not pickle.
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_layouts")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._layouts = {}
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """Document order of `epoch`: int64 [D], a permutation seeded by (seed, epoch) if shuffling."""
+        if not self.shuffle:
+            return np.arange(self.docs.num_docs, dtype=np.int64)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.docs.num_docs)
+
+    def _layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(order, ends): document order and cumulative end offsets in the epoch's stream, int64 [D]."""
+        with self._lock:
+            layout = self._layouts.get(epoch)
+            if layout is None:
+                order = self.epoch_order(epoch)
+                layout = (order, np.cumsum(self.docs.doc_len[order]))
+                # Readers only ever touch the current epoch and, at the boundary, its neighbours.
+                if len(self._layouts) >= 3:
+                    self._layouts.pop(min(self._layouts))
+                self._layouts[epoch] = layout
+            return layout
+
+    def _read_stream(self, epoch: int, lo: int, hi: int) -> np.ndarray:
+        """Epoch stream positions [lo, hi) as int32; position -1 is EOS, positions >= T are padding."""
+        out = np.full(hi - lo, self.docs.pad_id, dtype=np.int32)
+        if lo < 0:  # only ever -1: the EOS in front of the epoch's first document
+            out[:-lo] = self.docs.eos_id
+        order, ends = self._layout(epoch)
+        pos, end = max(lo, 0), min(hi, self.tokens_per_epoch)
+        k = int(np.searchsorted(ends, pos, side="right"))  # first document ending after `pos`
+        while pos < end:
+            doc = int(order[k])
+            doc_begin = int(ends[k]) - int(self.docs.doc_len[doc])
+            take = min(end, int(ends[k])) - pos
+            out[pos - lo:pos - lo + take] = self.docs.doc_tokens(doc, pos - doc_begin, pos - doc_begin + take)
+            pos += take
+            k += 1
+        return out
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        index = int(index)
+        s = self.seq_len
+        if index >= self._num_real:  # padding sequence that rounds the total up to whole global batches
+            return {"input_ids": np.full(s, self.docs.pad_id, np.int32),
+                    "targets": np.full(s, self.docs.pad_id, np.int32),
+                    "loss_mask": np.zeros(s, np.float32)}
+        epoch, i = divmod(index, self.sequences_per_epoch)
+        window = self._read_stream(epoch, i * s - 1, (i + 1) * s)  # [S + 1]
+        num_targets = min(s, self.tokens_per_epoch - i * s)
+        loss_mask = np.zeros(s, np.float32)
+        loss_mask[:num_targets] = 1.0
+        return {"input_ids": window[:-1], "targets": window[1:], "loss_mask": loss_mask}
+
+
+# ----------------------------------------------------------------------------------------------
+# Datasets
+
+
+def make_dataset(source: Source = None, *, seq_len: int, global_batch_size: int, seed: int = 0,
+                 process_index: int = 0, process_count: int = 1, split: str = "train",
+                 num_epochs: int | None = None, shuffle: bool | None = None, num_threads: int = 2,
+                 prefetch_buffer_size: int = 4) -> grain.IterDataset:
+    """grain IterDataset of this process' share of the packed batches (format in the module doc).
+
+    Args:
+      source: a directory written by `python -m zaya_jax.data.prepare`, or None/"embedded" for the
+        embedded corpus (byte tokenizer).
+      seq_len: S, tokens per sequence.
+      global_batch_size: sequences per step over all processes; must be divisible by process_count.
+      seed: shuffling seed; the document order of epoch e is a function of (seed, e) only.
+      process_index, process_count: this process' position (jax.process_index()/process_count()).
+      split: "train" or "eval".
+      num_epochs: None repeats forever; otherwise the dataset ends after that many epochs, the
+        last batch filled up with all-padding rows.
+      shuffle: shuffle documents each epoch; defaults to True for "train", False for "eval".
+      num_threads, prefetch_buffer_size: grain read threads and how many batches they read ahead.
+
+    Iterate with `it = iter(ds)`; `it.get_state()` is a JSON-serialisable dict and
+    `it.set_state(state)` on a fresh iterator of the same dataset resumes at the same batch.
+    """
+    if global_batch_size < 1 or process_count < 1:
+        raise ValueError(f"global_batch_size ({global_batch_size}) and process_count ({process_count}) must be >= 1")
+    if global_batch_size % process_count:
+        raise ValueError(f"global_batch_size {global_batch_size} is not divisible by process_count {process_count}")
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} out of range for process_count {process_count}")
+    docs = load_documents(source, split)
+    if docs.num_docs == 0:
+        raise ValueError(f"the {split!r} split of {source or _EMBEDDED} has no documents")
+    sequences = PackedSequences(docs, seq_len=seq_len, seed=seed,
+                                shuffle=(split == "train") if shuffle is None else shuffle,
+                                num_epochs=num_epochs, pad_to_multiple=global_batch_size)
+    ds = grain.MapDataset.source(sequences)
+    ds = ds[process_index::process_count]  # interleaved rows: see "Sharding" in the module doc
+    # The total is a multiple of the global batch, so every local batch is full.
+    ds = ds.batch(global_batch_size // process_count, drop_remainder=True)
+    return ds.to_iter_dataset(grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size))
+
+
+def make_eval_dataset(source: Source = None, *, seq_len: int, global_batch_size: int, process_index: int = 0,
+                      process_count: int = 1, **kwargs) -> grain.IterDataset:
+    """One deterministic pass over the held-out split (documents in stored order, no shuffling).
+
+    The last batch is filled with padding (loss_mask 0); every process yields the same number of batches.
+    """
+    return make_dataset(source, seq_len=seq_len, global_batch_size=global_batch_size, process_index=process_index,
+                        process_count=process_count, split="eval", num_epochs=1, shuffle=False, **kwargs)
+
+
+def interleave_process_batches(batches: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Reassembles the global batch from every process' local batch (list indexed by process).
+
+    Inverse of the sharding: global row r*P + p is row r of process p. Useful for tests and debugging;
+    training never needs the global batch on one host.
+    """
+    return {k: np.stack([b[k] for b in batches], axis=1).reshape(-1, *batches[0][k].shape[1:])
+            for k in batches[0]}
+
+
+__all__ = ["PackedSequences", "interleave_process_batches", "load_documents", "make_dataset",
+           "make_eval_dataset", "source_tokenizer"]

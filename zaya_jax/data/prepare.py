@@ -1,0 +1,379 @@
+"""Tokenized dataset on disk: `python -m zaya_jax.data.prepare` writes it, `load_split` reads it.
+
+    python -m zaya_jax.data.prepare --input a.txt b.jsonl ... --out DIR \
+        [--tokenizer byte|path/to/tokenizer.json] [--eval-fraction 0.01] [--shard-tokens N] \
+        [--doc-separator none|blank-line|form-feed|LITERAL] [--text-field text] [--overwrite]
+
+Inputs (optionally gzip-compressed, `.txt.gz` / `.jsonl.gz`):
+    .txt    by default the whole file is one document; `--doc-separator` cuts it into several
+            (`blank-line`: one or more empty lines, `form-feed`: "\\f", anything else is taken as a
+            literal string with backslash escapes, e.g. '\\n\\n\\n').
+    .jsonl  one JSON object per line with a string field "text" (`--text-field`); blank lines are
+            skipped, anything else is an error naming file:line.
+Whitespace-only documents are skipped. Documents are assigned to train/eval by systematic sampling
+(`zaya_jax.data.is_eval_document`), so the split streams and is deterministic.
+
+Layout of DIR:
+    meta.json                     format version, tokenizer ids, per-split doc/token counts and shard list
+    zaya_tokenizer.json (+ tokenizer.json)   the tokenizer that made the data (`load_tokenizer(DIR)`)
+    train/shard_00000.npy         flat token array, uint16 if vocab_size <= 65536 else uint32,
+                                  every document followed by one EOS token
+    train/shard_00000.offsets.npy int64 [num_docs + 1]; document d (incl. its EOS) is tokens[off[d]:off[d+1]]
+    eval/...                      same for the held-out split
+Documents never straddle shards. The directory is built under a temporary name and renamed into
+place at the end, so an interrupted run never leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import dataclasses
+import gzip
+import io
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from zaya_jax.data import is_eval_document
+from zaya_jax.tokenizer import Tokenizer, load_tokenizer
+
+FORMAT_NAME = "zaya_jax.tokens"
+FORMAT_VERSION = 1
+META_FILENAME = "meta.json"
+SPLITS = ("train", "eval")
+DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens = 128 MiB of uint16 per shard
+_ENCODE_BATCH = 256  # documents per tokenizer call (the HF tokenizer parallelises within a batch)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenDocuments:
+    """A split's documents as token arrays; each document includes its trailing EOS.
+
+    shards:    flat token arrays (memory-mapped when read from disk)
+    doc_shard: int32 [D]  shard holding document d
+    doc_start: int64 [D]  offset of document d in its shard
+    doc_len:   int64 [D]  length of document d, EOS included (always >= 1)
+    """
+
+    shards: tuple[np.ndarray, ...]
+    doc_shard: np.ndarray
+    doc_start: np.ndarray
+    doc_len: np.ndarray
+    eos_id: int
+    pad_id: int
+    vocab_size: int
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.doc_len)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.doc_len.sum())
+
+    def doc_tokens(self, d: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Tokens [lo:hi) of document d (EOS is its last token), as stored (uint16/uint32/int32)."""
+        length = int(self.doc_len[d])
+        hi = length if hi is None else min(hi, length)
+        start = int(self.doc_start[d])
+        return self.shards[int(self.doc_shard[d])][start + lo:start + hi]
+
+    @classmethod
+    def from_token_lists(cls, docs: Sequence[Sequence[int]], *, eos_id: int, pad_id: int,
+                         vocab_size: int) -> TokenDocuments:
+        """In-memory documents (without EOS; it is appended here) -> a single-shard TokenDocuments."""
+        lengths = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        tokens = np.empty(int(offsets[-1]), dtype=np.int32)
+        for d, start, end in zip(docs, offsets[:-1], offsets[1:]):
+            tokens[start:end - 1] = d
+            tokens[end - 1] = eos_id
+        return cls(shards=(tokens,), doc_shard=np.zeros(len(docs), np.int32), doc_start=offsets[:-1],
+                   doc_len=lengths, eos_id=eos_id, pad_id=pad_id, vocab_size=vocab_size)
+
+
+def read_meta(data_dir: str | os.PathLike) -> dict:
+    """meta.json of a prepared dataset, checked for format and version."""
+    path = Path(data_dir) / META_FILENAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{data_dir} is not a prepared dataset (no {META_FILENAME}); create one with "
+            "`python -m zaya_jax.data.prepare --input ... --out DIR`")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT_NAME or meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: unsupported dataset format {meta.get('format')!r} version "
+                         f"{meta.get('format_version')!r} (expected {FORMAT_NAME!r} v{FORMAT_VERSION})")
+    return meta
+
+
+def load_split(data_dir: str | os.PathLike, split: str) -> TokenDocuments:
+    """Memory-maps one split ("train" or "eval") of a prepared dataset."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    data_dir = Path(data_dir)
+    meta = read_meta(data_dir)
+    tok = meta["tokenizer"]
+    shards, doc_shard, doc_start, doc_len = [], [], [], []
+    for i, shard in enumerate(meta["splits"][split]["shards"]):
+        tokens = np.load(data_dir / split / shard["tokens"], mmap_mode="r")
+        offsets = np.load(data_dir / split / shard["offsets"])
+        if offsets[0] != 0 or offsets[-1] != len(tokens) or len(offsets) != shard["num_docs"] + 1:
+            raise ValueError(f"{data_dir / split / shard['offsets']}: offsets do not match the shard")
+        shards.append(tokens)
+        doc_shard.append(np.full(len(offsets) - 1, i, np.int32))
+        doc_start.append(offsets[:-1])
+        doc_len.append(np.diff(offsets))
+    cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
+    return TokenDocuments(shards=tuple(shards), doc_shard=cat(doc_shard, np.int32),
+                          doc_start=cat(doc_start, np.int64), doc_len=cat(doc_len, np.int64),
+                          eos_id=tok["eos_id"], pad_id=tok["pad_id"], vocab_size=tok["vocab_size"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+
+
+_SEPARATORS = {"blank-line": re.compile(r"\n[ \t]*\n+"), "form-feed": "\f"}
+
+
+def _parse_separator(spec: str | None) -> str | re.Pattern | None:
+    if spec is None or spec == "none":
+        return None
+    if spec in _SEPARATORS:
+        return _SEPARATORS[spec]
+    literal = codecs.decode(spec, "unicode_escape")
+    if not literal:
+        raise ValueError("--doc-separator must not be empty")
+    return literal
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    if path.suffix == ".gz":
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _input_kind(path: Path) -> str:
+    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    for kind in ("txt", "jsonl"):
+        if name.endswith("." + kind):
+            return kind
+    raise ValueError(f"unsupported input file {path}: expected .txt or .jsonl (optionally .gz)")
+
+
+def iter_documents(path: Path, *, separator: str | re.Pattern | None = None,
+                   text_field: str = "text") -> Iterator[str]:
+    """Yields the raw documents of one input file (see the module docstring for the rules)."""
+    kind = _input_kind(path)
+    with _open_text(path) as f:
+        if kind == "txt":
+            text = f.read()
+            if separator is None:
+                parts = [text]
+            elif isinstance(separator, str):
+                parts = text.split(separator)
+            else:
+                parts = separator.split(text)
+            yield from parts
+            return
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON: {e}") from None
+            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object with a string field {text_field!r}")
+            yield record[text_field]
+
+
+class _ShardWriter:
+    """Accumulates documents of one split and writes them out in shards of ~shard_tokens tokens."""
+
+    def __init__(self, split_dir: Path, dtype: np.dtype, shard_tokens: int):
+        self.split_dir = split_dir
+        self.dtype = dtype
+        self.shard_tokens = shard_tokens
+        self.shards: list[dict] = []
+        self.num_docs = 0
+        self.num_tokens = 0
+        self._pending: list[np.ndarray] = []
+        self._pending_tokens = 0
+        split_dir.mkdir(parents=True)
+
+    def add(self, doc: np.ndarray) -> None:
+        self._pending.append(doc)
+        self._pending_tokens += len(doc)
+        self.num_docs += 1
+        self.num_tokens += len(doc)
+        if self._pending_tokens >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        stem = f"shard_{len(self.shards):05d}"
+        offsets = np.concatenate([[0], np.cumsum([len(d) for d in self._pending])]).astype(np.int64)
+        np.save(self.split_dir / f"{stem}.npy", np.concatenate(self._pending).astype(self.dtype))
+        np.save(self.split_dir / f"{stem}.offsets.npy", offsets)
+        self.shards.append({"tokens": f"{stem}.npy", "offsets": f"{stem}.offsets.npy",
+                            "num_docs": len(self._pending), "num_tokens": int(offsets[-1])})
+        self._pending, self._pending_tokens = [], 0
+
+    def summary(self) -> dict:
+        return {"num_docs": self.num_docs, "num_tokens": self.num_tokens, "shards": self.shards}
+
+
+def prepare_dataset(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, *,
+                    tokenizer: str | os.PathLike | Tokenizer | None = None, eval_fraction: float = 0.01,
+                    split_seed: int = 0, shard_tokens: int = DEFAULT_SHARD_TOKENS,
+                    doc_separator: str | None = None, text_field: str = "text",
+                    overwrite: bool = False) -> dict:
+    """Tokenizes `inputs` into a prepared dataset at `out_dir` (layout in the module docstring).
+
+    Returns the meta dict that was written to meta.json.
+    """
+    paths = [Path(p) for p in inputs]
+    if not paths:
+        raise ValueError("no input files given")
+    for p in paths:  # fail before doing any work
+        if not p.is_file():
+            raise FileNotFoundError(f"input file not found: {p}")
+        _input_kind(p)
+    if shard_tokens <= 0:
+        raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
+    is_eval_document(0, eval_fraction, split_seed)  # validates eval_fraction
+    separator = _parse_separator(doc_separator)
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"output directory {out_dir} already exists (pass --overwrite to replace it)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
+
+    # Build next to the destination (same filesystem, so the final rename is atomic).
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        tmp_dir.chmod(0o755)  # mkdtemp makes it owner-only; the dataset should be readable like a normal dir
+        writers = {s: _ShardWriter(tmp_dir / s, dtype, shard_tokens) for s in SPLITS}
+        doc_index = 0
+        skipped = 0
+        batch: list[str] = []
+
+        def encode_batch() -> None:
+            nonlocal doc_index
+            for ids in tok.encode_batch(batch):
+                doc = np.asarray(ids + [tok.eos_id], dtype=np.int64)
+                split = "eval" if is_eval_document(doc_index, eval_fraction, split_seed) else "train"
+                writers[split].add(doc)
+                doc_index += 1
+            batch.clear()
+
+        for path in paths:
+            for text in iter_documents(path, separator=separator, text_field=text_field):
+                if not text.strip():
+                    skipped += 1
+                    continue
+                batch.append(text)
+                if len(batch) >= _ENCODE_BATCH:
+                    encode_batch()
+        encode_batch()
+        for w in writers.values():
+            w.flush()
+        if writers["train"].num_docs == 0:
+            raise ValueError("no documents ended up in the train split (are the inputs empty?)")
+
+        tok.save(tmp_dir)
+        meta = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "created_unix": int(time.time()),
+            "tokenizer": {"name": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+                          "pad_id": tok.pad_id, "bos_id": tok.bos_id},
+            "dtype": dtype.name,
+            "inputs": [str(p) for p in paths],
+            "doc_separator": doc_separator,
+            "text_field": text_field,
+            "eval_fraction": eval_fraction,
+            "split_seed": split_seed,
+            "skipped_empty_docs": skipped,
+            "splits": {s: w.summary() for s, w in writers.items()},
+        }
+        # meta.json is the last file written: its presence marks a complete dataset.
+        (tmp_dir / META_FILENAME).write_text(json.dumps(meta, indent=2) + "\n")
+
+        if out_dir.exists():  # overwrite: move the old one aside first, delete it only afterwards
+            trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            os.replace(out_dir, trash / out_dir.name)
+            os.replace(tmp_dir, out_dir)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return meta
+
+
+def _format_summary(out_dir: Path, meta: dict) -> str:
+    tok = meta["tokenizer"]
+    lines = [f"wrote {out_dir} (tokenizer {tok['name']}, vocab_size {tok['vocab_size']}, "
+             f"eos {tok['eos_id']}, pad {tok['pad_id']}, {meta['dtype']})"]
+    for split, s in meta["splits"].items():
+        lines.append(f"  {split:5s}: {s['num_docs']:>10,d} docs {s['num_tokens']:>14,d} tokens "
+                     f"{len(s['shards']):>4d} shards")
+    if meta["skipped_empty_docs"]:
+        lines.append(f"  skipped {meta['skipped_empty_docs']} empty documents")
+    if meta["splits"]["eval"]["num_docs"] == 0:
+        lines.append("  warning: the eval split is empty (raise --eval-fraction or add documents)")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m zaya_jax.data.prepare",
+        description="Tokenize .txt/.jsonl files into train/eval token shards for zaya_jax training.")
+    parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                        help=".txt or .jsonl files (optionally .gz)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output dataset directory")
+    parser.add_argument("--tokenizer", default="byte",
+                        help="'byte' (default), a tokenizer.json, or a directory saved by a tokenizer")
+    parser.add_argument("--eval-fraction", type=float, default=0.01,
+                        help="fraction of documents held out for eval (default 0.01)")
+    parser.add_argument("--split-seed", type=int, default=0, help="seed of the train/eval split")
+    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                        help=f"tokens per shard file (default {DEFAULT_SHARD_TOKENS})")
+    parser.add_argument("--doc-separator", default="none",
+                        help="how .txt files are cut into documents: none (whole file, default), "
+                             "blank-line, form-feed, or a literal string such as '\\n\\n\\n'")
+    parser.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl")
+    parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    args = parser.parse_args(argv)
+    try:
+        meta = prepare_dataset(args.input, args.out, tokenizer=args.tokenizer, eval_fraction=args.eval_fraction,
+                               split_seed=args.split_seed, shard_tokens=args.shard_tokens,
+                               doc_separator=args.doc_separator, text_field=args.text_field,
+                               overwrite=args.overwrite)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(_format_summary(Path(args.out), meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""SwiGLU experts stored stacked [E, ...] and the top-1 token dispatch.
+
+Params: gate_up_proj [E, d, 2I] (gate columns first, HF's [E, 2I, d] transposed), down_proj [E, I, d].
+  Expert_e(x) = (silu(x G_e) * (x U_e)) D_e
+
+`ragged_dot` (default) sorts the T tokens by chosen expert and runs one grouped matmul over the
+contiguous groups: each token is multiplied by its own expert only. Tokens routed to the skip class
+sort last, fall outside every group and cost nothing (ragged_dot leaves rows past sum(group_sizes)
+zero). `dense` runs every expert on every token and selects; it exists as the test reference.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from zaya_jax.model.config import ZayaConfig
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+}
+
+
+def group_by_expert(expert_t: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+  """expert_t [T] in [0, E] -> (order [T], group_sizes [E] int32).
+
+  `order` lists token indices sorted by expert (stable, skip class E last); group_sizes counts the
+  tokens of each routed expert, so sum(group_sizes) <= T.
+  """
+  order = jnp.argsort(expert_t, stable=True)
+  group_sizes = jnp.bincount(expert_t, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  return order, group_sizes
+
+
+def swiglu_grouped(x_sorted_td: jax.Array, gate_up_edf: jax.Array, down_efd: jax.Array,
+                   group_sizes_e: jax.Array, act: Callable) -> jax.Array:
+  """Grouped SwiGLU on expert-sorted tokens [T, d] -> [T, d] (rows past sum(group_sizes) are 0)."""
+  h = jax.lax.ragged_dot(x_sorted_td, gate_up_edf, group_sizes_e, preferred_element_type=jnp.float32)
+  gate, up = jnp.split(h, 2, axis=-1)
+  a = (act(gate) * up).astype(x_sorted_td.dtype)
+  return jax.lax.ragged_dot(a, down_efd, group_sizes_e, preferred_element_type=jnp.float32)
+
+
+def sparse_moe(x_td: jax.Array, expert_t: jax.Array, gate_up_edf: jax.Array, down_efd: jax.Array,
+               act: Callable) -> jax.Array:
+  """Top-1 sparse dispatch: y[t] = Expert_{expert[t]}(x[t]), 0 for the skip class. fp32 [T, d]."""
+  order, group_sizes = group_by_expert(expert_t, gate_up_edf.shape[0])
+  y_sorted = swiglu_grouped(x_td[order], gate_up_edf, down_efd, group_sizes, act)
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+  return y_sorted[inverse]
+
+
+def dense_moe(x_td: jax.Array, expert_t: jax.Array, gate_up_edf: jax.Array, down_efd: jax.Array,
+              act: Callable) -> jax.Array:
+  """Reference: every expert on every token, then select. fp32 [T, d]. O(E) times the work."""
+  h = jnp.einsum("td,edf->etf", x_td, gate_up_edf, preferred_element_type=jnp.float32)
+  gate, up = jnp.split(h, 2, axis=-1)
+  a = (act(gate) * up).astype(x_td.dtype)
+  y_etd = jnp.einsum("etf,efd->etd", a, down_efd, preferred_element_type=jnp.float32)
+  onehot_te = jax.nn.one_hot(expert_t, gate_up_edf.shape[0], dtype=jnp.float32)  # skip row is all 0
+  return jnp.einsum("te,etd->td", onehot_te, y_etd)
+
+
+class ZayaExperts(nn.Module):
+  """x [T, d] (compute dtype), expert [T], weight [T] -> weight * Expert(x), fp32 [T, d]."""
+
+  cfg: ZayaConfig
+
+  @nn.compact
+  def __call__(self, x_td: jax.Array, expert_t: jax.Array, weight_t: jax.Array) -> jax.Array:
+    cfg = self.cfg
+    e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    init = nn.initializers.normal(cfg.initializer_range)
+    gate_up = self.param("gate_up_proj", init, (e, d, 2 * i), cfg.params_dtype)
+    down = self.param("down_proj", init, (e, i, d), cfg.params_dtype)
+    moe = {"ragged_dot": sparse_moe, "dense": dense_moe}[cfg.moe_impl]
+    dt = cfg.compute_dtype
+    y = moe(x_td.astype(dt), expert_t, gate_up.astype(dt), down.astype(dt), ACTIVATIONS[cfg.hidden_act])
+    return y * weight_t[:, None].astype(jnp.float32)

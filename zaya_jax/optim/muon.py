@@ -1,0 +1,280 @@
+"""Muon: momentum orthogonalised by a quintic Newton–Schulz iteration.
+
+Our own implementation (not a wrapper of ``optax.contrib.muon``), laid out like
+optax's so the two can be compared update-for-update:
+
+    muon(lr) = chain(scale_by_muon,          # Nesterov momentum + NS orthogonalisation
+                     scale_by_shape,         # per-matrix RMS scaling
+                     add_decayed_weights,    # decoupled weight decay
+                     scale_by_learning_rate) # -lr * (...)
+
+Tensor axes
+-----------
+The matrix of every parameter is its LAST TWO axes, ``[..., fan_in, fan_out]``
+(flax ``Dense`` kernels are ``[in, out]``). Every leading axis is a batch axis:
+scanned layer kernels are ``[L, in, out]`` and stacked expert tensors are
+``[L, E, in, out]``; each ``[in, out]`` slice is normalised and orthogonalised on
+its own, so one layer/expert never influences another's update.
+
+Differences from the reference Muon (github.com/KellerJordan/Muon) are opt-in:
+* ``bias_correction=True`` (default) reproduces optax's Adam-style bias-corrected
+  Nesterov mix; ``False`` gives the reference ``lerp(g, m, beta)``.
+* ``consistent_rms=0.2`` (default; optax's name for the option) gives the
+  Moonlight scaling ``0.2 * sqrt(max(fan_in, fan_out))`` so the update RMS matches
+  AdamW's and AdamW learning rates / weight decay transfer; ``None`` gives the
+  reference width scaling ``sqrt(max(1, fan_out / fan_in))``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+DEFAULT_NS_COEFFS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+
+DTypeLike = Any
+
+
+def _check_matrices(tree: Any, who: str) -> None:
+    """Raises ValueError naming every leaf with ndim < 2 (Muon needs matrices)."""
+    bad = [
+        f"{jax.tree_util.keystr(path)} shape={tuple(x.shape)}"
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if jnp.ndim(x) < 2
+    ]
+    if bad:
+        raise ValueError(
+            f"{who}: Muon only handles parameters with ndim >= 2 (matrix = last two "
+            f"axes, leading axes = batch); route these to AdamW instead: {bad}"
+        )
+
+
+def _validate_coeffs(ns_coeffs: Sequence[float]) -> tuple[float, float, float]:
+    coeffs = tuple(float(c) for c in ns_coeffs)
+    if len(coeffs) != 3:
+        raise ValueError(f"ns_coeffs must be a triple (a, b, c), got {ns_coeffs!r}")
+    return coeffs  # type: ignore[return-value]
+
+
+def orthogonalize(
+    x: jax.Array,
+    *,
+    ns_coeffs: Sequence[float] = DEFAULT_NS_COEFFS,
+    ns_steps: int = 5,
+    ns_dtype: DTypeLike = jnp.float32,
+    eps: float = 1e-8,
+) -> jax.Array:
+    """Approximate ``U Vᵀ`` of each matrix with the quintic Newton–Schulz iteration.
+
+    Args:
+      x: ``[..., m, n]``; every leading axis is a batch axis and each ``[m, n]``
+        slice is processed independently (batched matmuls, no cross-slice terms).
+      ns_coeffs: ``(a, b, c)`` of ``X <- a X + (b A + c A²) X`` with ``A = X Xᵀ``.
+      ns_steps: number of iterations.
+      ns_dtype: dtype the iteration runs in (float32 or bfloat16).
+      eps: added to each slice's Frobenius norm.
+
+    Returns:
+      ``[..., m, n]`` in ``x.dtype``. With the default coefficients the singular
+      values land roughly in [0.7, 1.2] rather than exactly 1 — the coefficients
+      trade exactness for a steep slope at 0 so small singular values grow fast.
+    """
+    if x.ndim < 2:
+        raise ValueError(f"orthogonalize needs ndim >= 2 ([..., m, n]), got shape {x.shape}")
+    a, b, c = _validate_coeffs(ns_coeffs)
+    ns_dtype = jnp.dtype(ns_dtype)
+    # Asking for float32 should mean float32: without HIGHEST, GPUs/TPUs may run
+    # fp32 matmuls in TF32/bf16 passes and the iteration loses its accuracy.
+    precision = jax.lax.Precision.HIGHEST if ns_dtype == jnp.float32 else None
+    mm = lambda p, q: jnp.matmul(p, q, precision=precision)
+
+    out_dtype = x.dtype
+    # NS is symmetric under transposition (f(Xᵀ) = f(X)ᵀ), so iterate on the wide
+    # orientation: A = X Xᵀ is then [min, min], the cheaper Gram matrix.
+    transposed = x.shape[-2] > x.shape[-1]
+    if transposed:
+        x = jnp.swapaxes(x, -1, -2)
+    # Frobenius normalisation bounds the spectral norm by 1, inside NS's basin of
+    # convergence. Computed in fp32 so a bf16 ns_dtype does not lose the scale.
+    x32 = x.astype(jnp.float32)
+    norm = jnp.sqrt(jnp.sum(jnp.square(x32), axis=(-2, -1), keepdims=True))
+    x = (x32 / (norm + eps)).astype(ns_dtype)
+    for _ in range(ns_steps):
+        gram = mm(x, jnp.swapaxes(x, -1, -2))
+        poly = b * gram + c * mm(gram, gram)
+        x = a * x + mm(poly, x)
+    if transposed:
+        x = jnp.swapaxes(x, -1, -2)
+    return x.astype(out_dtype)
+
+
+class MuonState(NamedTuple):
+    """State of :func:`scale_by_muon`.
+
+    count: int32 scalar, number of updates applied so far.
+    mu: momentum buffer, same tree/shapes as the params, dtype ``mu_dtype``.
+    """
+
+    count: jax.Array
+    mu: optax.Updates
+
+
+def scale_by_muon(
+    beta: float = 0.95,
+    *,
+    nesterov: bool = True,
+    bias_correction: bool = True,
+    ns_coeffs: Sequence[float] = DEFAULT_NS_COEFFS,
+    ns_steps: int = 5,
+    ns_dtype: DTypeLike = jnp.float32,
+    eps: float = 1e-8,
+    mu_dtype: DTypeLike = jnp.float32,
+) -> optax.GradientTransformation:
+    """Momentum followed by per-matrix Newton–Schulz orthogonalisation.
+
+    Every leaf must have ndim >= 2 (``[..., fan_in, fan_out]``); see module doc.
+    Output updates have the leaves' shapes and the gradients' dtypes.
+
+    Args:
+      beta: momentum decay, ``m <- beta m + (1 - beta) g``.
+      nesterov: orthogonalise the Nesterov look-ahead instead of ``m``.
+      bias_correction: Adam-style bias correction of the Nesterov mix, as optax
+        does. Without Nesterov it is a pure rescale and NS's normalisation
+        removes it, so it only matters when ``nesterov=True``.
+      ns_coeffs, ns_steps, ns_dtype, eps: see :func:`orthogonalize`.
+      mu_dtype: dtype of the momentum buffer.
+    """
+    ns_coeffs = _validate_coeffs(ns_coeffs)
+    mu_dtype = jnp.dtype(mu_dtype)
+    if not 0.0 <= beta < 1.0:
+        raise ValueError(f"beta must be in [0, 1), got {beta}")
+    if ns_steps < 0:
+        raise ValueError(f"ns_steps must be >= 0, got {ns_steps}")
+
+    def init_fn(params):
+        _check_matrices(params, "scale_by_muon")
+        mu = jax.tree.map(lambda p: jnp.zeros(p.shape, mu_dtype), params)
+        return MuonState(count=jnp.zeros([], jnp.int32), mu=mu)
+
+    def update_fn(updates, state, params=None):
+        del params
+        _check_matrices(updates, "scale_by_muon")
+        count = optax.safe_increment(state.count)
+        t = count.astype(jnp.float32)
+        # Accumulate in fp32 whatever mu_dtype / grad dtype is, so a bf16 buffer
+        # only loses precision once per step (on the store), not in the mix.
+        mu = jax.tree.map(
+            lambda m, g: beta * m.astype(jnp.float32) + (1 - beta) * g.astype(jnp.float32),
+            state.mu,
+            updates,
+        )
+        if nesterov:
+            if bias_correction:
+                # Matches optax: m_t / (1 - beta^{t+1}) and g_t / (1 - beta^t).
+                m_scale = 1.0 / (1.0 - beta ** (t + 1.0))
+                g_scale = 1.0 / (1.0 - beta**t)
+            else:
+                m_scale = g_scale = 1.0
+            look_ahead = jax.tree.map(
+                lambda m, g: beta * m_scale * m + (1 - beta) * g_scale * g.astype(jnp.float32),
+                mu,
+                updates,
+            )
+        else:
+            # A global rescale of m would be undone by NS's normalisation except
+            # for eps; applied anyway so bias_correction means the same thing here.
+            m_scale = 1.0 / (1.0 - beta**t) if bias_correction else 1.0
+            look_ahead = jax.tree.map(lambda m: m_scale * m, mu)
+        new_updates = jax.tree.map(
+            lambda u, g: orthogonalize(
+                u, ns_coeffs=ns_coeffs, ns_steps=ns_steps, ns_dtype=ns_dtype, eps=eps
+            ).astype(g.dtype),
+            look_ahead,
+            updates,
+        )
+        mu = jax.tree.map(lambda m: m.astype(mu_dtype), mu)
+        return new_updates, MuonState(count=count, mu=mu)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def shape_scale(shape: Sequence[int], consistent_rms: float | None) -> float:
+    """Scalar multiplier for an orthogonalised ``[..., fan_in, fan_out]`` update.
+
+    ``consistent_rms`` set: ``consistent_rms * sqrt(max(fan_in, fan_out))``. An
+    orthogonal [m, n] matrix has RMS ``1/sqrt(max(m, n))``, so the result has RMS
+    ``consistent_rms`` for every shape (0.2 ~ AdamW's typical update RMS, Liu et
+    al. 2025, "Muon is Scalable for LLM Training").
+    ``None``: reference Muon width scaling ``sqrt(max(1, fan_out / fan_in))``.
+    """
+    fan_in, fan_out = shape[-2], shape[-1]
+    if consistent_rms is not None:
+        return consistent_rms * math.sqrt(max(fan_in, fan_out))
+    return math.sqrt(max(1.0, fan_out / fan_in))
+
+
+def scale_by_shape(consistent_rms: float | None = 0.2) -> optax.GradientTransformation:
+    """Stateless per-leaf rescale by :func:`shape_scale` (leaves ``[..., in, out]``)."""
+
+    def update_fn(updates, state, params=None):
+        del params
+        _check_matrices(updates, "scale_by_shape")
+        updates = jax.tree.map(
+            lambda u: (u * shape_scale(u.shape, consistent_rms)).astype(u.dtype), updates
+        )
+        return updates, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def muon(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    beta: float = 0.95,
+    nesterov: bool = True,
+    bias_correction: bool = True,
+    ns_coeffs: Sequence[float] = DEFAULT_NS_COEFFS,
+    ns_steps: int = 5,
+    ns_dtype: DTypeLike = jnp.float32,
+    eps: float = 1e-8,
+    mu_dtype: DTypeLike = jnp.float32,
+    consistent_rms: float | None = 0.2,
+    weight_decay: float = 0.0,
+    weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
+) -> optax.GradientTransformation:
+    """Full Muon optimizer for a tree of ``[..., fan_in, fan_out]`` parameters.
+
+    Update per matrix: ``-lr * (scale * NS(momentum) + weight_decay * param)``.
+    Every leaf must have ndim >= 2 (ValueError otherwise); route vectors, norms,
+    embeddings etc. to AdamW with :mod:`zaya_jax.optim.chain`.
+
+    Equivalent to ``optax.contrib.muon`` on its Muon branch when called with the
+    same ``beta, nesterov, ns_coeffs, ns_steps, eps, weight_decay,
+    consistent_rms`` and ``bias_correction=True``, ``ns_dtype=float32``.
+
+    Args:
+      learning_rate: scalar or optax schedule.
+      weight_decay: decoupled decay coefficient (multiplied by ``lr``).
+      weight_decay_mask: optional bool tree / callable as in
+        ``optax.add_decayed_weights``; ``True`` leaves are decayed.
+      others: see :func:`scale_by_muon` and :func:`shape_scale`.
+    """
+    return optax.chain(
+        scale_by_muon(
+            beta,
+            nesterov=nesterov,
+            bias_correction=bias_correction,
+            ns_coeffs=ns_coeffs,
+            ns_steps=ns_steps,
+            ns_dtype=ns_dtype,
+            eps=eps,
+            mu_dtype=mu_dtype,
+        ),
+        scale_by_shape(consistent_rms),
+        optax.add_decayed_weights(weight_decay, weight_decay_mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )
