@@ -59,7 +59,8 @@ class BalancingConfig:
 
     lr, b1, b2, eps, weight_decay: the AdamW step (decoupled decay pulls biases towards 0).
     update_skip: also move the skip-class bias (default False; see module docstring).
-    skip_target: the skip share aimed at when update_skip; None = 1/E (the spec formula).
+    skip_target: the skip share (of all tokens) aimed at when update_skip; None = 1/E (the spec
+      formula).
     fraction_of: "all" = f_e over every non-padding token (spec); "routed" = over routed tokens.
     """
 
@@ -142,12 +143,16 @@ def balancing_gradient(counts_le: jax.Array, cfg: BalancingConfig) -> jax.Array:
     # divides by sqrt(v) + eps, eps = 1e-8, and turns it into a step of a sizeable fraction of lr.)
     grad = _safe_div(num_experts * counts - denom, num_experts * denom)
     if cfg.update_skip:
-        if cfg.skip_target is not None:
-            grad = grad.at[:, num_experts].set(
-                _safe_div(counts[:, num_experts] - cfg.skip_target * denom[:, 0], denom[:, 0]))
+        # The skip share is always over all tokens (over routed ones it could exceed 1).
+        skip, n = counts[:, num_experts], total[:, 0]
+        if cfg.skip_target is None:
+            skip_grad = _safe_div(num_experts * skip - n, num_experts * n)
+        else:
+            skip_grad = _safe_div(skip - cfg.skip_target * n, n)
+        grad = grad.at[:, num_experts].set(skip_grad)
     else:
         grad = grad.at[:, num_experts].set(0.0)
-    return jnp.where(denom > 0, grad, 0.0)
+    return grad  # _safe_div made it 0 for a layer without (routed) tokens
 
 
 def balancing_update(biases_le: jax.Array, counts_le: jax.Array, state: optax.OptState,
@@ -158,7 +163,9 @@ def balancing_update(biases_le: jax.Array, counts_le: jax.Array, state: optax.Op
     that produced ``counts_le`` (i.e. under the old biases): the :func:`expert_load_stats` keys
     plus ``bias_spread`` = max - min of the new routed-expert biases.
     """
+    cfg.validate()  # Python-side, once per trace under jit
     biases = jnp.asarray(biases_le, jnp.float32)
+    counts_le = jnp.asarray(counts_le, jnp.float32)
     num_experts = biases.shape[-1] - 1
     if counts_le.shape != biases.shape:
         raise ValueError(f"counts {counts_le.shape} and biases {biases.shape} must both be [L, E+1]")

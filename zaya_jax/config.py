@@ -15,6 +15,7 @@ overrides any key (`--config.train.steps=100`). Sections:
   optim.*                   see zaya_jax.optim.chain (lr, schedule, warmup, muon.*, adamw.*, clipping)
   balancing.*               aux-loss-free router balancing (zaya_jax.balancing)
   mesh.data / mesh.fsdp / mesh.expert   device mesh; one may be -1 = the remaining devices
+  mesh.zero1                optimizer state split over the data axis (ZeRO-1)
   checkpoint.every_steps, checkpoint.keep   periodic saves under WORKDIR/checkpoints
   eval.every_steps, eval.batches, eval.batch_size   held-out evaluation (0 batches = the whole split)
   logging.every_steps, logging.tensorboard, logging.console
@@ -66,6 +67,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.data = -1
   c.mesh.fsdp = 1
   c.mesh.expert = 1
+  c.mesh.zero1 = True  # optimizer state split over the data axis
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 500
@@ -121,7 +123,8 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
   _check(t.seq_len <= cfg.max_position_embeddings, "train.seq_len",
          f"{t.seq_len} exceeds model.max_position_embeddings={cfg.max_position_embeddings}")
   _check(c.optim.lr > 0, "optim.lr", f"must be > 0, got {c.optim.lr}")
-  _check(c.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+  _check(0 <= c.optim.warmup_steps <= t.steps, "optim.warmup_steps",
+         f"must be in [0, train.steps={t.steps}], got {c.optim.warmup_steps}")
   for key in ("data", "fsdp", "expert"):
     value = c.mesh[key]
     _check(isinstance(value, int) and (value > 0 or value == -1), f"mesh.{key}",
@@ -134,7 +137,7 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
     value = c[section][name]
     _check(isinstance(value, int) and value >= 0, key, f"must be an int >= 0, got {value!r}")
   _check(c.logging.every_steps > 0, "logging.every_steps", "must be > 0")
-  _check(c.balancing.lr >= 0, "balancing.lr", "must be >= 0")
+  _check(c.balancing.lr > 0, "balancing.lr", "must be > 0 (set balancing.enabled=False to turn it off)")
   return cfg
 
 

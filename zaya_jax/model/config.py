@@ -57,6 +57,9 @@ class ZayaConfig:
   dtype: str = "float32"  # matmul compute dtype; softmax, norms, router and residual stream stay fp32
   param_dtype: str = "float32"
   moe_impl: str = "ragged_dot"  # "dense" runs every expert on every token: a test reference only
+  # Expert parallelism: None = dropless; f = each device sends at most ceil(f * T / n) tokens to
+  # each expert-axis peer, dropping (and counting) the rest (zaya_jax/parallel/expert.py).
+  moe_capacity_factor: float | None = None
   attention_impl: str = "xla"
   remat: str = "none"
   # What a token routed to the skip class gets: 0 in transformers' native ZAYA, p_skip * x in the
@@ -108,6 +111,8 @@ class ZayaConfig:
       if "hybrid_sliding" in self.layer_types and not (self.sliding_window or 0) > 0:
         raise ValueError("ZayaConfig.sliding_window must be a positive int when layer_types "
                          "contains 'hybrid_sliding'")
+    if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+      raise ValueError(f"ZayaConfig.moe_capacity_factor={self.moe_capacity_factor} must be > 0 or None")
     for name, allowed in (("hidden_act", HIDDEN_ACTS), ("dtype", DTYPES), ("param_dtype", DTYPES),
                           ("moe_impl", MOE_IMPLS), ("attention_impl", ATTENTION_IMPLS),
                           ("remat", REMAT_POLICIES), ("skip_expert_output", SKIP_EXPERT_OUTPUTS)):

@@ -17,7 +17,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import Mesh
+
 from zaya_jax.model.config import ZayaConfig
+from zaya_jax.parallel.expert import expert_parallel_moe
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
@@ -68,18 +71,29 @@ def dense_moe(x_td: jax.Array, expert_t: jax.Array, gate_up_edf: jax.Array, down
 
 
 class ZayaExperts(nn.Module):
-  """x [T, d] (compute dtype), expert [T], weight [T] -> weight * Expert(x), fp32 [T, d]."""
+  """x [T, d] (compute dtype), expert [T], weight [T] -> (weight * Expert(x) fp32 [T, d], dropped).
+
+  Without a mesh the dispatch runs on the global token array; with one, inside shard_map on each
+  device's tokens, exchanging them over the "expert" axis when it is > 1 (zaya_jax/parallel/expert.py).
+  `dropped` counts tokens that lost their expert to a capacity limit (always 0 when dropless).
+  """
 
   cfg: ZayaConfig
+  mesh: Mesh | None = None
 
   @nn.compact
-  def __call__(self, x_td: jax.Array, expert_t: jax.Array, weight_t: jax.Array) -> jax.Array:
+  def __call__(self, x_td: jax.Array, expert_t: jax.Array, weight_t: jax.Array) -> tuple[jax.Array, jax.Array]:
     cfg = self.cfg
     e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     init = nn.initializers.normal(cfg.initializer_range)
     gate_up = self.param("gate_up_proj", init, (e, d, 2 * i), cfg.params_dtype)
     down = self.param("down_proj", init, (e, i, d), cfg.params_dtype)
     moe = {"ragged_dot": sparse_moe, "dense": dense_moe}[cfg.moe_impl]
-    dt = cfg.compute_dtype
-    y = moe(x_td.astype(dt), expert_t, gate_up.astype(dt), down.astype(dt), ACTIVATIONS[cfg.hidden_act])
-    return y * weight_t[:, None].astype(jnp.float32)
+    dt, act = cfg.compute_dtype, ACTIVATIONS[cfg.hidden_act]
+    args = (x_td.astype(dt), expert_t, gate_up.astype(dt), down.astype(dt), act)
+    if self.mesh is None:
+      y, dropped = moe(*args), jnp.zeros((), jnp.int32)
+    else:
+      y, dropped = expert_parallel_moe(*args, local_moe=moe, mesh=self.mesh,
+                                       capacity_factor=cfg.moe_capacity_factor)
+    return y * weight_t[:, None].astype(jnp.float32), dropped

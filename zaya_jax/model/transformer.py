@@ -18,6 +18,7 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from zaya_jax.model.cca import CCAttention
 from zaya_jax.model.config import ZayaConfig
@@ -31,36 +32,40 @@ from zaya_jax.model.router import BALANCING, ZayaRouter
 class ZayaOutput:
   """logits: fp32 [B, S, V] (None with return_logits=False); hidden: final-normed fp32 [B, S, d];
   expert_counts: tokens per class per block, padding excluded, fp32 [L, E+1] (class E = skip);
-  router_probs: fp32 [L, B, S, E+1]."""
+  router_probs: fp32 [L, B, S, E+1]; dropped_tokens: tokens per block that lost their expert to an
+  expert-parallel capacity limit, int32 [L] (0 when dropless)."""
   logits: jax.Array | None
   hidden: jax.Array
   expert_counts: jax.Array
   router_probs: jax.Array
+  dropped_tokens: jax.Array
 
 
 class SparseMoeBlock(nn.Module):
-  """Router + experts: x [B, S, d], router state [B, S, R] -> (y fp32 [B, S, d], routing)."""
+  """Router + experts: x [B, S, d], router state [B, S, R] -> (y fp32 [B, S, d], routing, dropped)."""
 
   cfg: ZayaConfig
+  mesh: Mesh | None = None
 
   @nn.compact
   def __call__(self, x_bsd, prev_router_state):
     routing = ZayaRouter(self.cfg, name="gate")(x_bsd, prev_router_state)
     b, s, d = x_bsd.shape
-    y = ZayaExperts(self.cfg, name="experts")(
+    y, dropped = ZayaExperts(self.cfg, self.mesh, name="experts")(
         x_bsd.reshape(b * s, d), routing.expert_bs.reshape(-1), routing.weight_bs.reshape(-1))
     y = y.reshape(b, s, d)
     if self.cfg.skip_expert_output == "weighted_input":
       skip = self.cfg.num_experts
       w_skip = jnp.where(routing.expert_bs == skip, routing.probs_bse[..., skip], 0.0)
       y = y + w_skip[..., None] * x_bsd.astype(jnp.float32)
-    return y, routing
+    return y, routing, dropped
 
 
 class ZayaBlock(nn.Module):
   """One decoder block; the scan body. carry = (h fp32 [B,S,d], router state fp32 [B,S,R])."""
 
   cfg: ZayaConfig
+  mesh: Mesh | None = None
 
   @nn.compact
   def __call__(self, carry, layer_xs, positions_bs, padding_mask_bs, segment_ids_bs):
@@ -74,13 +79,13 @@ class ZayaBlock(nn.Module):
         rope_theta=rope_theta, sliding_window=sliding_window, segment_ids_bs=segment_ids_bs)
     h = ResidualScaling(cfg.params_dtype, name="post_attention_residual_scale")(a, h)
 
-    y, routing = SparseMoeBlock(cfg, name="mlp")(norm("post_attention_layernorm")(h), router_state)
+    y, routing, dropped = SparseMoeBlock(cfg, self.mesh, name="mlp")(norm("post_attention_layernorm")(h), router_state)
     h = ResidualScaling(cfg.params_dtype, name="post_mlp_residual_scale")(y, h)
 
     token_weight = (jnp.ones(routing.expert_bs.shape, jnp.float32) if padding_mask_bs is None
                     else padding_mask_bs.astype(jnp.float32))
     counts = jnp.zeros((cfg.num_router_classes,), jnp.float32).at[routing.expert_bs].add(token_weight)
-    return (h, routing.next_state_bsr), (counts, routing.probs_bse)
+    return (h, routing.next_state_bsr), (counts, routing.probs_bse, dropped)
 
 
 REMAT_POLICIES = {
@@ -90,9 +95,14 @@ REMAT_POLICIES = {
 
 
 class ZayaForCausalLM(nn.Module):
-  """ids [B, S] int -> ZayaOutput. Variables: {"params": ..., "balancing": ...} (see router.py)."""
+  """ids [B, S] int -> ZayaOutput. Variables: {"params": ..., "balancing": ...} (see router.py).
+
+  With a `mesh` the MoE dispatch runs per device inside shard_map (expert parallel over the mesh's
+  "expert" axis); inputs are then expected to be batch-sharded (zaya_jax.parallel.sharding).
+  """
 
   cfg: ZayaConfig
+  mesh: Mesh | None = None
 
   def setup(self):
     cfg = self.cfg
@@ -107,7 +117,7 @@ class ZayaForCausalLM(nn.Module):
       block = nn.remat(ZayaBlock, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
     self.layers = nn.scan(
         block, variable_axes={"params": 0, BALANCING: 0}, split_rngs={"params": True},
-        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_hidden_layers)(cfg)
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_hidden_layers)(cfg, self.mesh)
     self.norm = RMSNorm(cfg.rms_norm_eps, jnp.float32, cfg.params_dtype)
     self.lm_head = LMHead(cfg)
 
@@ -133,11 +143,12 @@ class ZayaForCausalLM(nn.Module):
     h = (x + self.input_hidden_states_bias.astype(jnp.float32)) * self.input_hidden_states_scale.astype(
         jnp.float32)
     carry = (h, jnp.zeros((b, s, cfg.router_hidden_size), jnp.float32))
-    (h, _), (counts, probs) = self.layers(carry, self.per_layer_inputs(), positions, attention_mask,
+    (h, _), (counts, probs, dropped) = self.layers(carry, self.per_layer_inputs(), positions, attention_mask,
                                           segment_ids)
     hidden = self.norm(h)
     logits = self.lm_head(hidden, self.embed_tokens.embedding) if return_logits else None
-    return ZayaOutput(logits=logits, hidden=hidden, expert_counts=counts, router_probs=probs)
+    return ZayaOutput(logits=logits, hidden=hidden, expert_counts=counts, router_probs=probs,
+                      dropped_tokens=dropped)
 
   def logits_from_hidden(self, hidden_bsd: jax.Array) -> jax.Array:
     """The head alone, for chunked losses: final-normed hidden [..., d] -> fp32 logits [..., V]."""

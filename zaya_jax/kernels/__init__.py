@@ -1,0 +1,48 @@
+"""Pallas kernels (Triton lowering) for the ZAYA1 hot spots, each with its pure-XLA reference.
+
+  flash_attention / reference_attention     the CCA attention core (zaya_jax.model.attention)
+  grouped_matmul / reference_grouped_matmul  ragged expert GEMM (jax.lax.ragged_dot), + tgmm
+  swiglu_grouped_pallas                      zaya_jax.model.moe.swiglu_grouped on the kernels
+  newton_schulz / reference_newton_schulz    Muon's orthogonalisation (zaya_jax.optim.muon)
+  pick_blocks                                block sizes per kernel / shape / dtype
+
+Every kernel takes `interpret=`; pass `default_interpret()` to run the kernel body as plain JAX on
+CPU (tests, CI) and compiled Triton on GPUs.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from zaya_jax.kernels.block_sizes import pick_blocks
+from zaya_jax.kernels.flash_attention import flash_attention, reference_attention, reference_mask
+from zaya_jax.kernels.grouped_matmul import (grouped_matmul, reference_grouped_matmul,
+                                             swiglu_grouped_pallas, tgmm)
+from zaya_jax.kernels.newton_schulz import newton_schulz, reference_newton_schulz
+
+# Which backends each kernel compiles for. All kernels are `pl.pallas_call` with
+# `jax.experimental.pallas.triton.CompilerParams`, i.e. the Pallas Triton lowering: the one Pallas
+# GPU path that exists on ROCm (AMD MI300X) as well as CUDA (NVIDIA). No Mosaic GPU, no TPU
+# features (no scalar prefetch, no scratch refs, no megacore). On CPU they only run in interpret
+# mode (the kernel body executed as ordinary XLA ops; slow, for correctness only). The test suite
+# checks on CPU that every kernel lowers to Triton IR for both "cuda" and "rocm"; compiling that IR
+# to a GPU binary and the numerics on hardware are checked by `benchmarks/kernels.py` on a GPU.
+SUPPORTED: dict[str, dict[str, str]] = {
+    "flash_attention": {"gpu": "triton (cuda, rocm)", "cpu": "interpret only", "tpu": "no"},
+    "grouped_matmul": {"gpu": "triton (cuda, rocm)", "cpu": "interpret only", "tpu": "no"},
+    "tgmm": {"gpu": "triton (cuda, rocm)", "cpu": "interpret only", "tpu": "no"},
+    "swiglu_grouped_pallas": {"gpu": "triton (cuda, rocm)", "cpu": "interpret only", "tpu": "no"},
+    "newton_schulz": {"gpu": "triton (cuda, rocm)", "cpu": "interpret only", "tpu": "no"},
+}
+
+
+def default_interpret() -> bool:
+  """True when the default backend is CPU (no Triton there: run the kernels interpreted)."""
+  return jax.default_backend() == "cpu"
+
+
+__all__ = [
+    "SUPPORTED", "default_interpret", "flash_attention", "grouped_matmul", "newton_schulz",
+    "pick_blocks", "reference_attention", "reference_grouped_matmul", "reference_mask",
+    "reference_newton_schulz", "swiglu_grouped_pallas", "tgmm",
+]
