@@ -57,7 +57,9 @@ from zaya_jax import sizing  # noqa: E402
 from zaya_jax.hf.config import to_native  # noqa: E402
 from zaya_jax.model import ZayaConfig  # noqa: E402
 from zaya_jax.optim.chain import lr_schedule, make_optimizer  # noqa: E402
-from zaya_jax.train_state import create_train_state, make_train_step  # noqa: E402
+from zaya_jax.parallel.mesh import mesh_from_config  # noqa: E402
+from zaya_jax.parallel.sharding import shard_batch  # noqa: E402
+from zaya_jax.train_state import create_train_state, make_train_step, state_shardings  # noqa: E402
 
 OURS, TORCH = "zaya_jax", "torch"
 DTYPES = ("float32", "bfloat16")
@@ -158,16 +160,20 @@ class JaxSide:
     bal_cfg = balancing_config(c)
     t0 = time.perf_counter()
     # jit: one compilation instead of many small eager ones (the same values either way).
-    init = jax.jit(create_train_state, static_argnums=(0, 1, 2))
-    self.state = init(cfg, tx, bal_cfg or bal.BalancingConfig(), jax.random.key(seed))
+    # The config's mesh (mesh.data/fsdp/expert over every visible device) places the state and the
+    # batch exactly as the trainer does: ZeRO-1, FSDP and expert parallelism are measured too.
+    self.mesh = mesh_from_config(c)
+    create = lambda: create_train_state(cfg, tx, bal_cfg or bal.BalancingConfig(), jax.random.key(seed))
+    shardings = state_shardings(jax.eval_shape(create), self.mesh, zero1=c.mesh.zero1)
+    self.state = jax.jit(create, out_shardings=shardings)()
     jax.block_until_ready(self.state)
     self.init_s = time.perf_counter() - t0
     targets = np.roll(ids, -1, axis=1)  # next token; the last position has none (as HF's shift)
     mask = np.ones(ids.shape, np.float32)
     mask[:, -1] = 0.0
-    self.batch = jax.device_put({"input_ids": ids, "targets": targets, "loss_mask": mask})
-    step = jax.jit(make_train_step(cfg, tx, bal_cfg, lr_schedule(c, steps), c.train.grad_accum),
-                   donate_argnums=0)
+    self.batch = shard_batch({"input_ids": ids, "targets": targets, "loss_mask": mask}, self.mesh)
+    step = jax.jit(make_train_step(cfg, tx, bal_cfg, lr_schedule(c, steps), c.train.grad_accum, self.mesh),
+                   in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
     jax.block_until_ready((self.state, self.batch))
     t0 = time.perf_counter()
     self.step = step.lower(self.state, self.batch).compile()
@@ -277,6 +283,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
   jax_peak = sizing.peak_flops_per_device(jax_device)
   device: dict[str, Any] = {
       "jax_backend": jax.default_backend(), "jax_device_kind": jax_device.device_kind,
+      "jax_device_count": jax.device_count(),
       "jax_version": jax.__version__, "jax_peak_bf16_flops": jax_peak,
       "cpu_count": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)),
       "platform": platform.platform(), "python": platform.python_version()}
@@ -332,7 +339,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_s,
         "model_tflops_per_s": tokens_per_s * flops_per_token / 1e12,
-        "mfu": sizing.mfu(tokens_per_s, cfg, seq_len, 1, peak),
+        "mfu": sizing.mfu(tokens_per_s, cfg, seq_len, sides[0].mesh.size if side.name == OURS else 1, peak),
         "init_s": side.init_s,
         "compile_s": side.compile_s,
         "first_step_s": first_step_s[side.name],

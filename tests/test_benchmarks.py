@@ -24,7 +24,8 @@ SIDE_KEYS = {"step_time_s", "step_times_s", "tokens_per_step", "tokens_per_s", "
 
 
 def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")  # a data=2 mesh, as a node would run
   return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                         timeout=timeout)
 

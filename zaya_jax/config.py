@@ -16,7 +16,16 @@ overrides any key (`--config.train.steps=100`). Sections:
   balancing.*               aux-loss-free router balancing (zaya_jax.balancing)
   mesh.data / mesh.fsdp / mesh.expert   device mesh; one may be -1 = the remaining devices
   mesh.zero1                optimizer state split over the data axis (ZeRO-1)
-  checkpoint.every_steps, checkpoint.keep   periodic saves under WORKDIR/checkpoints
+  checkpoint.every_steps, checkpoint.every_minutes   periodic saves under WORKDIR/checkpoints (by
+                            step count and/or wall time; 0 = off); the last step is always saved
+  checkpoint.keep, checkpoint.keep_period   keep the last `keep` (0 = all) plus every
+                            `keep_period`-th step for good (0 = none)
+  fault.step_timeout_s      watchdog: a step taking longer dumps all thread stacks and exits 3 (0 = off)
+  fault.spike_zscore, fault.spike_window   loss spike = z-score over the last `window` losses above
+                            `zscore` (0 = off) -> roll back to the last checkpoint, skip those batches
+  fault.max_bad_steps       that many consecutive skipped (non-finite) updates -> roll back (0 = off)
+  fault.inject_nan_at_steps, fault.inject_spike_at_steps   test hooks: poison the batch of those
+                            steps (1-based) once (NaN loss / a large finite loss)
   eval.every_steps, eval.batches, eval.batch_size   held-out evaluation (0 batches = the whole split)
   logging.every_steps, logging.tensorboard, logging.console
 """
@@ -72,6 +81,16 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 500
   c.checkpoint.keep = 3
+  c.checkpoint.keep_period = 0
+  c.checkpoint.every_minutes = 0.0
+
+  c.fault = ml_collections.ConfigDict()
+  c.fault.step_timeout_s = 0.0
+  c.fault.spike_zscore = 6.0
+  c.fault.spike_window = 50
+  c.fault.max_bad_steps = 5
+  c.fault.inject_nan_at_steps = ()
+  c.fault.inject_spike_at_steps = ()
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 200
@@ -131,11 +150,22 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
            f"must be a positive int or -1, got {value!r}")
   _check([c.mesh.data, c.mesh.fsdp, c.mesh.expert].count(-1) <= 1, "mesh",
          "at most one of data/fsdp/expert may be -1")
-  for key in ("checkpoint.every_steps", "checkpoint.keep", "eval.every_steps", "eval.batches",
+  for key in ("checkpoint.every_steps", "checkpoint.keep", "checkpoint.keep_period",
+              "fault.spike_window", "fault.max_bad_steps", "eval.every_steps", "eval.batches",
               "eval.batch_size", "logging.every_steps", "data.num_threads", "data.prefetch"):
     section, name = key.split(".")
     value = c[section][name]
     _check(isinstance(value, int) and value >= 0, key, f"must be an int >= 0, got {value!r}")
+  for key in ("checkpoint.every_minutes", "fault.step_timeout_s", "fault.spike_zscore"):
+    section, name = key.split(".")
+    value = c[section][name]
+    _check(isinstance(value, (int, float)) and value >= 0, key, f"must be a number >= 0, got {value!r}")
+  _check(c.fault.spike_zscore == 0 or c.fault.spike_window >= 2, "fault.spike_window",
+         f"must be >= 2 when spike detection is on, got {c.fault.spike_window}")
+  for key in ("inject_nan_at_steps", "inject_spike_at_steps"):
+    value = c.fault[key]
+    _check(isinstance(value, (tuple, list)) and all(isinstance(v, int) and v > 0 for v in value),
+           f"fault.{key}", f"must be a list of positive ints, got {value!r}")
   _check(c.logging.every_steps > 0, "logging.every_steps", "must be > 0")
   _check(c.balancing.lr > 0, "balancing.lr", "must be > 0 (set balancing.enabled=False to turn it off)")
   return cfg
@@ -157,3 +187,25 @@ def set_model(c: ml_collections.ConfigDict, cfg: ZayaConfig) -> None:
   fields = _model_fields(cfg)
   for f in dataclasses.fields(ZayaConfig):
     c.model[f.name] = fields[f.name]
+
+
+def from_json(d: dict[str, Any]) -> ml_collections.ConfigDict:
+  """Rebuilds a training config from its JSON form (the `config` item saved with every checkpoint):
+  base_config() with every saved key applied (lists back to tuples where the schema has tuples)."""
+  c = base_config()
+  _apply(c, d, "")
+  return c
+
+
+def _apply(c: ml_collections.ConfigDict, d: dict[str, Any], prefix: str) -> None:
+  for key, value in d.items():
+    if key not in c:
+      raise ValueError(f"saved config: unknown key {prefix}{key}")
+    if isinstance(c[key], ml_collections.ConfigDict):
+      _apply(c[key], value, f"{prefix}{key}.")
+      continue
+    if isinstance(c[key], tuple) and isinstance(value, list):
+      value = tuple(value)
+    if isinstance(c[key], float) and isinstance(value, int):
+      value = float(value)
+    c[key] = value

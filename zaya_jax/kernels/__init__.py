@@ -41,8 +41,23 @@ def default_interpret() -> bool:
   return jax.default_backend() == "cpu"
 
 
+def use_pallas(impl: str) -> bool:
+  """Resolves a config's kernel choice: "pallas" -> True; "auto" -> True on GPU; else False."""
+  return impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")
+
+
+def check_backend(*impls: str) -> None:
+  """Start-up check: a Pallas choice on a backend without the Triton lowering (TPU) is an error
+  here, with the fix named, instead of a lowering failure deep inside jit."""
+  backend = jax.default_backend()
+  if any(use_pallas(i) for i in impls) and backend not in ("gpu", "cpu"):
+    raise ValueError(f"Pallas kernels (model.attention_impl / model.moe_impl / optim.muon.ns_impl = "
+                     f"'pallas') use the Triton lowering, which backend {backend!r} lacks; use 'xla' "
+                     "or 'auto'")
+
+
 __all__ = [
-    "SUPPORTED", "default_interpret", "flash_attention", "grouped_matmul", "newton_schulz",
+    "SUPPORTED", "check_backend", "default_interpret", "use_pallas", "flash_attention", "grouped_matmul", "newton_schulz",
     "pick_blocks", "reference_attention", "reference_grouped_matmul", "reference_mask",
     "reference_newton_schulz", "swiglu_grouped_pallas", "tgmm",
 ]

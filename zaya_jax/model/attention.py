@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from zaya_jax.kernels import default_interpret, flash_attention
 
 # A finite "minus infinity": a fully masked row (a padding query) then averages the values instead
 # of producing NaN, and NaN can never leak into valid rows through the backward pass.
@@ -46,3 +50,22 @@ def xla_attention(q_bsnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, allow
   probs = jax.nn.softmax(logits, axis=-1).astype(v_btkh.dtype)
   out = jnp.einsum("bkgst,btkh->bskgh", probs, v_btkh, preferred_element_type=jnp.float32)
   return out.reshape(b, s, nq, hd).astype(q_bsnh.dtype)
+
+
+def pallas_attention(q_bsnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *, scale: float,
+                     segment_ids: jax.Array | None, key_mask: jax.Array | None,
+                     sliding_window: jax.Array | int | None, mesh: Mesh | None = None) -> jax.Array:
+  """The Pallas flash-attention kernel with the semantics of `xla_attention` + `attention_allowed`
+  (positions = token order). On a mesh it runs per device on the batch shard: a pallas_call is
+  not partitioned by XLA."""
+  def run(q, k, v, seg, mask):
+    return flash_attention(q, k, v, scale=scale, causal=True, q_segment_ids=seg, kv_segment_ids=seg,
+                           key_mask=mask, sliding_window=sliding_window, interpret=default_interpret())
+
+  if mesh is None:
+    return run(q_bsnh, k_bskh, v_bskh, segment_ids, key_mask)
+  from zaya_jax.parallel.mesh import MESH_AXES  # parallel imports the model package
+  rows = P(MESH_AXES)
+  spec = lambda x: None if x is None else rows
+  return jax.shard_map(run, mesh=mesh, in_specs=(rows, rows, rows, spec(segment_ids), spec(key_mask)),
+                       out_specs=rows, check_vma=False)(q_bsnh, k_bskh, v_bskh, segment_ids, key_mask)

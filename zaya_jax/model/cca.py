@@ -18,7 +18,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zaya_jax.model.attention import attention_allowed, xla_attention
+from jax.sharding import Mesh
+
+from zaya_jax.kernels import use_pallas
+from zaya_jax.model.attention import attention_allowed, pallas_attention, xla_attention
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.model.rope import apply_rope, rope_cos_sin
 
@@ -114,6 +117,7 @@ class CCAttention(nn.Module):
   """x [B, S, d] (normed) -> attention output [B, S, d] in the compute dtype, and the new CCAState."""
 
   cfg: ZayaConfig
+  mesh: Mesh | None = None  # the Pallas kernel runs per device (shard_map) on a mesh
 
   def setup(self):
     cfg = self.cfg
@@ -175,9 +179,14 @@ class CCAttention(nn.Module):
     cos, sin = rope_cos_sin(positions_bs, cfg.rotary_dim, rope_theta)
     q = apply_rope(q, cos, sin).astype(cfg.compute_dtype)
     k = apply_rope(k, cos, sin).astype(cfg.compute_dtype)
-    allowed = attention_allowed(positions_bs, positions_bs, key_mask_bt=padding_mask_bs,
-                                q_segment_bs=segment_ids_bs, kv_segment_bt=segment_ids_bs,
-                                sliding_window=sliding_window)
-    o = xla_attention(q, k, v, allowed, scale=cfg.head_dim ** -0.5)
+    if use_pallas(cfg.attention_impl):
+      # The kernel masks by token order: positions are the default arange (training, prefill).
+      o = pallas_attention(q, k, v, scale=cfg.head_dim ** -0.5, segment_ids=segment_ids_bs,
+                           key_mask=padding_mask_bs, sliding_window=sliding_window, mesh=self.mesh)
+    else:
+      allowed = attention_allowed(positions_bs, positions_bs, key_mask_bt=padding_mask_bs,
+                                  q_segment_bs=segment_ids_bs, kv_segment_bt=segment_ids_bs,
+                                  sliding_window=sliding_window)
+      o = xla_attention(q, k, v, allowed, scale=cfg.head_dim ** -0.5)
     b, s = x_bsd.shape[:2]
     return self.o_proj(o.reshape(b, s, -1)), new_state

@@ -13,8 +13,8 @@ from typing import Any
 import jax.numpy as jnp
 
 LAYER_TYPES = ("hybrid", "hybrid_sliding")
-MOE_IMPLS = ("ragged_dot", "dense")
-ATTENTION_IMPLS = ("xla",)
+MOE_IMPLS = ("ragged_dot", "pallas", "dense", "auto")
+ATTENTION_IMPLS = ("xla", "pallas", "auto")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -56,11 +56,13 @@ class ZayaConfig:
   # How we compute (not part of the HF config).
   dtype: str = "float32"  # matmul compute dtype; softmax, norms, router and residual stream stay fp32
   param_dtype: str = "float32"
-  moe_impl: str = "ragged_dot"  # "dense" runs every expert on every token: a test reference only
+  # Kernels: "auto" = Pallas (Triton) on GPU, XLA elsewhere; "pallas" off GPU runs interpreted.
+  # moe_impl "dense" runs every expert on every token: a test reference only.
+  moe_impl: str = "ragged_dot"
   # Expert parallelism: None = dropless; f = each device sends at most ceil(f * T / n) tokens to
   # each expert-axis peer, dropping (and counting) the rest (zaya_jax/parallel/expert.py).
   moe_capacity_factor: float | None = None
-  attention_impl: str = "xla"
+  attention_impl: str = "xla"  # "xla" | "pallas" (flash attention) | "auto"
   remat: str = "none"
   # What a token routed to the skip class gets: 0 in transformers' native ZAYA, p_skip * x in the
   # legacy ZAYA1-base code (set when importing a legacy checkpoint; not exportable to native HF).

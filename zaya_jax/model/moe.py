@@ -11,6 +11,7 @@ zero). `dense` runs every expert on every token and selects; it exists as the te
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import flax.linen as nn
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 
 from jax.sharding import Mesh
 
+from zaya_jax.kernels import default_interpret, swiglu_grouped_pallas, use_pallas
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.parallel.expert import expert_parallel_moe
 
@@ -51,10 +53,13 @@ def swiglu_grouped(x_sorted_td: jax.Array, gate_up_edf: jax.Array, down_efd: jax
 
 
 def sparse_moe(x_td: jax.Array, expert_t: jax.Array, gate_up_edf: jax.Array, down_efd: jax.Array,
-               act: Callable) -> jax.Array:
-  """Top-1 sparse dispatch: y[t] = Expert_{expert[t]}(x[t]), 0 for the skip class. fp32 [T, d]."""
+               act: Callable, swiglu: Callable = swiglu_grouped) -> jax.Array:
+  """Top-1 sparse dispatch: y[t] = Expert_{expert[t]}(x[t]), 0 for the skip class. fp32 [T, d].
+
+  `swiglu` is the grouped SwiGLU on expert-sorted tokens: ragged_dot (default) or the Pallas kernel.
+  """
   order, group_sizes = group_by_expert(expert_t, gate_up_edf.shape[0])
-  y_sorted = swiglu_grouped(x_td[order], gate_up_edf, down_efd, group_sizes, act)
+  y_sorted = swiglu(x_td[order], gate_up_edf, down_efd, group_sizes, act)
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
   return y_sorted[inverse]
 
@@ -68,6 +73,16 @@ def dense_moe(x_td: jax.Array, expert_t: jax.Array, gate_up_edf: jax.Array, down
   y_etd = jnp.einsum("etf,efd->etd", a, down_efd, preferred_element_type=jnp.float32)
   onehot_te = jax.nn.one_hot(expert_t, gate_up_edf.shape[0], dtype=jnp.float32)  # skip row is all 0
   return jnp.einsum("te,etd->td", onehot_te, y_etd)
+
+
+def local_dispatch(moe_impl: str) -> Callable:
+  """The single-device MoE function for a config's `moe_impl`."""
+  if moe_impl == "dense":
+    return dense_moe
+  if use_pallas(moe_impl):
+    return functools.partial(sparse_moe, swiglu=functools.partial(swiglu_grouped_pallas,
+                                                                   interpret=default_interpret()))
+  return sparse_moe
 
 
 class ZayaExperts(nn.Module):
@@ -88,7 +103,7 @@ class ZayaExperts(nn.Module):
     init = nn.initializers.normal(cfg.initializer_range)
     gate_up = self.param("gate_up_proj", init, (e, d, 2 * i), cfg.params_dtype)
     down = self.param("down_proj", init, (e, i, d), cfg.params_dtype)
-    moe = {"ragged_dot": sparse_moe, "dense": dense_moe}[cfg.moe_impl]
+    moe = local_dispatch(cfg.moe_impl)
     dt, act = cfg.compute_dtype, ACTIVATIONS[cfg.hidden_act]
     args = (x_td.astype(dt), expert_t, gate_up.astype(dt), down.astype(dt), act)
     if self.mesh is None:

@@ -74,7 +74,7 @@ class ZayaBlock(nn.Module):
     rope_theta, sliding_window = layer_xs
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype, name=name)
 
-    a, _ = CCAttention(cfg, name="self_attn")(
+    a, _ = CCAttention(cfg, self.mesh, name="self_attn")(
         norm("input_layernorm")(h), positions_bs=positions_bs, padding_mask_bs=padding_mask_bs,
         rope_theta=rope_theta, sliding_window=sliding_window, segment_ids_bs=segment_ids_bs)
     h = ResidualScaling(cfg.params_dtype, name="post_attention_residual_scale")(a, h)

@@ -32,6 +32,7 @@ with an ``optim`` field or the optim ConfigDict itself)::
     optim.muon.ns_steps      Newton–Schulz iterations (5)
     optim.muon.ns_coeffs     quintic NS coefficients (3.4445, -4.7750, 2.0315)
     optim.muon.ns_dtype      "float32" | "bfloat16": dtype NS runs in
+    optim.muon.ns_impl       "xla" | "pallas" | "auto": who runs NS (auto = Pallas on GPU)
     optim.muon.mu_dtype      momentum buffer dtype ("float32")
     optim.muon.eps           added to the Frobenius norm before NS
     optim.muon.consistent_rms  0.2: update RMS matched to AdamW (lr/wd transfer);
@@ -45,6 +46,7 @@ with an ``optim`` field or the optim ConfigDict itself)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any
 
@@ -226,6 +228,7 @@ def default_optim_config() -> ml_collections.ConfigDict:
     cfg.muon.ns_steps = 5
     cfg.muon.ns_coeffs = DEFAULT_NS_COEFFS
     cfg.muon.ns_dtype = "float32"
+    cfg.muon.ns_impl = "xla"  # "xla" | "pallas" (zaya_jax.kernels.newton_schulz) | "auto" (pallas on GPU)
     cfg.muon.mu_dtype = "float32"
     cfg.muon.eps = 1e-8
     cfg.muon.consistent_rms = ml_collections.FieldReference(0.2, field_type=float)
@@ -255,6 +258,17 @@ def lr_schedule(cfg: Any, total_steps: int) -> optax.Schedule:
     elif oc.schedule == "cosine":
         kw.update(final_lr_fraction=oc.final_lr_fraction)
     return make_schedule(oc.schedule, **kw)
+
+
+def _orthogonalize_fn(ns_impl: str):
+    """None (the XLA default) or the Pallas Newton-Schulz kernel, by ``optim.muon.ns_impl``."""
+    if ns_impl not in ("xla", "pallas", "auto"):
+        raise ValueError(f"optim.muon.ns_impl={ns_impl!r}; expected 'xla', 'pallas' or 'auto'")
+    from zaya_jax import kernels  # the kernels package is only needed when selected
+
+    if not kernels.use_pallas(ns_impl):
+        return None
+    return functools.partial(kernels.newton_schulz, interpret=kernels.default_interpret())
 
 
 def _scaled(schedule: optax.Schedule, multiplier: float) -> optax.Schedule:
@@ -298,6 +312,7 @@ def make_optimizer(cfg: Any, total_steps: int) -> optax.GradientTransformation:
                     consistent_rms=None if consistent_rms is None else float(consistent_rms),
                     weight_decay=mc.weight_decay,
                     weight_decay_mask=weight_decay_mask,
+                    orthogonalize_fn=_orthogonalize_fn(getattr(mc, "ns_impl", "xla")),
                 ),
                 ADAMW: optax.adamw(
                     _scaled(schedule, ac.lr_multiplier),

@@ -133,8 +133,12 @@ def scale_by_muon(
     ns_dtype: DTypeLike = jnp.float32,
     eps: float = 1e-8,
     mu_dtype: DTypeLike = jnp.float32,
+    orthogonalize_fn: Callable[..., jax.Array] | None = None,
 ) -> optax.GradientTransformation:
     """Momentum followed by per-matrix Newton–Schulz orthogonalisation.
+
+    ``orthogonalize_fn`` (same signature as :func:`orthogonalize`, the default)
+    lets the Pallas kernel ``zaya_jax.kernels.newton_schulz`` take its place.
 
     Every leaf must have ndim >= 2 (``[..., fan_in, fan_out]``); see module doc.
     Output updates have the leaves' shapes and the gradients' dtypes.
@@ -150,6 +154,7 @@ def scale_by_muon(
     """
     ns_coeffs = _validate_coeffs(ns_coeffs)
     mu_dtype = jnp.dtype(mu_dtype)
+    orthogonalize_fn = orthogonalize_fn or orthogonalize
     if not 0.0 <= beta < 1.0:
         raise ValueError(f"beta must be in [0, 1), got {beta}")
     if ns_steps < 0:
@@ -190,7 +195,7 @@ def scale_by_muon(
             m_scale = 1.0 / (1.0 - beta**t) if bias_correction else 1.0
             look_ahead = jax.tree.map(lambda m: m_scale * m, mu)
         new_updates = jax.tree.map(
-            lambda u, g: orthogonalize(
+            lambda u, g: orthogonalize_fn(
                 u, ns_coeffs=ns_coeffs, ns_steps=ns_steps, ns_dtype=ns_dtype, eps=eps
             ).astype(g.dtype),
             look_ahead,
@@ -245,6 +250,7 @@ def muon(
     consistent_rms: float | None = 0.2,
     weight_decay: float = 0.0,
     weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
+    orthogonalize_fn: Callable[..., jax.Array] | None = None,
 ) -> optax.GradientTransformation:
     """Full Muon optimizer for a tree of ``[..., fan_in, fan_out]`` parameters.
 
@@ -273,6 +279,7 @@ def muon(
             ns_dtype=ns_dtype,
             eps=eps,
             mu_dtype=mu_dtype,
+            orthogonalize_fn=orthogonalize_fn,
         ),
         scale_by_shape(consistent_rms),
         optax.add_decayed_weights(weight_decay, weight_decay_mask),
