@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import sys
 
 if __package__ in (None, ""):  # `python benchmarks/membw.py`: make the repo root importable
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.collectives import human_bytes, message_sizes, parse_bytes  # noqa: E402
 
@@ -40,112 +40,135 @@ SCALAR = 3.0
 
 
 def stream_bytes(kernel: str, array_bytes: int) -> int:
-  """Bytes a STREAM kernel moves over arrays of `array_bytes` each."""
-  return STREAM_ARRAYS[kernel] * array_bytes
+    """Bytes a STREAM kernel moves over arrays of `array_bytes` each."""
+    return STREAM_ARRAYS[kernel] * array_bytes
 
 
 def _kernel(kernel: str):
-  import jax.numpy as jnp
-  if kernel == "copy":
-    return lambda a, b, c: jnp.copy(a)
-  if kernel == "scale":
-    return lambda a, b, c: SCALAR * c
-  if kernel == "add":
-    return lambda a, b, c: a + b
-  if kernel == "triad":
-    return lambda a, b, c: b + SCALAR * c
-  raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
+    import jax.numpy as jnp
+
+    if kernel == "copy":
+        return lambda a, b, c: jnp.copy(a)
+    if kernel == "scale":
+        return lambda a, b, c: SCALAR * c
+    if kernel == "add":
+        return lambda a, b, c: a + b
+    if kernel == "triad":
+        return lambda a, b, c: b + SCALAR * c
+    raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
 
 
-def measure(kernel: str, count_per_device: int, dtype: str, devices, warmup: int, iters: int) -> dict[str, Any]:
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from jax.sharding import Mesh, NamedSharding
-  from jax.sharding import PartitionSpec as P
+def measure(
+    kernel: str, count_per_device: int, dtype: str, devices, warmup: int, iters: int
+) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-  n = len(devices)
-  sharding = NamedSharding(Mesh(np.asarray(devices), ("x",)), P("x"))
-  jdtype = jnp.dtype(dtype)
-  arrays = [jax.device_put(jnp.full((n * count_per_device,), v, jdtype), sharding) for v in (1.0, 2.0, 0.5)]
-  fn = jax.jit(_kernel(kernel), out_shardings=sharding).lower(*arrays).compile()
-  for _ in range(warmup):
-    fn(*arrays).block_until_ready()
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    fn(*arrays).block_until_ready()
-    times.append(time.perf_counter() - t0)
-  t = statistics.median(times)
-  array_bytes = count_per_device * jdtype.itemsize
-  moved = stream_bytes(kernel, array_bytes) * n
-  return {"kernel": kernel, "array_bytes_per_device": array_bytes, "devices": n, "dtype": dtype,
-          "bytes_moved": moved, "time_s": t, "min_time_s": min(times),
-          "GBps": moved / t / 1e9, "best_GBps": moved / min(times) / 1e9,
-          "GBps_per_device": moved / t / 1e9 / n}
+    n = len(devices)
+    sharding = NamedSharding(Mesh(np.asarray(devices), ("x",)), P("x"))
+    jdtype = jnp.dtype(dtype)
+    arrays = [jax.device_put(jnp.full((n * count_per_device,), v, jdtype), sharding) for v in (1.0, 2.0, 0.5)]
+    fn = jax.jit(_kernel(kernel), out_shardings=sharding).lower(*arrays).compile()
+    for _ in range(warmup):
+        fn(*arrays).block_until_ready()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn(*arrays).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times)
+    array_bytes = count_per_device * jdtype.itemsize
+    moved = stream_bytes(kernel, array_bytes) * n
+    return {
+        "kernel": kernel,
+        "array_bytes_per_device": array_bytes,
+        "devices": n,
+        "dtype": dtype,
+        "bytes_moved": moved,
+        "time_s": t,
+        "min_time_s": min(times),
+        "GBps": moved / t / 1e9,
+        "best_GBps": moved / min(times) / 1e9,
+        "GBps_per_device": moved / t / 1e9 / n,
+    }
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-  head = f"{'kernel':<8}{'array size':>12}{'devices':>8}{'time (us)':>12}{'GB/s':>11}{'best GB/s':>11}"
-  lines = [head, "-" * len(head)]
-  for r in rows:
-    lines.append(f"{r['kernel']:<8}{human_bytes(r['array_bytes_per_device']):>12}{r['devices']:>8}"
-                 f"{r['time_s'] * 1e6:>12.1f}{r['GBps']:>11.2f}{r['best_GBps']:>11.2f}")
-  return "\n".join(lines)
+    head = f"{'kernel':<8}{'array size':>12}{'devices':>8}{'time (us)':>12}{'GB/s':>11}{'best GB/s':>11}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['kernel']:<8}{human_bytes(r['array_bytes_per_device']):>12}{r['devices']:>8}"
+            f"{r['time_s'] * 1e6:>12.1f}{r['GBps']:>11.2f}{r['best_GBps']:>11.2f}"
+        )
+    return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--min-bytes", default="1M", help="smallest array (per array, per device)")
-  p.add_argument("--max-bytes", default="4G")
-  p.add_argument("--factor", type=float, default=4.0)
-  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-  p.add_argument("--kernels", default=",".join(KERNELS))
-  p.add_argument("--devices", type=int, default=1, help="shard the arrays over this many devices")
-  p.add_argument("--warmup", type=int, default=3)
-  p.add_argument("--iters", type=int, default=20)
-  p.add_argument("--out", default=None)
-  p.add_argument("--cpu-devices", type=int, default=None, help="simulate N CPU devices (JAX_PLATFORMS=cpu)")
-  return p.parse_args(argv)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--min-bytes", default="1M", help="smallest array (per array, per device)")
+    p.add_argument("--max-bytes", default="4G")
+    p.add_argument("--factor", type=float, default=4.0)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--kernels", default=",".join(KERNELS))
+    p.add_argument("--devices", type=int, default=1, help="shard the arrays over this many devices")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", default=None)
+    p.add_argument("--cpu-devices", type=int, default=None, help="simulate N CPU devices (JAX_PLATFORMS=cpu)")
+    return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-  args = parse_args(argv)
-  if args.cpu_devices:
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-      os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                 f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  import jax
-  import jax.numpy as jnp
+    args = parse_args(argv)
+    if args.cpu_devices:
+        if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = (
+                os.environ.get("XLA_FLAGS", "")
+                + f" --xla_force_host_platform_device_count={args.cpu_devices}"
+            ).strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import jax.numpy as jnp
 
-  kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
-  for k in kernels:
-    if k not in KERNELS:
-      raise SystemExit(f"--kernels: {k!r} not in {KERNELS}")
-  devices = jax.local_devices()
-  if not 1 <= args.devices <= len(devices):
-    raise SystemExit(f"--devices {args.devices}: {len(devices)} local devices")
-  devices = devices[:args.devices]
-  itemsize = jnp.dtype(args.dtype).itemsize
-  rows = []
-  for size in message_sizes(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes), args.factor):
-    count = max(1, size // itemsize)
+    kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     for k in kernels:
-      rows.append(measure(k, count, args.dtype, devices, args.warmup, args.iters))
-  result = {"benchmark": "membw", "backend": jax.default_backend(),
-            "device_kind": getattr(devices[0], "device_kind", devices[0].platform),
-            "devices": len(devices), "dtype": args.dtype, "warmup": args.warmup, "iters": args.iters,
-            "stream_arrays": STREAM_ARRAYS, "results": rows}
-  print(format_table(rows))
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "membw.json"), "w") as f:
-      json.dump(result, f, indent=1)
-    print(f"wrote {os.path.join(args.out, 'membw.json')}")
-  return result
+        if k not in KERNELS:
+            raise SystemExit(f"--kernels: {k!r} not in {KERNELS}")
+    devices = jax.local_devices()
+    if not 1 <= args.devices <= len(devices):
+        raise SystemExit(f"--devices {args.devices}: {len(devices)} local devices")
+    devices = devices[: args.devices]
+    itemsize = jnp.dtype(args.dtype).itemsize
+    rows = []
+    for size in message_sizes(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes), args.factor):
+        count = max(1, size // itemsize)
+        for k in kernels:
+            rows.append(measure(k, count, args.dtype, devices, args.warmup, args.iters))
+    result = {
+        "benchmark": "membw",
+        "backend": jax.default_backend(),
+        "device_kind": getattr(devices[0], "device_kind", devices[0].platform),
+        "devices": len(devices),
+        "dtype": args.dtype,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "stream_arrays": STREAM_ARRAYS,
+        "results": rows,
+    }
+    print(format_table(rows))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "membw.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {os.path.join(args.out, 'membw.json')}")
+    return result
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -67,382 +67,474 @@ DTYPES = ("float32", "bfloat16")
 
 # ------------------------------------------------------------------------------------------ config
 def load_config(path: str) -> ml_collections.ConfigDict:
-  """`get_config()` of a config file; `file.py:arg` passes `arg` as for zaya_jax.train."""
-  path, _, arg = path.partition(":")
-  spec = importlib.util.spec_from_file_location(f"_benchmark_config_{abs(hash(path))}", path)
-  if spec is None or spec.loader is None:
-    raise FileNotFoundError(f"--config {path!r}: not a python file")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
+    """`get_config()` of a config file; `file.py:arg` passes `arg` as for zaya_jax.train."""
+    path, _, arg = path.partition(":")
+    spec = importlib.util.spec_from_file_location(f"_benchmark_config_{abs(hash(path))}", path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(f"--config {path!r}: not a python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()
 
 
 def _parse_value(raw: str, typ: Any) -> Any:
-  if raw.lower() in ("none", "null"):
-    return None
-  if typ is bool:
-    if raw.lower() in ("true", "1", "yes"):
-      return True
-    if raw.lower() in ("false", "0", "no"):
-      return False
-    raise ValueError(f"expected a bool, got {raw!r}")
-  if typ is int:
-    return int(raw)
-  if typ is float:
-    return float(raw)
-  if typ is str:
-    return raw
-  try:
-    return ast.literal_eval(raw)
-  except (ValueError, SyntaxError):
-    return raw
+    if raw.lower() in ("none", "null"):
+        return None
+    if typ is bool:
+        if raw.lower() in ("true", "1", "yes"):
+            return True
+        if raw.lower() in ("false", "0", "no"):
+            return False
+        raise ValueError(f"expected a bool, got {raw!r}")
+    if typ is int:
+        return int(raw)
+    if typ is float:
+        return float(raw)
+    if typ is str:
+        return raw
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw
 
 
 def apply_override(c: ml_collections.ConfigDict, assignment: str) -> None:
-  """`section.key=value` (value parsed as the field's type) into `c`; KeyError for unknown keys."""
-  key, sep, raw = assignment.partition("=")
-  if not sep:
-    raise ValueError(f"--set {assignment!r}: expected key=value")
-  *parents, name = key.strip().split(".")
-  node = c
-  for part in parents:
-    if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
-      raise KeyError(f"--set {key}: no config section {part!r}")
-    node = node[part]
-  if name not in node:
-    raise KeyError(f"--set {key}: unknown key (known here: {sorted(node.keys())})")
-  try:
-    node[name] = _parse_value(raw.strip(), node.get_type(name))
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"--set {key}={raw}: {e}") from None
+    """`section.key=value` (value parsed as the field's type) into `c`; KeyError for unknown keys."""
+    key, sep, raw = assignment.partition("=")
+    if not sep:
+        raise ValueError(f"--set {assignment!r}: expected key=value")
+    *parents, name = key.strip().split(".")
+    node = c
+    for part in parents:
+        if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
+            raise KeyError(f"--set {key}: no config section {part!r}")
+        node = node[part]
+    if name not in node:
+        raise KeyError(f"--set {key}: unknown key (known here: {sorted(node.keys())})")
+    try:
+        node[name] = _parse_value(raw.strip(), node.get_type(name))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--set {key}={raw}: {e}") from None
 
 
 def balancing_config(c: ml_collections.ConfigDict) -> bal.BalancingConfig | None:
-  """As zaya_jax.train does: None when balancing is disabled."""
-  if not c.balancing.enabled:
-    return None
-  fields = {f.name for f in dataclasses.fields(bal.BalancingConfig)}
-  return bal.BalancingConfig(**{k: v for k, v in c.balancing.items() if k in fields}).validate()
+    """As zaya_jax.train does: None when balancing is disabled."""
+    if not c.balancing.enabled:
+        return None
+    fields = {f.name for f in dataclasses.fields(bal.BalancingConfig)}
+    return bal.BalancingConfig(**{k: v for k, v in c.balancing.items() if k in fields}).validate()
 
 
 def hf_config(cfg: ZayaConfig):
-  """transformers' ZayaConfig for our config (fp32; precision is handled by the torch side)."""
-  from transformers import ZayaConfig as HFZayaConfig
-  params = inspect.signature(HFZayaConfig.__init__).parameters
-  takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-  d = {k: v for k, v in to_native(cfg, "float32").items()
-       if k != "model_type" and (takes_any or k in params)}
-  return HFZayaConfig(**d)
+    """transformers' ZayaConfig for our config (fp32; precision is handled by the torch side)."""
+    from transformers import ZayaConfig as HFZayaConfig
+
+    params = inspect.signature(HFZayaConfig.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    d = {
+        k: v for k, v in to_native(cfg, "float32").items() if k != "model_type" and (takes_any or k in params)
+    }
+    return HFZayaConfig(**d)
 
 
 def random_tokens(vocab_size: int, batch_size: int, seq_len: int, seed: int) -> np.ndarray:
-  return np.random.default_rng(seed).integers(0, vocab_size, (batch_size, seq_len), dtype=np.int32)
+    return np.random.default_rng(seed).integers(0, vocab_size, (batch_size, seq_len), dtype=np.int32)
 
 
 def peak_flops_for_name(name: str) -> float | None:
-  """Vendor bf16 peak (sizing.PEAK_BF16_FLOPS) of a device named `name`, None when unknown."""
-  key = name.upper().replace(" ", "")
-  for vendor_name, peak in sizing.PEAK_BF16_FLOPS.items():
-    if vendor_name in key:
-      return peak
-  return None
+    """Vendor bf16 peak (sizing.PEAK_BF16_FLOPS) of a device named `name`, None when unknown."""
+    key = name.upper().replace(" ", "")
+    for vendor_name, peak in sizing.PEAK_BF16_FLOPS.items():
+        if vendor_name in key:
+            return peak
+    return None
 
 
 # ------------------------------------------------------------------------------------------- sides
 class JaxSide:
-  """Our full train step, jit-compiled with the state donated."""
+    """Our full train step, jit-compiled with the state donated."""
 
-  name = OURS
+    name = OURS
 
-  def __init__(self, c: ml_collections.ConfigDict, cfg: ZayaConfig, ids: np.ndarray, seed: int):
-    steps = c.train.steps
-    tx = make_optimizer(c, total_steps=steps)
-    bal_cfg = balancing_config(c)
-    t0 = time.perf_counter()
-    # jit: one compilation instead of many small eager ones (the same values either way).
-    # The config's mesh (mesh.data/fsdp/expert over every visible device) places the state and the
-    # batch exactly as the trainer does: ZeRO-1, FSDP and expert parallelism are measured too.
-    self.mesh = mesh_from_config(c)
-    create = lambda: create_train_state(cfg, tx, bal_cfg or bal.BalancingConfig(), jax.random.key(seed))
-    shardings = state_shardings(jax.eval_shape(create), self.mesh, zero1=c.mesh.zero1)
-    self.state = jax.jit(create, out_shardings=shardings)()
-    jax.block_until_ready(self.state)
-    self.init_s = time.perf_counter() - t0
-    targets = np.roll(ids, -1, axis=1)  # next token; the last position has none (as HF's shift)
-    mask = np.ones(ids.shape, np.float32)
-    mask[:, -1] = 0.0
-    self.batch = shard_batch({"input_ids": ids, "targets": targets, "loss_mask": mask}, self.mesh)
-    step = jax.jit(make_train_step(cfg, tx, bal_cfg, lr_schedule(c, steps), c.train.grad_accum, self.mesh),
-                   in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
-    jax.block_until_ready((self.state, self.batch))
-    t0 = time.perf_counter()
-    self.step = step.lower(self.state, self.batch).compile()
-    self.compile_s = time.perf_counter() - t0
-    self.metrics: dict[str, Any] | None = None
+    def __init__(self, c: ml_collections.ConfigDict, cfg: ZayaConfig, ids: np.ndarray, seed: int):
+        steps = c.train.steps
+        tx = make_optimizer(c, total_steps=steps)
+        bal_cfg = balancing_config(c)
+        t0 = time.perf_counter()
+        # jit: one compilation instead of many small eager ones (the same values either way).
+        # The config's mesh (mesh.data/fsdp/expert over every visible device) places the state and the
+        # batch exactly as the trainer does: ZeRO-1, FSDP and expert parallelism are measured too.
+        self.mesh = mesh_from_config(c)
+        create = lambda: create_train_state(cfg, tx, bal_cfg or bal.BalancingConfig(), jax.random.key(seed))
+        shardings = state_shardings(jax.eval_shape(create), self.mesh, zero1=c.mesh.zero1)
+        self.state = jax.jit(create, out_shardings=shardings)()
+        jax.block_until_ready(self.state)
+        self.init_s = time.perf_counter() - t0
+        targets = np.roll(ids, -1, axis=1)  # next token; the last position has none (as HF's shift)
+        mask = np.ones(ids.shape, np.float32)
+        mask[:, -1] = 0.0
+        self.batch = shard_batch({"input_ids": ids, "targets": targets, "loss_mask": mask}, self.mesh)
+        step = jax.jit(
+            make_train_step(cfg, tx, bal_cfg, lr_schedule(c, steps), c.train.grad_accum, self.mesh),
+            in_shardings=(shardings, None),
+            out_shardings=(shardings, None),
+            donate_argnums=0,
+        )
+        jax.block_until_ready((self.state, self.batch))
+        t0 = time.perf_counter()
+        self.step = step.lower(self.state, self.batch).compile()
+        self.compile_s = time.perf_counter() - t0
+        self.metrics: dict[str, Any] | None = None
 
-  def run(self, n: int) -> None:
-    for _ in range(n):
-      self.state, self.metrics = self.step(self.state, self.batch)
-    jax.block_until_ready((self.state, self.metrics))
+    def run(self, n: int) -> None:
+        for _ in range(n):
+            self.state, self.metrics = self.step(self.state, self.batch)
+        jax.block_until_ready((self.state, self.metrics))
 
-  def loss(self) -> float | None:
-    return None if self.metrics is None else float(self.metrics["loss"])
+    def loss(self) -> float | None:
+        return None if self.metrics is None else float(self.metrics["loss"])
 
 
 class TorchSide:
-  """transformers' ZayaForCausalLM: forward with labels + backward + torch.optim.AdamW."""
+    """transformers' ZayaForCausalLM: forward with labels + backward + torch.optim.AdamW."""
 
-  name = TORCH
+    name = TORCH
 
-  def __init__(self, c: ml_collections.ConfigDict, cfg: ZayaConfig, ids: np.ndarray, seed: int,
-               device: str, dtype: str, precision: str, threads: int):
-    import torch
-    from transformers import ZayaForCausalLM as HFZayaForCausalLM
+    def __init__(
+        self,
+        c: ml_collections.ConfigDict,
+        cfg: ZayaConfig,
+        ids: np.ndarray,
+        seed: int,
+        device: str,
+        dtype: str,
+        precision: str,
+        threads: int,
+    ):
+        import torch
+        from transformers import ZayaForCausalLM as HFZayaForCausalLM
 
-    self.torch = torch
-    torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    self.device = torch.device(device)
-    t0 = time.perf_counter()
-    model = HFZayaForCausalLM(hf_config(cfg)).to(self.device)
-    bf16 = dtype == "bfloat16"
-    if bf16 and precision == "pure":
-      model = model.to(torch.bfloat16)
-    model.train()
-    self.model = model
-    self.autocast = bf16 and precision == "autocast"
-    self.precision = ("float32" if not bf16 else
-                      "fp32 params + torch.autocast(bfloat16)" if self.autocast else "pure bfloat16 params")
-    a = c.optim.adamw
-    self.opt = torch.optim.AdamW(model.parameters(), lr=c.optim.lr, betas=(a.b1, a.b2), eps=a.eps,
-                                 weight_decay=a.weight_decay)
-    self.grad_accum = c.train.grad_accum
-    self.ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
-    self.init_s = time.perf_counter() - t0
-    self.compile_s = None
-    self._loss = None
+        self.torch = torch
+        torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        self.device = torch.device(device)
+        t0 = time.perf_counter()
+        model = HFZayaForCausalLM(hf_config(cfg)).to(self.device)
+        bf16 = dtype == "bfloat16"
+        if bf16 and precision == "pure":
+            model = model.to(torch.bfloat16)
+        model.train()
+        self.model = model
+        self.autocast = bf16 and precision == "autocast"
+        self.precision = (
+            "float32"
+            if not bf16
+            else "fp32 params + torch.autocast(bfloat16)"
+            if self.autocast
+            else "pure bfloat16 params"
+        )
+        a = c.optim.adamw
+        self.opt = torch.optim.AdamW(
+            model.parameters(), lr=c.optim.lr, betas=(a.b1, a.b2), eps=a.eps, weight_decay=a.weight_decay
+        )
+        self.grad_accum = c.train.grad_accum
+        self.ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        self.init_s = time.perf_counter() - t0
+        self.compile_s = None
+        self._loss = None
 
-  def _step(self) -> None:
-    torch = self.torch
-    self.opt.zero_grad(set_to_none=True)
-    total = 0.0
-    for mb in self.ids.chunk(self.grad_accum, dim=0):
-      with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-        out = self.model(input_ids=mb, labels=mb, use_cache=False)
-      loss = out.loss / self.grad_accum
-      loss.backward()
-      total = total + loss.detach()
-    self.opt.step()
-    self._loss = total
+    def _step(self) -> None:
+        torch = self.torch
+        self.opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for mb in self.ids.chunk(self.grad_accum, dim=0):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                out = self.model(input_ids=mb, labels=mb, use_cache=False)
+            loss = out.loss / self.grad_accum
+            loss.backward()
+            total = total + loss.detach()
+        self.opt.step()
+        self._loss = total
 
-  def run(self, n: int) -> None:
-    for _ in range(n):
-      self._step()
-    if self.device.type == "cuda":
-      self.torch.cuda.synchronize(self.device)
+    def run(self, n: int) -> None:
+        for _ in range(n):
+            self._step()
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
 
-  def loss(self) -> float | None:
-    return None if self._loss is None else float(self._loss)
+    def loss(self) -> float | None:
+        return None if self._loss is None else float(self._loss)
 
 
 # --------------------------------------------------------------------------------------- benchmark
 def _torch_device(requested: str) -> str:
-  import torch
-  if requested == "auto":
-    return "cuda" if torch.cuda.is_available() else "cpu"
-  return requested
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
 
 
 def _finite_or_none(x: float | None) -> float | None:
-  return x if x is not None and math.isfinite(x) else None
+    return x if x is not None and math.isfinite(x) else None
 
 
 def build_config(args: argparse.Namespace) -> tuple[ml_collections.ConfigDict, ZayaConfig]:
-  """The config file + `--set` overrides + `--dtype`, validated (ValueError / KeyError names the key)."""
-  c = load_config(args.config)
-  for assignment in args.set or []:
-    apply_override(c, assignment)
-  if args.dtype:
-    c.model.dtype = args.dtype
-  cfg = config_lib.validate(c)
-  if cfg.dtype not in DTYPES:
-    raise ValueError(f"model.dtype={cfg.dtype!r}: this benchmark supports {DTYPES}")
-  return c, cfg
+    """The config file + `--set` overrides + `--dtype`, validated (ValueError / KeyError names the key)."""
+    c = load_config(args.config)
+    for assignment in args.set or []:
+        apply_override(c, assignment)
+    if args.dtype:
+        c.model.dtype = args.dtype
+    cfg = config_lib.validate(c)
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"model.dtype={cfg.dtype!r}: this benchmark supports {DTYPES}")
+    return c, cfg
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-  c, cfg = build_config(args)
-  batch_size, seq_len = c.train.batch_size, c.train.seq_len
-  tokens_per_step = batch_size * seq_len
-  flops_per_token = sizing.flops_per_token(cfg, seq_len)
-  counts = sizing.param_counts(cfg)
-  ids = random_tokens(cfg.vocab_size, batch_size, seq_len, args.seed)
-  threads = args.threads or len(os.sched_getaffinity(0))
+    c, cfg = build_config(args)
+    batch_size, seq_len = c.train.batch_size, c.train.seq_len
+    tokens_per_step = batch_size * seq_len
+    flops_per_token = sizing.flops_per_token(cfg, seq_len)
+    counts = sizing.param_counts(cfg)
+    ids = random_tokens(cfg.vocab_size, batch_size, seq_len, args.seed)
+    threads = args.threads or len(os.sched_getaffinity(0))
 
-  jax_device = jax.devices()[0]
-  jax_peak = sizing.peak_flops_per_device(jax_device)
-  device: dict[str, Any] = {
-      "jax_backend": jax.default_backend(), "jax_device_kind": jax_device.device_kind,
-      "jax_device_count": jax.device_count(),
-      "jax_version": jax.__version__, "jax_peak_bf16_flops": jax_peak,
-      "cpu_count": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)),
-      "platform": platform.platform(), "python": platform.python_version()}
-
-  print(f"building {OURS} (compiling the train step)...", file=sys.stderr, flush=True)
-  sides: list[Any] = [JaxSide(c, cfg, ids, args.seed)]
-  torch_peak = None
-  if not args.skip_torch:
-    import torch
-    import transformers
-    torch_device = _torch_device(args.torch_device)
-    print(f"building {TORCH} on {torch_device}...", file=sys.stderr, flush=True)
-    side = TorchSide(c, cfg, ids, args.seed, torch_device, cfg.dtype, args.torch_precision, threads)
-    sides.append(side)
-    torch_name = (torch.cuda.get_device_name(side.device) if side.device.type == "cuda"
-                  else platform.processor() or "cpu")
-    torch_peak = peak_flops_for_name(torch_name) if side.device.type == "cuda" else None
-    device.update(torch_device=str(side.device), torch_device_name=torch_name,
-                  torch_version=torch.__version__, transformers_version=transformers.__version__,
-                  torch_num_threads=torch.get_num_threads(), torch_peak_bf16_flops=torch_peak,
-                  omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
-                  torch_attn_implementation=getattr(side.model.config, "_attn_implementation", None))
-    jax_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
-    if jax_gpu != (side.device.type == "cuda"):
-      print(f"WARNING: jax runs on {jax.default_backend()} but torch on {side.device}: the ratio "
-            "compares different devices", file=sys.stderr)
-
-  # One untimed first step per side (for the torch side this includes its lazy set-up).
-  first_step_s = {}
-  for side in sides:
-    t0 = time.perf_counter()
-    side.run(1)
-    first_step_s[side.name] = time.perf_counter() - t0
-
-  times: dict[str, list[float]] = {side.name: [] for side in sides}
-  for r in range(args.repeats):
-    for side in (sides if r % 2 == 0 else sides[::-1]):
-      side.run(args.warmup)
-      t0 = time.perf_counter()
-      side.run(args.steps)
-      times[side.name].append((time.perf_counter() - t0) / args.steps)
-      print(f"  repeat {r + 1}/{args.repeats} {side.name}: {1e3 * times[side.name][-1]:.2f} ms/step",
-            file=sys.stderr, flush=True)
-
-  results: dict[str, Any] = {OURS: None, TORCH: None}
-  for side in sides:
-    step_s = statistics.median(times[side.name])
-    tokens_per_s = tokens_per_step / step_s
-    peak = jax_peak if side.name == OURS else torch_peak
-    results[side.name] = {
-        "step_time_s": step_s,
-        "step_times_s": times[side.name],
-        "tokens_per_step": tokens_per_step,
-        "tokens_per_s": tokens_per_s,
-        "model_tflops_per_s": tokens_per_s * flops_per_token / 1e12,
-        "mfu": sizing.mfu(tokens_per_s, cfg, seq_len, sides[0].mesh.size if side.name == OURS else 1, peak),
-        "init_s": side.init_s,
-        "compile_s": side.compile_s,
-        "first_step_s": first_step_s[side.name],
-        "final_loss": _finite_or_none(side.loss()),
-        "precision": (f"params {cfg.param_dtype}, matmuls {cfg.dtype}" if side.name == OURS
-                      else side.precision),
+    jax_device = jax.devices()[0]
+    jax_peak = sizing.peak_flops_per_device(jax_device)
+    device: dict[str, Any] = {
+        "jax_backend": jax.default_backend(),
+        "jax_device_kind": jax_device.device_kind,
+        "jax_device_count": jax.device_count(),
+        "jax_version": jax.__version__,
+        "jax_peak_bf16_flops": jax_peak,
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
     }
-  ratio = (results[OURS]["tokens_per_s"] / results[TORCH]["tokens_per_s"]
-           if results[TORCH] is not None else None)
-  return {
-      "config": {
-          "config_file": args.config, "overrides": list(args.set or []),
-          "batch_size": batch_size, "seq_len": seq_len, "grad_accum": c.train.grad_accum,
-          "dtype": cfg.dtype, "param_dtype": cfg.param_dtype,
-          "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed,
-          "params_total": counts.total, "params_active": counts.active,
-          "flops_per_token": flops_per_token,
-          "model": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
-      },
-      "device": device,
-      "results": results,
-      "ratio_tokens_per_s": ratio,
-      "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-  }
+
+    print(f"building {OURS} (compiling the train step)...", file=sys.stderr, flush=True)
+    sides: list[Any] = [JaxSide(c, cfg, ids, args.seed)]
+    torch_peak = None
+    if not args.skip_torch:
+        import torch
+        import transformers
+
+        torch_device = _torch_device(args.torch_device)
+        print(f"building {TORCH} on {torch_device}...", file=sys.stderr, flush=True)
+        side = TorchSide(c, cfg, ids, args.seed, torch_device, cfg.dtype, args.torch_precision, threads)
+        sides.append(side)
+        torch_name = (
+            torch.cuda.get_device_name(side.device)
+            if side.device.type == "cuda"
+            else platform.processor() or "cpu"
+        )
+        torch_peak = peak_flops_for_name(torch_name) if side.device.type == "cuda" else None
+        device.update(
+            torch_device=str(side.device),
+            torch_device_name=torch_name,
+            torch_version=torch.__version__,
+            transformers_version=transformers.__version__,
+            torch_num_threads=torch.get_num_threads(),
+            torch_peak_bf16_flops=torch_peak,
+            omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+            torch_attn_implementation=getattr(side.model.config, "_attn_implementation", None),
+        )
+        jax_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+        if jax_gpu != (side.device.type == "cuda"):
+            print(
+                f"WARNING: jax runs on {jax.default_backend()} but torch on {side.device}: the ratio "
+                "compares different devices",
+                file=sys.stderr,
+            )
+
+    # One untimed first step per side (for the torch side this includes its lazy set-up).
+    first_step_s = {}
+    for side in sides:
+        t0 = time.perf_counter()
+        side.run(1)
+        first_step_s[side.name] = time.perf_counter() - t0
+
+    times: dict[str, list[float]] = {side.name: [] for side in sides}
+    for r in range(args.repeats):
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            side.run(args.warmup)
+            t0 = time.perf_counter()
+            side.run(args.steps)
+            times[side.name].append((time.perf_counter() - t0) / args.steps)
+            print(
+                f"  repeat {r + 1}/{args.repeats} {side.name}: {1e3 * times[side.name][-1]:.2f} ms/step",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    results: dict[str, Any] = {OURS: None, TORCH: None}
+    for side in sides:
+        step_s = statistics.median(times[side.name])
+        tokens_per_s = tokens_per_step / step_s
+        peak = jax_peak if side.name == OURS else torch_peak
+        results[side.name] = {
+            "step_time_s": step_s,
+            "step_times_s": times[side.name],
+            "tokens_per_step": tokens_per_step,
+            "tokens_per_s": tokens_per_s,
+            "model_tflops_per_s": tokens_per_s * flops_per_token / 1e12,
+            "mfu": sizing.mfu(
+                tokens_per_s, cfg, seq_len, sides[0].mesh.size if side.name == OURS else 1, peak
+            ),
+            "init_s": side.init_s,
+            "compile_s": side.compile_s,
+            "first_step_s": first_step_s[side.name],
+            "final_loss": _finite_or_none(side.loss()),
+            "precision": (
+                f"params {cfg.param_dtype}, matmuls {cfg.dtype}" if side.name == OURS else side.precision
+            ),
+        }
+    ratio = (
+        results[OURS]["tokens_per_s"] / results[TORCH]["tokens_per_s"] if results[TORCH] is not None else None
+    )
+    return {
+        "config": {
+            "config_file": args.config,
+            "overrides": list(args.set or []),
+            "batch_size": batch_size,
+            "seq_len": seq_len,
+            "grad_accum": c.train.grad_accum,
+            "dtype": cfg.dtype,
+            "param_dtype": cfg.param_dtype,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "seed": args.seed,
+            "params_total": counts.total,
+            "params_active": counts.active,
+            "flops_per_token": flops_per_token,
+            "model": {
+                k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()
+            },
+        },
+        "device": device,
+        "results": results,
+        "ratio_tokens_per_s": ratio,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 # ------------------------------------------------------------------------------------------ report
 def _fmt(x: float | None, spec: str) -> str:
-  return "-" if x is None else format(x, spec)
+    return "-" if x is None else format(x, spec)
 
 
 def format_table(report: dict[str, Any]) -> str:
-  header = ("side", "step ms", "tokens/s", "TFLOP/s", "MFU", "compile s", "1st step s", "loss")
-  rows = [header]
-  for name, r in report["results"].items():
-    if r is None:
-      continue
-    rows.append((name, _fmt(1e3 * r["step_time_s"], ".2f"), _fmt(r["tokens_per_s"], ",.0f"),
-                 _fmt(r["model_tflops_per_s"], ".4f"), _fmt(None if r["mfu"] is None else 100 * r["mfu"], ".1f")
-                 + ("%" if r["mfu"] is not None else ""), _fmt(r["compile_s"], ".2f"),
-                 _fmt(r["first_step_s"], ".2f"), _fmt(r["final_loss"], ".4f")))
-  widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-  lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-           for row in rows]
-  lines.insert(1, "  ".join("-" * w for w in widths))
-  return "\n".join(lines)
+    header = ("side", "step ms", "tokens/s", "TFLOP/s", "MFU", "compile s", "1st step s", "loss")
+    rows = [header]
+    for name, r in report["results"].items():
+        if r is None:
+            continue
+        rows.append(
+            (
+                name,
+                _fmt(1e3 * r["step_time_s"], ".2f"),
+                _fmt(r["tokens_per_s"], ",.0f"),
+                _fmt(r["model_tflops_per_s"], ".4f"),
+                _fmt(None if r["mfu"] is None else 100 * r["mfu"], ".1f")
+                + ("%" if r["mfu"] is not None else ""),
+                _fmt(r["compile_s"], ".2f"),
+                _fmt(r["first_step_s"], ".2f"),
+                _fmt(r["final_loss"], ".4f"),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 def summary_line(report: dict[str, Any]) -> str:
-  cfgd, res = report["config"], report["results"]
-  where = (f"{os.path.basename(cfgd['config_file'])} B={cfgd['batch_size']} S={cfgd['seq_len']} "
-           f"{cfgd['dtype']}, {report['device']['jax_backend']}")
-  ours = f"{OURS} {res[OURS]['tokens_per_s']:,.0f} tok/s"
-  if report["ratio_tokens_per_s"] is None:
-    return f"train_step: {ours} ({where}; torch skipped)"
-  return (f"train_step: {OURS}/torch tokens/s = {report['ratio_tokens_per_s']:.2f}x "
-          f"({ours} vs torch {res[TORCH]['tokens_per_s']:,.0f} tok/s; {where})")
+    cfgd, res = report["config"], report["results"]
+    where = (
+        f"{os.path.basename(cfgd['config_file'])} B={cfgd['batch_size']} S={cfgd['seq_len']} "
+        f"{cfgd['dtype']}, {report['device']['jax_backend']}"
+    )
+    ours = f"{OURS} {res[OURS]['tokens_per_s']:,.0f} tok/s"
+    if report["ratio_tokens_per_s"] is None:
+        return f"train_step: {ours} ({where}; torch skipped)"
+    return (
+        f"train_step: {OURS}/torch tokens/s = {report['ratio_tokens_per_s']:.2f}x "
+        f"({ours} vs torch {res[TORCH]['tokens_per_s']:,.0f} tok/s; {where})"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="python -m benchmarks.train_step", description=__doc__.split("\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", default="configs/tiny.py", help="training config file (default configs/tiny.py)")
-  p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                 help="config override, repeatable: --set train.batch_size=4 --set model.num_hidden_layers=2")
-  p.add_argument("--steps", type=int, default=10, help="timed steps per repeat (default 10)")
-  p.add_argument("--warmup", type=int, default=2, help="untimed steps before each repeat (default 2)")
-  p.add_argument("--repeats", type=int, default=3, help="alternating ours/torch repeats, median taken (default 3)")
-  p.add_argument("--dtype", choices=DTYPES, default=None,
-                 help="matmul compute dtype (sets model.dtype; default: the config's)")
-  p.add_argument("--out", default="results/train_step.json", help="JSON report path ('' = do not write)")
-  p.add_argument("--skip-torch", action="store_true", help="benchmark only zaya_jax")
-  p.add_argument("--torch-device", default="auto", help="auto (cuda if available, else cpu) | cpu | cuda[:N]")
-  p.add_argument("--torch-precision", choices=("autocast", "pure"), default="autocast",
-                 help="bfloat16 on the torch side: fp32 params + autocast (default) or bf16 params")
-  p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: usable cores)")
-  p.add_argument("--seed", type=int, default=0)
-  args = p.parse_args(argv)
-  for name in ("steps", "repeats"):
-    if getattr(args, name) < 1:
-      p.error(f"--{name} must be >= 1")
-  if args.warmup < 0:
-    p.error("--warmup must be >= 0")
-  return args
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.train_step",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config", default="configs/tiny.py", help="training config file (default configs/tiny.py)"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="config override, repeatable: --set train.batch_size=4 --set model.num_hidden_layers=2",
+    )
+    p.add_argument("--steps", type=int, default=10, help="timed steps per repeat (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before each repeat (default 2)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="alternating ours/torch repeats, median taken (default 3)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="matmul compute dtype (sets model.dtype; default: the config's)",
+    )
+    p.add_argument("--out", default="results/train_step.json", help="JSON report path ('' = do not write)")
+    p.add_argument("--skip-torch", action="store_true", help="benchmark only zaya_jax")
+    p.add_argument(
+        "--torch-device", default="auto", help="auto (cuda if available, else cpu) | cpu | cuda[:N]"
+    )
+    p.add_argument(
+        "--torch-precision",
+        choices=("autocast", "pure"),
+        default="autocast",
+        help="bfloat16 on the torch side: fp32 params + autocast (default) or bf16 params",
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: usable cores)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for name in ("steps", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-  args = parse_args(argv)
-  try:
-    build_config(args)  # fail fast, in one line, on a bad config file or override
-  except (KeyError, ValueError, TypeError, FileNotFoundError) as e:
-    sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}")
-  report = run_benchmark(args)
-  print(format_table(report))
-  print(summary_line(report))
-  if args.out:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-      json.dump(report, f, indent=2)
-      f.write("\n")
-    print(f"wrote {args.out}", file=sys.stderr)
-  return report
+    args = parse_args(argv)
+    try:
+        build_config(args)  # fail fast, in one line, on a bad config file or override
+    except (KeyError, ValueError, TypeError, FileNotFoundError) as e:
+        sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}")
+    report = run_benchmark(args)
+    print(format_table(report))
+    print(summary_line(report))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+        print(f"wrote {args.out}", file=sys.stderr)
+    return report
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -22,24 +22,34 @@ PHASES = {
 
 
 def get_config(phase: str = "phase1"):
-  if phase not in PHASES:
-    raise ValueError(f"configs/zaya1_base.py: unknown phase {phase!r}; expected one of {sorted(PHASES)}")
-  seq_len, theta, tokens = PHASES[phase]
-  c = base_config()
-  set_model(c, ZayaConfig.zaya1_base(rope_theta=theta, dtype="bfloat16", param_dtype="float32",
-                                     remat="full", pad_token_id=0, bos_token_id=2, eos_token_id=1))
-  c.train.seq_len = seq_len
-  c.train.batch_size = TOKENS_PER_STEP // seq_len
-  c.train.steps = int(tokens // TOKENS_PER_STEP)
-  c.train.grad_accum = 1
-  c.optim.lr = 1e-3 if phase == "phase1" else 5e-4
-  c.optim.warmup_steps = 2000 if phase == "phase1" else 500
-  c.optim.schedule = "wsd"
-  c.optim.decay_fraction = 0.1 if phase != "phase3" else 0.5
-  c.mesh.data = -1
-  c.checkpoint.every_steps = 1000
-  c.eval.every_steps = 2000
-  c.eval.batches = 50
-  c.eval.batch_size = 64
-  c.logging.every_steps = 10
-  return c
+    if phase not in PHASES:
+        raise ValueError(f"configs/zaya1_base.py: unknown phase {phase!r}; expected one of {sorted(PHASES)}")
+    seq_len, theta, tokens = PHASES[phase]
+    c = base_config()
+    set_model(
+        c,
+        ZayaConfig.zaya1_base(
+            rope_theta=theta,
+            dtype="bfloat16",
+            param_dtype="float32",
+            remat="full",
+            pad_token_id=0,
+            bos_token_id=2,
+            eos_token_id=1,
+        ),
+    )
+    c.train.seq_len = seq_len
+    c.train.batch_size = TOKENS_PER_STEP // seq_len
+    c.train.steps = int(tokens // TOKENS_PER_STEP)
+    c.train.grad_accum = 1
+    c.optim.lr = 1e-3 if phase == "phase1" else 5e-4
+    c.optim.warmup_steps = 2000 if phase == "phase1" else 500
+    c.optim.schedule = "wsd"
+    c.optim.decay_fraction = 0.1 if phase != "phase3" else 0.5
+    c.mesh.data = -1
+    c.checkpoint.every_steps = 1000
+    c.eval.every_steps = 2000
+    c.eval.batches = 50
+    c.eval.batch_size = 64
+    c.logging.every_steps = 10
+    return c

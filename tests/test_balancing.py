@@ -46,8 +46,7 @@ def test_skip_bias_untouched_by_default_even_with_weight_decay():
     biases = _biases()
     state = bal.init_balancing_state(biases, cfg)
     for _ in range(5):
-        biases, state, metrics = bal.balancing_update(biases, jnp.asarray(counts, jnp.float32),
-                                                      state, cfg)
+        biases, state, metrics = bal.balancing_update(biases, jnp.asarray(counts, jnp.float32), state, cfg)
     np.testing.assert_array_equal(biases[:, E], -1.0)
     np.testing.assert_allclose(metrics["skip_fraction"], 0.5)
     # Spec denominator ("all" tokens): every expert has f = .125 < 1/E, so all routed biases rise.
@@ -96,9 +95,18 @@ def test_jit_matches_eager():
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
-@pytest.mark.parametrize("field, value", [("lr", 0.0), ("b1", 1.0), ("b2", -0.1), ("eps", 0.0),
-                                          ("weight_decay", -1.0), ("skip_target", 1.5),
-                                          ("fraction_of", "tokens")])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("lr", 0.0),
+        ("b1", 1.0),
+        ("b2", -0.1),
+        ("eps", 0.0),
+        ("weight_decay", -1.0),
+        ("skip_target", 1.5),
+        ("fraction_of", "tokens"),
+    ],
+)
 def test_validate(field, value):
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(bal.BalancingConfig(), **{field: value}).validate()
@@ -159,11 +167,13 @@ def test_collapsed_router_is_rebalanced(tiny):
             crossed = step
         if crossed is not None and step >= crossed + SETTLE_STEPS:
             break
-    print(f"\nbalancing: max/mean load {history[0]:.2f} at step 0, < 1.5 first at step {crossed} "
-          f"(lr {bcfg.lr}); mean over the next {SETTLE_STEPS} steps "
-          f"{np.mean(history[crossed + 1:]):.2f}")
+    print(
+        f"\nbalancing: max/mean load {history[0]:.2f} at step 0, < 1.5 first at step {crossed} "
+        f"(lr {bcfg.lr}); mean over the next {SETTLE_STEPS} steps "
+        f"{np.mean(history[crossed + 1 :]):.2f}"
+    )
     assert crossed is not None and crossed < MAX_STEPS // 2, history
     # Not a lucky dip: the load stays balanced once reached (sampling noise of 512 tokens
     # keeps max/mean around 1.2).
-    assert np.mean(history[crossed + 1:]) < 1.5, history[crossed:]
+    assert np.mean(history[crossed + 1 :]) < 1.5, history[crossed:]
     np.testing.assert_array_equal(biases[:, -1], -1.0)  # skip bias never moved

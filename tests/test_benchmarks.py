@@ -17,58 +17,103 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TOY = ["--set", "model.num_hidden_layers=1", "--set", "train.batch_size=2", "--set", "train.seq_len=32",
-       "--steps", "2", "--warmup", "1", "--repeats", "1"]
-SIDE_KEYS = {"step_time_s", "step_times_s", "tokens_per_step", "tokens_per_s", "model_tflops_per_s", "mfu",
-             "init_s", "compile_s", "first_step_s", "final_loss", "precision"}
+TOY = [
+    "--set",
+    "model.num_hidden_layers=1",
+    "--set",
+    "train.batch_size=2",
+    "--set",
+    "train.seq_len=32",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--repeats",
+    "1",
+]
+SIDE_KEYS = {
+    "step_time_s",
+    "step_times_s",
+    "tokens_per_step",
+    "tokens_per_s",
+    "model_tflops_per_s",
+    "mfu",
+    "init_s",
+    "compile_s",
+    "first_step_s",
+    "final_loss",
+    "precision",
+}
 
 
 def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")  # a data=2 mesh, as a node would run
-  return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=timeout)
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_VERBOSITY="error",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    )  # a data=2 mesh, as a node would run
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _positive_finite(x) -> bool:
-  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 @pytest.mark.slow
 def test_train_step_benchmark_writes_report(tmp_path):
-  out = tmp_path / "sub" / "train_step.json"
-  proc = _run(["-m", "benchmarks.train_step", *TOY, "--out", str(out)])
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  assert "zaya_jax/torch tokens/s =" in proc.stdout, proc.stdout
+    out = tmp_path / "sub" / "train_step.json"
+    proc = _run(["-m", "benchmarks.train_step", *TOY, "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "zaya_jax/torch tokens/s =" in proc.stdout, proc.stdout
 
-  report = json.loads(out.read_text())
-  assert set(report) == {"config", "device", "results", "ratio_tokens_per_s", "timestamp"}
-  cfg = report["config"]
-  assert (cfg["batch_size"], cfg["seq_len"], cfg["steps"], cfg["repeats"]) == (2, 32, 2, 1)
-  assert cfg["model"]["num_hidden_layers"] == 1 and cfg["dtype"] == "float32"
-  assert _positive_finite(cfg["flops_per_token"]) and cfg["params_total"] > cfg["params_active"] > 0
-  assert report["device"]["jax_backend"] == "cpu" and report["device"]["torch_device"] == "cpu"
-  datetime.datetime.fromisoformat(report["timestamp"])
+    report = json.loads(out.read_text())
+    assert set(report) == {"config", "device", "results", "ratio_tokens_per_s", "timestamp"}
+    cfg = report["config"]
+    assert (cfg["batch_size"], cfg["seq_len"], cfg["steps"], cfg["repeats"]) == (2, 32, 2, 1)
+    assert cfg["model"]["num_hidden_layers"] == 1 and cfg["dtype"] == "float32"
+    assert _positive_finite(cfg["flops_per_token"]) and cfg["params_total"] > cfg["params_active"] > 0
+    assert report["device"]["jax_backend"] == "cpu" and report["device"]["torch_device"] == "cpu"
+    datetime.datetime.fromisoformat(report["timestamp"])
 
-  assert set(report["results"]) == {"zaya_jax", "torch"}
-  for name, r in report["results"].items():
-    assert set(r) == SIDE_KEYS, name
-    assert r["tokens_per_step"] == 2 * 32
-    for key in ("step_time_s", "tokens_per_s", "model_tflops_per_s", "init_s", "first_step_s", "final_loss"):
-      assert _positive_finite(r[key]), (name, key, r[key])
-    assert len(r["step_times_s"]) == 1 and all(_positive_finite(t) for t in r["step_times_s"])
-    assert r["mfu"] is None  # no known peak on CPU
-  assert _positive_finite(report["results"]["zaya_jax"]["compile_s"])
-  assert report["results"]["torch"]["compile_s"] is None
-  assert _positive_finite(report["ratio_tokens_per_s"])
+    assert set(report["results"]) == {"zaya_jax", "torch"}
+    for name, r in report["results"].items():
+        assert set(r) == SIDE_KEYS, name
+        assert r["tokens_per_step"] == 2 * 32
+        for key in (
+            "step_time_s",
+            "tokens_per_s",
+            "model_tflops_per_s",
+            "init_s",
+            "first_step_s",
+            "final_loss",
+        ):
+            assert _positive_finite(r[key]), (name, key, r[key])
+        assert len(r["step_times_s"]) == 1 and all(_positive_finite(t) for t in r["step_times_s"])
+        assert r["mfu"] is None  # no known peak on CPU
+    assert _positive_finite(report["results"]["zaya_jax"]["compile_s"])
+    assert report["results"]["torch"]["compile_s"] is None
+    assert _positive_finite(report["ratio_tokens_per_s"])
 
 
 def test_train_step_cli_as_script_and_bad_override(tmp_path):
-  # Script form (not -m) parses its arguments; an unknown key fails before anything is built.
-  proc = _run(["benchmarks/train_step.py", "--help"], timeout=300)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  assert "--skip-torch" in proc.stdout and "--set" in proc.stdout
-  proc = _run(["benchmarks/train_step.py", "--set", "train.no_such_key=1", "--skip-torch",
-               "--out", str(tmp_path / "x.json")], timeout=300)
-  assert proc.returncode != 0 and "no_such_key" in proc.stderr
-  assert not (tmp_path / "x.json").exists()
+    # Script form (not -m) parses its arguments; an unknown key fails before anything is built.
+    proc = _run(["benchmarks/train_step.py", "--help"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "--skip-torch" in proc.stdout and "--set" in proc.stdout
+    proc = _run(
+        [
+            "benchmarks/train_step.py",
+            "--set",
+            "train.no_such_key=1",
+            "--skip-torch",
+            "--out",
+            str(tmp_path / "x.json"),
+        ],
+        timeout=300,
+    )
+    assert proc.returncode != 0 and "no_such_key" in proc.stderr
+    assert not (tmp_path / "x.json").exists()

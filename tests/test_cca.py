@@ -12,96 +12,96 @@ CFG = ZayaConfig.tiny(cca_time0=3, cca_time1=3, num_attention_heads=4, num_key_v
 
 
 def _init(cfg=CFG, s=12):
-  module = CCAttention(cfg)
-  x = jax.random.normal(jax.random.key(0), (2, s, cfg.hidden_size))
-  pos = jnp.broadcast_to(jnp.arange(s), (2, s))
-  variables = module.init(jax.random.key(1), x, positions_bs=pos, padding_mask_bs=None, rope_theta=1e4)
-  return module, variables, x, pos
+    module = CCAttention(cfg)
+    x = jax.random.normal(jax.random.key(0), (2, s, cfg.hidden_size))
+    pos = jnp.broadcast_to(jnp.arange(s), (2, s))
+    variables = module.init(jax.random.key(1), x, positions_bs=pos, padding_mask_bs=None, rope_theta=1e4)
+    return module, variables, x, pos
 
 
 def _qkv(module, variables, x):
-  q, k, v, _ = module.apply(variables, x, method=lambda m, x: m.qkv(x, m.initial_state(x.shape[0])))
-  return q, k, v
+    q, k, v, _ = module.apply(variables, x, method=lambda m, x: m.qkv(x, m.initial_state(x.shape[0])))
+    return q, k, v
 
 
 @pytest.mark.parametrize("t", [0, 5, 11])
 def test_outputs_before_t_do_not_see_tokens_after_t(t):
-  module, variables, x, pos = _init()
-  run = lambda x: module.apply(variables, x, positions_bs=pos, padding_mask_bs=None, rope_theta=1e4)[0]
-  x2 = x.at[:, t:].set(jax.random.normal(jax.random.key(9), x[:, t:].shape))
-  a, b = run(x), run(x2)
-  np.testing.assert_array_equal(np.asarray(a[:, :t]), np.asarray(b[:, :t]))
-  assert not np.allclose(a[:, t:], b[:, t:])
-  # The projections alone (conv + shift) are causal too.
-  qa, ka, va = _qkv(module, variables, x)
-  qb, kb, vb = _qkv(module, variables, x2)
-  for u, w in ((qa, qb), (ka, kb), (va, vb)):
-    np.testing.assert_array_equal(np.asarray(u[:, :t]), np.asarray(w[:, :t]))
+    module, variables, x, pos = _init()
+    run = lambda x: module.apply(variables, x, positions_bs=pos, padding_mask_bs=None, rope_theta=1e4)[0]
+    x2 = x.at[:, t:].set(jax.random.normal(jax.random.key(9), x[:, t:].shape))
+    a, b = run(x), run(x2)
+    np.testing.assert_array_equal(np.asarray(a[:, :t]), np.asarray(b[:, :t]))
+    assert not np.allclose(a[:, t:], b[:, t:])
+    # The projections alone (conv + shift) are causal too.
+    qa, ka, va = _qkv(module, variables, x)
+    qb, kb, vb = _qkv(module, variables, x2)
+    for u, w in ((qa, qb), (ka, kb), (va, vb)):
+        np.testing.assert_array_equal(np.asarray(u[:, :t]), np.asarray(w[:, :t]))
 
 
 def test_conv_receptive_field_is_t0_plus_t1_minus_1():
-  module, variables, x, _ = _init()
-  t, reach = 6, CFG.cca_time0 + CFG.cca_time1 - 2
-  x2 = x.at[:, t].add(1.0)
-  qa, _, _ = _qkv(module, variables, x)
-  qb, _, _ = _qkv(module, variables, x2)
-  changed = np.abs(np.asarray(qa - qb)).max(axis=(0, 2, 3)) > 0
-  np.testing.assert_array_equal(np.nonzero(changed)[0], np.arange(t, t + reach + 1))
+    module, variables, x, _ = _init()
+    t, reach = 6, CFG.cca_time0 + CFG.cca_time1 - 2
+    x2 = x.at[:, t].add(1.0)
+    qa, _, _ = _qkv(module, variables, x)
+    qb, _, _ = _qkv(module, variables, x2)
+    changed = np.abs(np.asarray(qa - qb)).max(axis=(0, 2, 3)) > 0
+    np.testing.assert_array_equal(np.nonzero(changed)[0], np.arange(t, t + reach + 1))
 
 
 def test_value_shift_first_half_current_second_half_previous():
-  module, variables, x, _ = _init()
-  p = variables["params"]
-  _, _, v = _qkv(module, variables, x)
-  v = np.asarray(v).reshape(2, x.shape[1], -1)  # [B, S, Nkv*hd]
-  half = v.shape[-1] // 2
-  cur = np.asarray(x @ p["v_proj_current"]["kernel"])
-  dele = np.asarray(x @ p["v_proj_delayed"]["kernel"])
-  np.testing.assert_allclose(v[..., :half], cur, atol=1e-6)
-  np.testing.assert_allclose(v[:, 1:, half:], dele[:, :-1], atol=1e-6)
-  np.testing.assert_allclose(v[:, 0, half:], 0.0, atol=1e-6)  # projection of a zero vector, no bias
+    module, variables, x, _ = _init()
+    p = variables["params"]
+    _, _, v = _qkv(module, variables, x)
+    v = np.asarray(v).reshape(2, x.shape[1], -1)  # [B, S, Nkv*hd]
+    half = v.shape[-1] // 2
+    cur = np.asarray(x @ p["v_proj_current"]["kernel"])
+    dele = np.asarray(x @ p["v_proj_delayed"]["kernel"])
+    np.testing.assert_allclose(v[..., :half], cur, atol=1e-6)
+    np.testing.assert_allclose(v[:, 1:, half:], dele[:, :-1], atol=1e-6)
+    np.testing.assert_allclose(v[:, 0, half:], 0.0, atol=1e-6)  # projection of a zero vector, no bias
 
 
 def test_qk_mean_skip():
-  r = np.random.default_rng(0)
-  q0 = r.normal(size=(1, 3, 6, 4)).astype(np.float32)  # 6 query heads
-  k0 = r.normal(size=(1, 3, 2, 4)).astype(np.float32)  # 2 kv heads, groups of 3
-  mq, mk = qk_mean_skip(jnp.asarray(q0), jnp.asarray(k0))
-  for j in range(6):
-    np.testing.assert_allclose(mq[:, :, j], (q0[:, :, j] + k0[:, :, j // 3]) / 2, rtol=1e-6)
-  for h in range(2):
-    np.testing.assert_allclose(mk[:, :, h], np.asarray(mq)[:, :, 3 * h:3 * h + 3].mean(2), rtol=1e-6)
+    r = np.random.default_rng(0)
+    q0 = r.normal(size=(1, 3, 6, 4)).astype(np.float32)  # 6 query heads
+    k0 = r.normal(size=(1, 3, 2, 4)).astype(np.float32)  # 2 kv heads, groups of 3
+    mq, mk = qk_mean_skip(jnp.asarray(q0), jnp.asarray(k0))
+    for j in range(6):
+        np.testing.assert_allclose(mq[:, :, j], (q0[:, :, j] + k0[:, :, j // 3]) / 2, rtol=1e-6)
+    for h in range(2):
+        np.testing.assert_allclose(mk[:, :, h], np.asarray(mq)[:, :, 3 * h : 3 * h + 3].mean(2), rtol=1e-6)
 
 
 def test_l2_qk_norm_with_linear_temperature():
-  r = np.random.default_rng(1)
-  q = jnp.asarray(r.normal(size=(2, 5, 4, 16)), jnp.float32)
-  k = jnp.asarray(r.normal(size=(2, 5, 2, 16)), jnp.float32)
-  temp = jnp.array([0.5, 2.0])
-  qn, kn = l2_qk_norm(q, k, temp)
-  np.testing.assert_allclose(np.linalg.norm(qn, axis=-1), 4.0, rtol=1e-5)
-  np.testing.assert_allclose(np.linalg.norm(kn, axis=-1), np.broadcast_to([2.0, 8.0], (2, 5, 2)), rtol=1e-5)
+    r = np.random.default_rng(1)
+    q = jnp.asarray(r.normal(size=(2, 5, 4, 16)), jnp.float32)
+    k = jnp.asarray(r.normal(size=(2, 5, 2, 16)), jnp.float32)
+    temp = jnp.array([0.5, 2.0])
+    qn, kn = l2_qk_norm(q, k, temp)
+    np.testing.assert_allclose(np.linalg.norm(qn, axis=-1), 4.0, rtol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(kn, axis=-1), np.broadcast_to([2.0, 8.0], (2, 5, 2)), rtol=1e-5)
 
 
 def test_padding_tokens_do_not_leak():
-  """Changing a padded token changes nothing for real tokens (neither via conv, shift nor attention)."""
-  module, variables, x, pos = _init()
-  mask = jnp.ones((2, 12)).at[:, :4].set(0)  # left padding
-  run = lambda x: module.apply(variables, x, positions_bs=pos, padding_mask_bs=mask, rope_theta=1e4)[0]
-  x2 = x.at[:, :4].set(100.0)
-  np.testing.assert_allclose(np.asarray(run(x)[:, 4:]), np.asarray(run(x2)[:, 4:]), atol=1e-6)
-  assert np.isfinite(np.asarray(run(x))).all()
+    """Changing a padded token changes nothing for real tokens (neither via conv, shift nor attention)."""
+    module, variables, x, pos = _init()
+    mask = jnp.ones((2, 12)).at[:, :4].set(0)  # left padding
+    run = lambda x: module.apply(variables, x, positions_bs=pos, padding_mask_bs=mask, rope_theta=1e4)[0]
+    x2 = x.at[:, :4].set(100.0)
+    np.testing.assert_allclose(np.asarray(run(x)[:, 4:]), np.asarray(run(x2)[:, 4:]), atol=1e-6)
+    assert np.isfinite(np.asarray(run(x))).all()
 
 
 def test_incremental_state_equals_full_sequence():
-  """Running the projections in two chunks with the carried CCAState equals one full pass."""
-  module, variables, x, _ = _init()
-  full = _qkv(module, variables, x)
+    """Running the projections in two chunks with the carried CCAState equals one full pass."""
+    module, variables, x, _ = _init()
+    full = _qkv(module, variables, x)
 
-  def chunked(m, x):
-    q1, k1, v1, st = m.qkv(x[:, :7], m.initial_state(x.shape[0]))
-    q2, k2, v2, _ = m.qkv(x[:, 7:], st)
-    return [jnp.concatenate(p, 1) for p in ((q1, q2), (k1, k2), (v1, v2))]
+    def chunked(m, x):
+        q1, k1, v1, st = m.qkv(x[:, :7], m.initial_state(x.shape[0]))
+        q2, k2, v2, _ = m.qkv(x[:, 7:], st)
+        return [jnp.concatenate(p, 1) for p in ((q1, q2), (k1, k2), (v1, v2))]
 
-  for a, b in zip(full, module.apply(variables, x, method=chunked)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    for a, b in zip(full, module.apply(variables, x, method=chunked)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)

@@ -11,60 +11,71 @@ CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 
 
 def load(name, arg=None):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIGS, f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
+    spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIGS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()
 
 
-@pytest.mark.parametrize("name, arg", [("tiny", None), ("ablation_1b", None), ("zaya1_base", "phase1"),
-                                       ("zaya1_base", "phase2"), ("zaya1_base", "phase3")])
+@pytest.mark.parametrize(
+    "name, arg",
+    [
+        ("tiny", None),
+        ("ablation_1b", None),
+        ("zaya1_base", "phase1"),
+        ("zaya1_base", "phase2"),
+        ("zaya1_base", "phase3"),
+    ],
+)
 def test_shipped_configs_validate(name, arg):
-  c = load(name, arg)
-  cfg = config_lib.validate(c)
-  assert c.train.batch_size % c.train.grad_accum == 0 and cfg.hidden_size > 0
+    c = load(name, arg)
+    cfg = config_lib.validate(c)
+    assert c.train.batch_size % c.train.grad_accum == 0 and cfg.hidden_size > 0
 
 
 def test_zaya1_phases_follow_the_recipe():
-  p1, p2, p3 = (load("zaya1_base", p) for p in ("phase1", "phase2", "phase3"))
-  assert (p1.train.seq_len, p1.model.rope_theta) == (4096, 10_000.0)
-  assert (p2.train.seq_len, p2.model.rope_theta) == (4096, 10_000.0)
-  assert (p3.train.seq_len, p3.model.rope_theta) == (32768, 1_000_000.0)
-  for p, tokens in ((p1, 8e12), (p2, 4e12), (p3, 1.2e12)):
-    assert p.train.batch_size * p.train.seq_len == 4096 * 4096
-    assert abs(p.train.steps * 4096 * 4096 / tokens - 1) < 1e-3
-  assert p1.model.hidden_size == 2048 and p1.model.num_hidden_layers == 40
-  with pytest.raises(ValueError, match="unknown phase"):
-    load("zaya1_base", "phase4")
+    p1, p2, p3 = (load("zaya1_base", p) for p in ("phase1", "phase2", "phase3"))
+    assert (p1.train.seq_len, p1.model.rope_theta) == (4096, 10_000.0)
+    assert (p2.train.seq_len, p2.model.rope_theta) == (4096, 10_000.0)
+    assert (p3.train.seq_len, p3.model.rope_theta) == (32768, 1_000_000.0)
+    for p, tokens in ((p1, 8e12), (p2, 4e12), (p3, 1.2e12)):
+        assert p.train.batch_size * p.train.seq_len == 4096 * 4096
+        assert abs(p.train.steps * 4096 * 4096 / tokens - 1) < 1e-3
+    assert p1.model.hidden_size == 2048 and p1.model.num_hidden_layers == 40
+    with pytest.raises(ValueError, match="unknown phase"):
+        load("zaya1_base", "phase4")
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("train.steps", 0, "config.train.steps: must be a positive int"),
-    ("train.grad_accum", 3, "config.train.grad_accum: batch_size=16 is not divisible"),
-    ("train.seq_len", 10**6, "config.train.seq_len"),
-    ("optim.lr", -1.0, "config.optim.lr"),
-    ("mesh.data", 0, "config.mesh.data"),
-    ("model.num_key_value_heads", 3, "config.model: .*divisible by num_key_value_heads"),
-    ("model.moe_impl", "loop", "config.model: .*moe_impl"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("train.steps", 0, "config.train.steps: must be a positive int"),
+        ("train.grad_accum", 3, "config.train.grad_accum: batch_size=16 is not divisible"),
+        ("train.seq_len", 10**6, "config.train.seq_len"),
+        ("optim.lr", -1.0, "config.optim.lr"),
+        ("mesh.data", 0, "config.mesh.data"),
+        ("model.num_key_value_heads", 3, "config.model: .*divisible by num_key_value_heads"),
+        ("model.moe_impl", "loop", "config.model: .*moe_impl"),
+    ],
+)
 def test_validation_names_the_bad_key(key, value, message):
-  c = load("tiny")
-  section, name = key.split(".")
-  with c.unlocked():
-    c[section][name] = value
-  with pytest.raises(ValueError, match=message):
-    config_lib.validate(c)
+    c = load("tiny")
+    section, name = key.split(".")
+    with c.unlocked():
+        c[section][name] = value
+    with pytest.raises(ValueError, match=message):
+        config_lib.validate(c)
 
 
 def test_unknown_key_is_rejected():
-  c = load("tiny")
-  with c.unlocked():
-    c.train.stepz = 3
-  with pytest.raises(ValueError, match="config.train.stepz: unknown key"):
-    config_lib.validate(c)
+    c = load("tiny")
+    with c.unlocked():
+        c.train.stepz = 3
+    with pytest.raises(ValueError, match="config.train.stepz: unknown key"):
+        config_lib.validate(c)
 
 
 def test_model_section_round_trips_into_zaya_config():
-  c = load("tiny")
-  cfg = config_lib.model_config(c)
-  assert cfg.hidden_size == c.model.hidden_size and cfg.layer_types is None
+    c = load("tiny")
+    cfg = config_lib.model_config(c)
+    assert cfg.hidden_size == c.model.hidden_size and cfg.layer_types is None

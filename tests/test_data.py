@@ -10,10 +10,15 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from zaya_jax.data import (EMBEDDED_EVAL_FRACTION, EMBEDDED_SPLIT_SEED, load_embedded_corpus,
-                           split_documents)
-from zaya_jax.data.pipeline import (PackedSequences, interleave_process_batches, load_documents,
-                                    make_dataset, make_eval_dataset, source_tokenizer)
+from zaya_jax.data import EMBEDDED_EVAL_FRACTION, EMBEDDED_SPLIT_SEED, load_embedded_corpus, split_documents
+from zaya_jax.data.pipeline import (
+    PackedSequences,
+    interleave_process_batches,
+    load_documents,
+    make_dataset,
+    make_eval_dataset,
+    source_tokenizer,
+)
 from zaya_jax.data.prepare import TokenDocuments, load_split, prepare_dataset
 from zaya_jax.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -22,8 +27,13 @@ KEYS = {"input_ids", "targets", "loss_mask"}
 
 
 def run_prepare(*args):
-    return subprocess.run([sys.executable, "-m", "zaya_jax.data.prepare", *map(str, args)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "zaya_jax.data.prepare", *map(str, args)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def split_texts(data_dir, split, tok):
@@ -40,8 +50,10 @@ def split_texts(data_dir, split, tok):
 def synthetic_docs(n=60, seed=0):
     """Distinct documents from 1 to ~300 bytes, so some are longer than the test seq_len."""
     rng = np.random.default_rng(seed)
-    return [f"doc{i:03d} " + "".join(rng.choice(list("abcdefgh "), size=int(rng.integers(0, 300))))
-            for i in range(n)]
+    return [
+        f"doc{i:03d} " + "".join(rng.choice(list("abcdefgh "), size=int(rng.integers(0, 300))))
+        for i in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +118,19 @@ def test_prepare_cli_byte_txt_and_jsonl(tmp_path):
             f.write(json.dumps({"text": f"json document {i}", "id": i}) + "\n")
         f.write("\n")  # blank lines are skipped
     out = tmp_path / "data"
-    r = run_prepare("--input", tmp_path / "book.txt", tmp_path / "web.jsonl", "--out", out,
-                    "--doc-separator", "blank-line", "--eval-fraction", "0.25", "--shard-tokens", "40")
+    r = run_prepare(
+        "--input",
+        tmp_path / "book.txt",
+        tmp_path / "web.jsonl",
+        "--out",
+        out,
+        "--doc-separator",
+        "blank-line",
+        "--eval-fraction",
+        "0.25",
+        "--shard-tokens",
+        "40",
+    )
     assert r.returncode == 0, r.stderr
     assert "train" in r.stdout and "eval" in r.stdout
 
@@ -119,7 +142,9 @@ def test_prepare_cli_byte_txt_and_jsonl(tmp_path):
     tok = load_tokenizer(out)
     assert isinstance(tok, ByteTokenizer)
     texts = split_texts(out, "train", tok) + split_texts(out, "eval", tok)
-    expected = ["First paragraph.", "Second — non-ASCII é.", "Third.\n"] + [f"json document {i}" for i in range(10)]
+    expected = ["First paragraph.", "Second — non-ASCII é.", "Third.\n"] + [
+        f"json document {i}" for i in range(10)
+    ]
     assert sorted(texts) == sorted(expected)
     assert train["num_tokens"] == load_split(out, "train").num_tokens
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp dirs left
@@ -141,8 +166,16 @@ def test_prepare_cli_hf_tokenizer(tmp_path):
         for i in range(20):
             f.write(json.dumps({"text": words[i % 3]}) + "\n")
     out = tmp_path / "data"
-    r = run_prepare("--input", tmp_path / "docs.jsonl", "--out", out, "--tokenizer", tmp_path / "tokenizer.json",
-                    "--eval-fraction", "0.2")
+    r = run_prepare(
+        "--input",
+        tmp_path / "docs.jsonl",
+        "--out",
+        out,
+        "--tokenizer",
+        tmp_path / "tokenizer.json",
+        "--eval-fraction",
+        "0.2",
+    )
     assert r.returncode == 0, r.stderr
     meta = json.loads((out / "meta.json").read_text())
     expected = HFTokenizer(tmp_path / "tokenizer.json")
@@ -152,7 +185,8 @@ def test_prepare_cli_hf_tokenizer(tmp_path):
     tok = source_tokenizer(out)
     assert isinstance(tok, HFTokenizer) and tok.name == expected.name
     assert sorted(split_texts(out, "train", tok) + split_texts(out, "eval", tok)) == sorted(
-        words[i % 3] for i in range(20))
+        words[i % 3] for i in range(20)
+    )
     batch = next(iter(make_dataset(out, seq_len=8, global_batch_size=2)))
     assert batch["input_ids"].max() < tok.vocab_size
 
@@ -207,7 +241,7 @@ def test_packing_no_loss_no_duplication_over_an_epoch(byte_data_dir):
     assert inputs[0, 0] == tok.eos_id
     # Only the tail of the epoch's last real sequence and the batch-filling rows are padding.
     real = int(np.ceil(docs.num_tokens / seq_len))
-    assert mask[:real - 1].all() and not mask[real:].any() and len(mask) % 4 == 0
+    assert mask[: real - 1].all() and not mask[real:].any() and len(mask) % 4 == 0
     assert (targets[mask == 0] == tok.pad_id).all()
 
 
@@ -220,16 +254,17 @@ def test_documents_split_only_at_sequence_boundaries(byte_data_dir):
     real = int(mask.any(axis=1).sum())
     # A document cut at the end of sequence i continues at the start of sequence i + 1: the first
     # input of each sequence is the last target of the previous one, so no token is skipped.
-    np.testing.assert_array_equal(inputs[1:real, 0], targets[:real - 1, -1])
+    np.testing.assert_array_equal(inputs[1:real, 0], targets[: real - 1, -1])
     # No padding or truncation inside the epoch: every position before the final tail is a target.
-    assert mask[:real - 1].all()
+    assert mask[: real - 1].all()
 
 
 def test_packing_epochs_are_complete_and_reshuffled():
     tok = ByteTokenizer()
     texts = synthetic_docs(n=25, seed=1)
-    docs = TokenDocuments.from_token_lists(tok.encode_batch(texts), eos_id=tok.eos_id, pad_id=tok.pad_id,
-                                           vocab_size=tok.vocab_size)
+    docs = TokenDocuments.from_token_lists(
+        tok.encode_batch(texts), eos_id=tok.eos_id, pad_id=tok.pad_id, vocab_size=tok.vocab_size
+    )
     seqs = PackedSequences(docs, seq_len=40, seed=7, num_epochs=3, pad_to_multiple=8)
     assert len(seqs) % 8 == 0 and len(seqs) >= 3 * seqs.sequences_per_epoch
     n = seqs.sequences_per_epoch
@@ -271,15 +306,19 @@ def test_determinism_by_seed(byte_data_dir):
 def test_process_shards_union_is_global_batch(byte_data_dir, process_count):
     kwargs = dict(seq_len=32, global_batch_size=8, seed=5)
     global_batches = take(make_dataset(byte_data_dir, **kwargs), 6)
-    local = [take(make_dataset(byte_data_dir, process_index=p, process_count=process_count, **kwargs), 6)
-             for p in range(process_count)]
+    local = [
+        take(make_dataset(byte_data_dir, process_index=p, process_count=process_count, **kwargs), 6)
+        for p in range(process_count)
+    ]
     for step in range(6):
         per_process = [local[p][step] for p in range(process_count)]
         assert all(b["input_ids"].shape == (8 // process_count, 32) for b in per_process)
         assert_batches_equal([interleave_process_batches(per_process)], [global_batches[step]])
     # Finite datasets: every process yields the same number of batches (no multi-host deadlock).
-    counts = {len(epoch_batches(byte_data_dir, 32, 8, process_index=p, process_count=process_count))
-              for p in range(process_count)}
+    counts = {
+        len(epoch_batches(byte_data_dir, 32, 8, process_index=p, process_count=process_count))
+        for p in range(process_count)
+    }
     assert len(counts) == 1
     with pytest.raises(ValueError, match="divisible"):
         make_dataset(byte_data_dir, seq_len=32, global_batch_size=6, process_count=4)

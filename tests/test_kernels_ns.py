@@ -17,132 +17,143 @@ import pytest
 from zaya_jax.kernels import newton_schulz, reference_newton_schulz
 from zaya_jax.optim.muon import orthogonalize
 
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-                "xla_cpu_use_fusion_emitters": False}
+FAST_COMPILE = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+    "xla_cpu_use_fusion_emitters": False,
+}
 ERRORS: dict = {}
 
 
 def rel_err(a, b) -> float:
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 def fro_err(a, b) -> float:
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def current_test() -> str:
-  return os.environ.get("PYTEST_CURRENT_TEST", "?").split("::")[-1].split(" ")[0]
+    return os.environ.get("PYTEST_CURRENT_TEST", "?").split("::")[-1].split(" ")[0]
 
 
 def run_compiled(fn, *args):
-  return jax.jit(fn).lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
+    return jax.jit(fn).lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
 
 
 def ns_kernel(**kw):
-  return lambda x: newton_schulz(x, block=16, block_k=16, interpret=True, **kw)
+    return lambda x: newton_schulz(x, block=16, block_k=16, interpret=True, **kw)
 
 
 def test_fp32_batched_wide_and_tall():
-  """Expert stacks [L, E, m, n]: a wide batch and a tall one (iterated transposed), sizes not
-  multiples of the 16-blocks; one compiled program for both."""
-  ks = jax.random.split(jax.random.PRNGKey(0), 2)
-  wide = jax.random.normal(ks[0], (2, 2, 24, 40), jnp.float32)
-  tall = jax.random.normal(ks[1], (3, 50, 20), jnp.float32)
-  f = ns_kernel()
-  got = run_compiled(lambda a, b: (f(a), f(b)), wide, tall)
-  for name, g, x in zip(("wide", "tall"), got, (wide, tall)):
-    want = orthogonalize(x)
-    assert g.shape == x.shape and g.dtype == x.dtype
-    err = rel_err(g, want)
-    ERRORS[(f"{current_test()}[{name}]", "float32")] = {"out": err}
-    assert err < 1e-5, (name, err)
+    """Expert stacks [L, E, m, n]: a wide batch and a tall one (iterated transposed), sizes not
+    multiples of the 16-blocks; one compiled program for both."""
+    ks = jax.random.split(jax.random.PRNGKey(0), 2)
+    wide = jax.random.normal(ks[0], (2, 2, 24, 40), jnp.float32)
+    tall = jax.random.normal(ks[1], (3, 50, 20), jnp.float32)
+    f = ns_kernel()
+    got = run_compiled(lambda a, b: (f(a), f(b)), wide, tall)
+    for name, g, x in zip(("wide", "tall"), got, (wide, tall)):
+        want = orthogonalize(x)
+        assert g.shape == x.shape and g.dtype == x.dtype
+        err = rel_err(g, want)
+        ERRORS[(f"{current_test()}[{name}]", "float32")] = {"out": err}
+        assert err < 1e-5, (name, err)
 
 
 def test_bf16_input_fp32_iteration_and_custom_coeffs():
-  """Muon's default: bf16 gradients, fp32 iteration; non-default coefficients and step count."""
-  x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, 48), jnp.float32).astype(jnp.bfloat16)
-  kw = dict(ns_coeffs=(2.0, -1.5, 0.5), ns_steps=3)
-  got = run_compiled(ns_kernel(**kw), x)
-  want = orthogonalize(x, **kw)
-  assert got.dtype == jnp.bfloat16
-  err = rel_err(got, want)
-  ERRORS[(current_test(), "bfloat16")] = {"out": err}
-  assert err < 2e-2, err
+    """Muon's default: bf16 gradients, fp32 iteration; non-default coefficients and step count."""
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, 48), jnp.float32).astype(jnp.bfloat16)
+    kw = dict(ns_coeffs=(2.0, -1.5, 0.5), ns_steps=3)
+    got = run_compiled(ns_kernel(**kw), x)
+    want = orthogonalize(x, **kw)
+    assert got.dtype == jnp.bfloat16
+    err = rel_err(got, want)
+    ERRORS[(current_test(), "bfloat16")] = {"out": err}
+    assert err < 2e-2, err
 
 
 def test_bf16_iteration_is_at_least_as_accurate_as_reference():
-  x = jax.random.normal(jax.random.PRNGKey(2), (2, 40, 40), jnp.float32)
-  got = run_compiled(ns_kernel(ns_dtype=jnp.bfloat16), x)
-  exact = orthogonalize(x)  # fp32 iteration
-  ref = orthogonalize(x, ns_dtype=jnp.bfloat16)
-  errs = {"vs_fp32_max": rel_err(got, exact), "vs_fp32_fro": fro_err(got, exact),
-          "ref_vs_fp32_max": rel_err(ref, exact), "vs_bf16_ref_max": rel_err(got, ref)}
-  ERRORS[(current_test(), "bfloat16")] = errs
-  assert errs["vs_fp32_fro"] < 2e-2, errs
-  assert errs["vs_fp32_max"] <= errs["ref_vs_fp32_max"], errs
+    x = jax.random.normal(jax.random.PRNGKey(2), (2, 40, 40), jnp.float32)
+    got = run_compiled(ns_kernel(ns_dtype=jnp.bfloat16), x)
+    exact = orthogonalize(x)  # fp32 iteration
+    ref = orthogonalize(x, ns_dtype=jnp.bfloat16)
+    errs = {
+        "vs_fp32_max": rel_err(got, exact),
+        "vs_fp32_fro": fro_err(got, exact),
+        "ref_vs_fp32_max": rel_err(ref, exact),
+        "vs_bf16_ref_max": rel_err(got, ref),
+    }
+    ERRORS[(current_test(), "bfloat16")] = errs
+    assert errs["vs_fp32_fro"] < 2e-2, errs
+    assert errs["vs_fp32_max"] <= errs["ref_vs_fp32_max"], errs
 
 
 def test_reference_wrapper_and_single_matrix():
-  """A single 2-D matrix (no batch axis) and reference_newton_schulz == orthogonalize."""
-  x = jax.random.normal(jax.random.PRNGKey(3), (17, 33), jnp.float32)
-  got = run_compiled(ns_kernel(ns_steps=2), x)
-  want = reference_newton_schulz(x, ns_steps=2, block=16, interpret=True)
-  np.testing.assert_array_equal(np.asarray(want), np.asarray(orthogonalize(x, ns_steps=2)))
-  assert rel_err(got, want) < 1e-5
+    """A single 2-D matrix (no batch axis) and reference_newton_schulz == orthogonalize."""
+    x = jax.random.normal(jax.random.PRNGKey(3), (17, 33), jnp.float32)
+    got = run_compiled(ns_kernel(ns_steps=2), x)
+    want = reference_newton_schulz(x, ns_steps=2, block=16, interpret=True)
+    np.testing.assert_array_equal(np.asarray(want), np.asarray(orthogonalize(x, ns_steps=2)))
+    assert rel_err(got, want) < 1e-5
 
 
 def test_rejects_bad_arguments():
-  with pytest.raises(ValueError, match="ndim"):
-    newton_schulz(jnp.ones((4,)), interpret=True)
-  with pytest.raises(ValueError, match="triple"):
-    newton_schulz(jnp.ones((4, 4)), ns_coeffs=(1.0, 2.0), interpret=True)
+    with pytest.raises(ValueError, match="ndim"):
+        newton_schulz(jnp.ones((4,)), interpret=True)
+    with pytest.raises(ValueError, match="triple"):
+        newton_schulz(jnp.ones((4, 4)), ns_coeffs=(1.0, 2.0), interpret=True)
 
 
 def lowered_triton_kernels(monkeypatch, fn, *avals, platform):
-  """Lower jit(fn) for a GPU platform without a GPU; names of the pallas_calls that went through
-  the Pallas Triton lowering, each Triton module checked by the MLIR verifier."""
-  from jax._src.pallas.triton import pallas_call_registration as reg
+    """Lower jit(fn) for a GPU platform without a GPU; names of the pallas_calls that went through
+    the Pallas Triton lowering, each Triton module checked by the MLIR verifier."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
 
-  seen, lower = [], reg.lowering.lower_jaxpr_to_triton_module
+    seen, lower = [], reg.lowering.lower_jaxpr_to_triton_module
 
-  def spy(jaxpr, *args, **kwargs):
-    result = lower(jaxpr, *args, **kwargs)
-    assert result.module.operation.verify()
-    seen.append(jaxpr.debug_info.func_name)
-    return result
+    def spy(jaxpr, *args, **kwargs):
+        result = lower(jaxpr, *args, **kwargs)
+        assert result.module.operation.verify()
+        seen.append(jaxpr.debug_info.func_name)
+        return result
 
-  monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", spy)
-  jax.jit(fn).trace(*avals).lower(lowering_platforms=(platform,))
-  return seen
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", spy)
+    jax.jit(fn).trace(*avals).lower(lowering_platforms=(platform,))
+    return seen
 
 
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])
 @pytest.mark.parametrize("ns_dtype", [jnp.float32, jnp.bfloat16])
 def test_lowers_to_triton(monkeypatch, platform, ns_dtype):
-  """The three per-step kernels lower to Triton IR for a ZAYA1 expert stack [16, 2048, 4096]."""
-  names = lowered_triton_kernels(
-      monkeypatch, lambda x: newton_schulz(x, ns_dtype=ns_dtype),
-      jax.ShapeDtypeStruct((16, 4096, 2048), jnp.float32), platform=platform)
-  assert names == ["zaya_ns_matmul"] * 3, names
+    """The three per-step kernels lower to Triton IR for a ZAYA1 expert stack [16, 2048, 4096]."""
+    names = lowered_triton_kernels(
+        monkeypatch,
+        lambda x: newton_schulz(x, ns_dtype=ns_dtype),
+        jax.ShapeDtypeStruct((16, 4096, 2048), jnp.float32),
+        platform=platform,
+    )
+    assert names == ["zaya_ns_matmul"] * 3, names
 
 
 @pytest.mark.slow
 def test_kernel_benchmark_check_mode(tmp_path):
-  """benchmarks/kernels.py on CPU: check mode (tiny shapes, interpret), table + JSON report."""
-  from benchmarks import kernels as bench
+    """benchmarks/kernels.py on CPU: check mode (tiny shapes, interpret), table + JSON report."""
+    from benchmarks import kernels as bench
 
-  out = tmp_path / "k.json"
-  result = bench.main(["--kernels", "ns", "--iters", "1", "--out", str(out)])
-  import json
-  saved = json.loads(out.read_text())
-  assert saved["mode"] == "check" and saved["errors"] == [] and len(saved["results"]) == 2
-  assert saved["peak_tflops"]["bfloat16"] is None  # CPU
-  assert result["max_rel_err"] < 1e-5
+    out = tmp_path / "k.json"
+    result = bench.main(["--kernels", "ns", "--iters", "1", "--out", str(out)])
+    import json
+
+    saved = json.loads(out.read_text())
+    assert saved["mode"] == "check" and saved["errors"] == [] and len(saved["results"]) == 2
+    assert saved["peak_tflops"]["bfloat16"] is None  # CPU
+    assert result["max_rel_err"] < 1e-5
 
 
 def test_zz_report():
-  """Prints the errors measured above (pytest -s); runs last in this file."""
-  for (name, dtype), errs in sorted(ERRORS.items()):
-    print(f"{name:55s} {dtype:9s} " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+    """Prints the errors measured above (pytest -s); runs last in this file."""
+    for (name, dtype), errs in sorted(ERRORS.items()):
+        print(f"{name:55s} {dtype:9s} " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))

@@ -22,8 +22,8 @@ def _events(logdir):
         data = path.read_bytes()
         pos = 0
         while pos < len(data):
-            (n,) = struct.unpack("<Q", data[pos:pos + 8])
-            events.append(Event.FromString(data[pos + 12:pos + 12 + n]))
+            (n,) = struct.unpack("<Q", data[pos : pos + 8])
+            events.append(Event.FromString(data[pos + 12 : pos + 12 + n]))
             pos += 12 + n + 4
     return events
 
@@ -48,9 +48,15 @@ def test_to_python():
 
 def test_jsonl_records(tmp_path):
     with MetricsLogger(tmp_path, tensorboard=False, console=False) as log:
-        log.log_train(np.int64(10), {"loss": jnp.asarray(3.25), "lr": np.float32(1e-3),
-                                     "expert_load_max_over_mean": jnp.asarray([1.5, 2.0]),
-                                     "grad": {"norm": 0.5}})
+        log.log_train(
+            np.int64(10),
+            {
+                "loss": jnp.asarray(3.25),
+                "lr": np.float32(1e-3),
+                "expert_load_max_over_mean": jnp.asarray([1.5, 2.0]),
+                "grad": {"norm": 0.5},
+            },
+        )
         # Flushed on every write: readable while the logger is open.
         assert len(read_metrics(tmp_path)) == 1
         log.log_eval(10, {"loss": 2.0})
@@ -91,8 +97,11 @@ def test_resume_drops_later_steps(tmp_path):
     # TensorBoard is told to discard the old run's events from step 6 on.
     from tensorboardX.proto.event_pb2 import SessionLog
 
-    starts = [e.step for e in _events(tmp_path / "tensorboard")
-              if e.HasField("session_log") and e.session_log.status == SessionLog.START]
+    starts = [
+        e.step
+        for e in _events(tmp_path / "tensorboard")
+        if e.HasField("session_log") and e.session_log.status == SessionLog.START
+    ]
     assert starts == [6]
 
 
@@ -113,8 +122,14 @@ def test_torn_last_line(tmp_path):
 def test_tensorboard_scalars(tmp_path):
     with MetricsLogger(tmp_path, console=False) as log:
         for step in (1, 2, 3):
-            log.log_train(step, {"loss": 1.0 / step, "expert_load_max_over_mean": [1.0, step],
-                                 "note": "text is not a scalar"})
+            log.log_train(
+                step,
+                {
+                    "loss": 1.0 / step,
+                    "expert_load_max_over_mean": [1.0, step],
+                    "note": "text is not a scalar",
+                },
+            )
         log.log_eval(3, {"loss": 0.25})
     tags = _event_tags(tmp_path / "tensorboard")
     assert [s for s, _ in tags["train/loss"]] == [1, 2, 3]

@@ -9,63 +9,66 @@ from zaya_jax.model.moe import ACTIVATIONS, dense_moe, group_by_expert, sparse_m
 
 
 def _problem(seed, t=37, d=16, i=12, e=5, skip_frac=0.2):
-  r = np.random.default_rng(seed)
-  x = jnp.asarray(r.normal(size=(t, d)), jnp.float32)
-  expert = r.integers(0, e, size=t)
-  expert[r.random(t) < skip_frac] = e  # skip class
-  gate_up = jnp.asarray(r.normal(size=(e, d, 2 * i)) * 0.3, jnp.float32)
-  down = jnp.asarray(r.normal(size=(e, i, d)) * 0.3, jnp.float32)
-  return x, jnp.asarray(expert, jnp.int32), gate_up, down
+    r = np.random.default_rng(seed)
+    x = jnp.asarray(r.normal(size=(t, d)), jnp.float32)
+    expert = r.integers(0, e, size=t)
+    expert[r.random(t) < skip_frac] = e  # skip class
+    gate_up = jnp.asarray(r.normal(size=(e, d, 2 * i)) * 0.3, jnp.float32)
+    down = jnp.asarray(r.normal(size=(e, i, d)) * 0.3, jnp.float32)
+    return x, jnp.asarray(expert, jnp.int32), gate_up, down
 
 
 def test_group_by_expert_sorts_and_counts():
-  expert = jnp.array([2, 0, 3, 2, 1, 0], jnp.int32)  # 3 = skip for E = 3
-  order, sizes = group_by_expert(expert, 3)
-  np.testing.assert_array_equal(sizes, [2, 1, 2])
-  np.testing.assert_array_equal(np.asarray(expert)[np.asarray(order)], [0, 0, 1, 2, 2, 3])
+    expert = jnp.array([2, 0, 3, 2, 1, 0], jnp.int32)  # 3 = skip for E = 3
+    order, sizes = group_by_expert(expert, 3)
+    np.testing.assert_array_equal(sizes, [2, 1, 2])
+    np.testing.assert_array_equal(np.asarray(expert)[np.asarray(order)], [0, 0, 1, 2, 2, 3])
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_sparse_equals_dense_values_and_grads(seed):
-  x, expert, gate_up, down = _problem(seed)
-  act = ACTIVATIONS["silu"]
-  ys, yd = sparse_moe(x, expert, gate_up, down, act), dense_moe(x, expert, gate_up, down, act)
-  np.testing.assert_allclose(np.asarray(ys), np.asarray(yd), atol=1e-5, rtol=1e-5)
-  skipped = np.asarray(expert) == gate_up.shape[0]
-  assert skipped.any() and (np.asarray(ys)[skipped] == 0).all()
+    x, expert, gate_up, down = _problem(seed)
+    act = ACTIVATIONS["silu"]
+    ys, yd = sparse_moe(x, expert, gate_up, down, act), dense_moe(x, expert, gate_up, down, act)
+    np.testing.assert_allclose(np.asarray(ys), np.asarray(yd), atol=1e-5, rtol=1e-5)
+    skipped = np.asarray(expert) == gate_up.shape[0]
+    assert skipped.any() and (np.asarray(ys)[skipped] == 0).all()
 
-  cot = jax.random.normal(jax.random.key(seed), ys.shape)
-  loss = lambda f: lambda x, g, d: jnp.sum(f(x, expert, g, d, act) * cot)
-  gs = jax.grad(loss(sparse_moe), argnums=(0, 1, 2))(x, gate_up, down)
-  gd = jax.grad(loss(dense_moe), argnums=(0, 1, 2))(x, gate_up, down)
-  for a, b in zip(gs, gd):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+    cot = jax.random.normal(jax.random.key(seed), ys.shape)
+    loss = lambda f: lambda x, g, d: jnp.sum(f(x, expert, g, d, act) * cot)
+    gs = jax.grad(loss(sparse_moe), argnums=(0, 1, 2))(x, gate_up, down)
+    gd = jax.grad(loss(dense_moe), argnums=(0, 1, 2))(x, gate_up, down)
+    for a, b in zip(gs, gd):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
 
 def test_empty_experts_and_all_skip():
-  x, _, gate_up, down = _problem(3, t=8)
-  act = ACTIVATIONS["silu"]
-  all_one = jnp.full((8,), 1, jnp.int32)  # experts 0, 2, 3, 4 empty
-  np.testing.assert_allclose(sparse_moe(x, all_one, gate_up, down, act),
-                             dense_moe(x, all_one, gate_up, down, act), atol=1e-5)
-  all_skip = jnp.full((8,), 5, jnp.int32)
-  assert (np.asarray(sparse_moe(x, all_skip, gate_up, down, act)) == 0).all()
+    x, _, gate_up, down = _problem(3, t=8)
+    act = ACTIVATIONS["silu"]
+    all_one = jnp.full((8,), 1, jnp.int32)  # experts 0, 2, 3, 4 empty
+    np.testing.assert_allclose(
+        sparse_moe(x, all_one, gate_up, down, act), dense_moe(x, all_one, gate_up, down, act), atol=1e-5
+    )
+    all_skip = jnp.full((8,), 5, jnp.int32)
+    assert (np.asarray(sparse_moe(x, all_skip, gate_up, down, act)) == 0).all()
 
 
 def test_sparse_dispatch_is_sparse():
-  """Tokens meet only their own expert: one grouped (ragged) matmul per projection, and the
-  activation runs once per token, not once per (token, expert) as in the dense reference.
+    """Tokens meet only their own expert: one grouped (ragged) matmul per projection, and the
+    activation runs once per token, not once per (token, expert) as in the dense reference.
 
-  (XLA:CPU expands ragged_dot into masked dense matmuls; on GPU/TPU it lowers to a native grouped
-  GEMM. The primitive and the per-token activation count are what the dispatch itself guarantees.)
-  """
-  x, expert, gate_up, down = _problem(0, t=256, e=8)
-  act = ACTIVATIONS["silu"]
-  lowered = lambda f: jax.jit(f, static_argnums=4).lower(x, expert, gate_up, down, act)
-  jaxpr = str(jax.make_jaxpr(sparse_moe, static_argnums=4)(x, expert, gate_up, down, act))
-  assert jaxpr.count("ragged_dot_general") == 2
-  cost = lambda f: lowered(f).compile().cost_analysis()
-  cost = {f.__name__: (c[0] if isinstance(c, list) else c) for f in (sparse_moe, dense_moe) for c in [cost(f)]}
-  t, i = x.shape[0], down.shape[1]
-  assert cost["sparse_moe"]["transcendentals"] <= t * i
-  assert cost["dense_moe"]["transcendentals"] >= 8 * t * i
+    (XLA:CPU expands ragged_dot into masked dense matmuls; on GPU/TPU it lowers to a native grouped
+    GEMM. The primitive and the per-token activation count are what the dispatch itself guarantees.)
+    """
+    x, expert, gate_up, down = _problem(0, t=256, e=8)
+    act = ACTIVATIONS["silu"]
+    lowered = lambda f: jax.jit(f, static_argnums=4).lower(x, expert, gate_up, down, act)
+    jaxpr = str(jax.make_jaxpr(sparse_moe, static_argnums=4)(x, expert, gate_up, down, act))
+    assert jaxpr.count("ragged_dot_general") == 2
+    cost = lambda f: lowered(f).compile().cost_analysis()
+    cost = {
+        f.__name__: (c[0] if isinstance(c, list) else c) for f in (sparse_moe, dense_moe) for c in [cost(f)]
+    }
+    t, i = x.shape[0], down.shape[1]
+    assert cost["sparse_moe"]["transcendentals"] <= t * i
+    assert cost["dense_moe"]["transcendentals"] >= 8 * t * i

@@ -41,15 +41,19 @@ def _max_abs_diff(a, b):
     return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-@pytest.mark.parametrize(
-    "nesterov,consistent_rms", [(True, 0.2), (False, None)]
-)
+@pytest.mark.parametrize("nesterov,consistent_rms", [(True, 0.2), (False, None)])
 def test_matches_optax_contrib_muon(nesterov, consistent_rms):
     params = _params()
     lr = optax.linear_schedule(0.02, 0.005, 4)
-    common = dict(beta=0.9, ns_steps=5, ns_coeffs=(3.4445, -4.7750, 2.0315),
-                  eps=1e-8, weight_decay=0.1, nesterov=nesterov,
-                  consistent_rms=consistent_rms)
+    common = dict(
+        beta=0.9,
+        ns_steps=5,
+        ns_coeffs=(3.4445, -4.7750, 2.0315),
+        eps=1e-8,
+        weight_decay=0.1,
+        nesterov=nesterov,
+        consistent_rms=consistent_rms,
+    )
     ref = optax_muon(lr, muon_weight_dimension_numbers=_OPTAX_DIMS, **common)
     ours = muon(lr, **common)
     s_ref, s_ours = ref.init(params), ours.init(params)

@@ -83,10 +83,12 @@ def _rand(seed, shape):
 
 def _params(seed=0, fn=lambda x: x):
     """Fake params (or grads: ``fn`` applied to the numpy values before upload)."""
-    return _nest({
-        p: jnp.asarray(fn(np.random.default_rng(seed + i).standard_normal(s)), jnp.float32)
-        for i, (p, (s, _, _)) in enumerate(EXPECTED.items())
-    })
+    return _nest(
+        {
+            p: jnp.asarray(fn(np.random.default_rng(seed + i).standard_normal(s)), jnp.float32)
+            for i, (p, (s, _, _)) in enumerate(EXPECTED.items())
+        }
+    )
 
 
 def _cfg(clip=1.0):
@@ -110,9 +112,7 @@ def _optimizer(clip):
 
 def test_routing_table():
     routing = describe_routing(_params())
-    assert {p: (s, lab) for p, s, lab in routing} == {
-        p: (s, lab) for p, (s, lab, _) in EXPECTED.items()
-    }
+    assert {p: (s, lab) for p, s, lab in routing} == {p: (s, lab) for p, (s, lab, _) in EXPECTED.items()}
     labels = param_labels(_params())
     # Spot checks of the cases that ndim alone would get wrong.
     assert labels["layers"]["self_attn"]["conv_qk_grouped"]["kernel"] == "adamw"  # 4-D
@@ -124,14 +124,17 @@ def test_routing_table():
 
 def test_weight_decay_mask():
     mask = weight_decay_mask(_params())
-    flat = {"/".join(str(k.key) for k in kp): v
-            for kp, v in jax.tree_util.tree_flatten_with_path(mask)[0]}
+    flat = {"/".join(str(k.key) for k in kp): v for kp, v in jax.tree_util.tree_flatten_with_path(mask)[0]}
     assert flat == {p: wd for p, (_, _, wd) in EXPECTED.items()}
 
 
 def test_linen_params_prefix_and_untied_head():
-    params = {"params": {"lm_head": {"kernel": jnp.zeros((D, V))},
-                         "layers": {"self_attn": {"o_proj": {"kernel": jnp.zeros((L, D, D))}}}}}
+    params = {
+        "params": {
+            "lm_head": {"kernel": jnp.zeros((D, V))},
+            "layers": {"self_attn": {"o_proj": {"kernel": jnp.zeros((L, D, D))}}},
+        }
+    }
     assert describe_routing(params) == [
         ("layers/self_attn/o_proj/kernel", (L, D, D), "muon"),
         ("lm_head/kernel", (D, V), "adamw"),
@@ -241,7 +244,8 @@ def test_config_variants():
     cfg.muon.ns_dtype = "bfloat16"
     cfg.muon.mu_dtype = "bfloat16"
     state = make_optimizer(cfg, total_steps=10).init(
-        {"layers": {"self_attn": {"o_proj": {"kernel": jnp.zeros((L, D, D))}}}})
+        {"layers": {"self_attn": {"o_proj": {"kernel": jnp.zeros((L, D, D))}}}}
+    )
     mus = [mu for _, mu in optax.tree_utils.tree_get_all_with_path(state, "mu")]
     assert any(leaf.dtype == jnp.bfloat16 for mu in mus for leaf in jax.tree.leaves(mu))
 

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax import balancing as bal
@@ -19,162 +18,184 @@ from zaya_jax.parallel.expert import capacity
 from zaya_jax.parallel.sharding import batch_sharding, global_bytes, per_device_bytes
 from zaya_jax.train_state import create_train_state, make_train_step, state_shardings
 
-CFG = ZayaConfig.tiny(hidden_size=64, num_hidden_layers=2, num_experts=8, moe_intermediate_size=32,
-                      vocab_size=128)
-MESHES = {"data8": (8, 1, 1), "data2_expert4": (2, 1, 4), "data2_fsdp2_expert2": (2, 2, 2), "expert8": (1, 1, 8)}
+CFG = ZayaConfig.tiny(
+    hidden_size=64, num_hidden_layers=2, num_experts=8, moe_intermediate_size=32, vocab_size=128
+)
+MESHES = {
+    "data8": (8, 1, 1),
+    "data2_expert4": (2, 1, 4),
+    "data2_fsdp2_expert2": (2, 2, 2),
+    "expert8": (1, 1, 8),
+}
 STEPS = 20
 
 
 def _batch(step, b=8, s=16):
-  r = np.random.default_rng(step)
-  ids = r.integers(3, CFG.vocab_size, size=(b, s + 1))
-  return {"input_ids": ids[:, :-1].astype(np.int32), "targets": ids[:, 1:].astype(np.int32),
-          "loss_mask": np.ones((b, s), np.float32)}
+    r = np.random.default_rng(step)
+    ids = r.integers(3, CFG.vocab_size, size=(b, s + 1))
+    return {
+        "input_ids": ids[:, :-1].astype(np.int32),
+        "targets": ids[:, 1:].astype(np.int32),
+        "loss_mask": np.ones((b, s), np.float32),
+    }
 
 
 def _run(mesh_shape, steps, cfg=CFG):
-  """Losses of `steps` train steps (and the final state) on a mesh (None = one device)."""
-  c = base_config()
-  c.optim.warmup_steps = 2
-  tx = make_optimizer(c, total_steps=steps)
-  bc = bal.BalancingConfig(lr=1e-2)
-  create = lambda: create_train_state(cfg, tx, bc, jax.random.key(0))
-  if mesh_shape is None:
-    mesh, state, step_fn = None, create(), None
-    step_fn = jax.jit(make_train_step(cfg, tx, bc, lr_schedule(c, steps)))
-    put = lambda b: jax.tree.map(jnp.asarray, b)
-  else:
-    mesh = make_mesh(*mesh_shape)
-    shardings = state_shardings(jax.eval_shape(create), mesh)
-    state = jax.jit(create, out_shardings=shardings)()
-    step_fn = jax.jit(make_train_step(cfg, tx, bc, lr_schedule(c, steps), mesh=mesh),
-                      in_shardings=(shardings, None), out_shardings=(shardings, None))
-    put = lambda b: jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh)), b)
-  losses, grad_norms = [], []
-  for i in range(steps):
-    state, m = step_fn(state, put(_batch(i)))
-    losses.append(float(m["loss"]))
-    grad_norms.append(float(m["grad_norm"]))
-  return losses, grad_norms, state, step_fn, mesh
+    """Losses of `steps` train steps (and the final state) on a mesh (None = one device)."""
+    c = base_config()
+    c.optim.warmup_steps = 2
+    tx = make_optimizer(c, total_steps=steps)
+    bc = bal.BalancingConfig(lr=1e-2)
+    create = lambda: create_train_state(cfg, tx, bc, jax.random.key(0))
+    if mesh_shape is None:
+        mesh, state, step_fn = None, create(), None
+        step_fn = jax.jit(make_train_step(cfg, tx, bc, lr_schedule(c, steps)))
+        put = lambda b: jax.tree.map(jnp.asarray, b)
+    else:
+        mesh = make_mesh(*mesh_shape)
+        shardings = state_shardings(jax.eval_shape(create), mesh)
+        state = jax.jit(create, out_shardings=shardings)()
+        step_fn = jax.jit(
+            make_train_step(cfg, tx, bc, lr_schedule(c, steps), mesh=mesh),
+            in_shardings=(shardings, None),
+            out_shardings=(shardings, None),
+        )
+        put = lambda b: jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh)), b)
+    losses, grad_norms = [], []
+    for i in range(steps):
+        state, m = step_fn(state, put(_batch(i)))
+        losses.append(float(m["loss"]))
+        grad_norms.append(float(m["grad_norm"]))
+    return losses, grad_norms, state, step_fn, mesh
 
 
 @pytest.fixture(scope="module")
 def single_device():
-  return _run(None, STEPS)
+    return _run(None, STEPS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MESHES))
 def test_mesh_matches_single_device(name, single_device):
-  ref_losses, ref_norms, ref_state, _, _ = single_device
-  losses, norms, state, _, _ = _run(MESHES[name], STEPS)
-  # Step 1: same loss and gradients (the gradient norm over every parameter) within 1e-5.
-  assert abs(losses[0] - ref_losses[0]) < 1e-5
-  assert abs(norms[0] - ref_norms[0]) < 1e-5 * max(1.0, ref_norms[0])
-  np.testing.assert_allclose(losses, ref_losses, atol=1e-4)
-  # The routing decisions (balancing biases are driven by global counts) stayed identical.
-  np.testing.assert_allclose(bal.get_balancing_biases(state.variables),
-                             bal.get_balancing_biases(ref_state.variables), atol=1e-6)
+    ref_losses, ref_norms, ref_state, _, _ = single_device
+    losses, norms, state, _, _ = _run(MESHES[name], STEPS)
+    # Step 1: same loss and gradients (the gradient norm over every parameter) within 1e-5.
+    assert abs(losses[0] - ref_losses[0]) < 1e-5
+    assert abs(norms[0] - ref_norms[0]) < 1e-5 * max(1.0, ref_norms[0])
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-4)
+    # The routing decisions (balancing biases are driven by global counts) stayed identical.
+    np.testing.assert_allclose(
+        bal.get_balancing_biases(state.variables), bal.get_balancing_biases(ref_state.variables), atol=1e-6
+    )
 
 
 def test_first_step_gradients_match_per_parameter():
-  """Every parameter's gradient on data=2 x fsdp=2 x expert=2 equals the single-device one."""
-  from zaya_jax.model import BALANCING, ZayaForCausalLM, init_variables
-  from zaya_jax.train_state import loss_and_counts
+    """Every parameter's gradient on data=2 x fsdp=2 x expert=2 equals the single-device one."""
+    from zaya_jax.model import BALANCING, ZayaForCausalLM, init_variables
+    from zaya_jax.train_state import loss_and_counts
 
-  variables = init_variables(CFG, jax.random.key(1))
-  batch = jax.tree.map(jnp.asarray, _batch(0))
+    variables = init_variables(CFG, jax.random.key(1))
+    batch = jax.tree.map(jnp.asarray, _batch(0))
 
-  def grads(mesh):
-    model = ZayaForCausalLM(CFG, mesh)
-    def f(p):  # the train step's objective: mean token loss
-      loss_sum, (weight, _, _) = loss_and_counts(model, p, variables[BALANCING], batch)
-      return loss_sum / weight
+    def grads(mesh):
+        model = ZayaForCausalLM(CFG, mesh)
 
-    return jax.jit(jax.value_and_grad(f))(variables["params"])
+        def f(p):  # the train step's objective: mean token loss
+            loss_sum, (weight, _, _) = loss_and_counts(model, p, variables[BALANCING], batch)
+            return loss_sum / weight
 
-  ref_loss, ref = grads(None)
-  mesh = make_mesh(2, 2, 2)
-  loss, got = grads(mesh)
-  assert abs(float(loss) - float(ref_loss)) < 1e-5
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ref)[0], jax.tree.leaves(got)):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, err_msg=jax.tree_util.keystr(path))
+        return jax.jit(jax.value_and_grad(f))(variables["params"])
+
+    ref_loss, ref = grads(None)
+    mesh = make_mesh(2, 2, 2)
+    loss, got = grads(mesh)
+    assert abs(float(loss) - float(ref_loss)) < 1e-5
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ref)[0], jax.tree.leaves(got)):
+        np.testing.assert_allclose(
+            np.asarray(b), np.asarray(a), atol=1e-5, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 def test_expert_parallel_step_uses_all_to_all_and_shards_experts():
-  c = base_config()
-  c.optim.warmup_steps = 1
-  tx = make_optimizer(c, total_steps=2)
-  bc = bal.BalancingConfig()
-  mesh = make_mesh(2, 1, 4)
-  create = lambda: create_train_state(CFG, tx, bc, jax.random.key(0))
-  shardings = state_shardings(jax.eval_shape(create), mesh)
-  state = jax.jit(create, out_shardings=shardings)()
-  step = jax.jit(make_train_step(CFG, tx, bc, lr_schedule(c, 2), mesh=mesh), in_shardings=(shardings, None))
-  batch = jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh)), _batch(0))
-  hlo = step.lower(state, batch).compile().as_text()
-  assert "all-to-all" in hlo
+    c = base_config()
+    c.optim.warmup_steps = 1
+    tx = make_optimizer(c, total_steps=2)
+    bc = bal.BalancingConfig()
+    mesh = make_mesh(2, 1, 4)
+    create = lambda: create_train_state(CFG, tx, bc, jax.random.key(0))
+    shardings = state_shardings(jax.eval_shape(create), mesh)
+    state = jax.jit(create, out_shardings=shardings)()
+    step = jax.jit(make_train_step(CFG, tx, bc, lr_schedule(c, 2), mesh=mesh), in_shardings=(shardings, None))
+    batch = jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh)), _batch(0))
+    hlo = step.lower(state, batch).compile().as_text()
+    assert "all-to-all" in hlo
 
-  experts = state.params["layers"]["mlp"]["experts"]
-  assert per_device_bytes(experts) * 4 == global_bytes(experts)  # 1/4 of the experts per device
-  assert experts["gate_up_proj"].sharding.spec[1] == "expert"
-  # ZeRO-1: the optimizer state is split over data=2 on top of the expert split.
-  assert per_device_bytes(state.opt_state) <= global_bytes(state.opt_state) / 2 * 1.05
-  # Params outside the experts are replicated under ZeRO-1 (no FSDP).
-  q = state.params["layers"]["self_attn"]["q_proj"]["kernel"]
-  assert per_device_bytes(q) == global_bytes(q)
+    experts = state.params["layers"]["mlp"]["experts"]
+    assert per_device_bytes(experts) * 4 == global_bytes(experts)  # 1/4 of the experts per device
+    assert experts["gate_up_proj"].sharding.spec[1] == "expert"
+    # ZeRO-1: the optimizer state is split over data=2 on top of the expert split.
+    assert per_device_bytes(state.opt_state) <= global_bytes(state.opt_state) / 2 * 1.05
+    # Params outside the experts are replicated under ZeRO-1 (no FSDP).
+    q = state.params["layers"]["self_attn"]["q_proj"]["kernel"]
+    assert per_device_bytes(q) == global_bytes(q)
 
 
 def test_fsdp_shards_params_and_optimizer_state():
-  c = base_config()
-  tx = make_optimizer(c, total_steps=200)
-  bc = bal.BalancingConfig()
-  mesh = make_mesh(2, 4, 1)
-  create = lambda: create_train_state(CFG, tx, bc, jax.random.key(0))
-  state = jax.jit(create, out_shardings=state_shardings(jax.eval_shape(create), mesh))()
-  q = state.params["layers"]["self_attn"]["q_proj"]["kernel"]
-  assert q.sharding.spec == P(None, "fsdp", None) and per_device_bytes(q) * 4 == global_bytes(q)
-  big = {k: v for k, v in state.params.items() if k in ("embed_tokens", "layers")}
-  assert per_device_bytes(big) < global_bytes(big) / 3  # the matrices dominate and are split 4 ways
-  # Optimizer state: matrices split fsdp 4 x data 2 ways; small vectors only over data.
-  assert per_device_bytes(state.opt_state) < global_bytes(state.opt_state) / 4
-  mu = [x for p, x in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
-        if "q_proj" in jax.tree_util.keystr(p) and x.shape == q.shape]
-  assert mu and all(per_device_bytes(x) * 8 == global_bytes(x) for x in mu)
+    c = base_config()
+    tx = make_optimizer(c, total_steps=200)
+    bc = bal.BalancingConfig()
+    mesh = make_mesh(2, 4, 1)
+    create = lambda: create_train_state(CFG, tx, bc, jax.random.key(0))
+    state = jax.jit(create, out_shardings=state_shardings(jax.eval_shape(create), mesh))()
+    q = state.params["layers"]["self_attn"]["q_proj"]["kernel"]
+    assert q.sharding.spec == P(None, "fsdp", None) and per_device_bytes(q) * 4 == global_bytes(q)
+    big = {k: v for k, v in state.params.items() if k in ("embed_tokens", "layers")}
+    assert per_device_bytes(big) < global_bytes(big) / 3  # the matrices dominate and are split 4 ways
+    # Optimizer state: matrices split fsdp 4 x data 2 ways; small vectors only over data.
+    assert per_device_bytes(state.opt_state) < global_bytes(state.opt_state) / 4
+    mu = [
+        x
+        for p, x in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+        if "q_proj" in jax.tree_util.keystr(p) and x.shape == q.shape
+    ]
+    assert mu and all(per_device_bytes(x) * 8 == global_bytes(x) for x in mu)
 
 
-@pytest.mark.parametrize("shape, message", [
-    ((3, 1, 1), "does not equal the 8 available devices"),
-    ((2, -1, 3), "not divisible by the fixed axes"),
-    ((1, 1, 8), "mesh.expert=8 does not divide model.num_experts=6"),
-    ((-1, -1, 1), "only one axis may be -1"),
-    ((0, 1, 1), "mesh.data=0"),
-])
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        ((3, 1, 1), "does not equal the 8 available devices"),
+        ((2, -1, 3), "not divisible by the fixed axes"),
+        ((1, 1, 8), "mesh.expert=8 does not divide model.num_experts=6"),
+        ((-1, -1, 1), "only one axis may be -1"),
+        ((0, 1, 1), "mesh.data=0"),
+    ],
+)
 def test_bad_mesh_is_a_clear_error(shape, message):
-  with pytest.raises(ValueError, match=message):
-    make_mesh(*shape, num_experts=6)
+    with pytest.raises(ValueError, match=message):
+        make_mesh(*shape, num_experts=6)
 
 
 def test_resolve_mesh_shape():
-  assert resolve_mesh_shape(-1, 2, 2, 8) == (2, 2, 2)
-  assert resolve_mesh_shape(1, 1, -1, 8) == (1, 1, 8)
+    assert resolve_mesh_shape(-1, 2, 2, 8) == (2, 2, 2)
+    assert resolve_mesh_shape(1, 1, -1, 8) == (1, 1, 8)
 
 
 def test_capacity_factor_drops_and_counts():
-  from zaya_jax.model import BALANCING, ZayaForCausalLM, init_variables
+    from zaya_jax.model import BALANCING, ZayaForCausalLM, init_variables
 
-  mesh = make_mesh(2, 1, 4)
-  assert capacity(16, 4, None) == 16 and capacity(16, 4, 1.0) == 8 and capacity(64, 4, 1.0) == 16
-  ids = jax.device_put(jnp.asarray(_batch(3)["input_ids"]), batch_sharding(mesh))
-  variables = init_variables(CFG, jax.random.key(0))
-  # Route everything to expert 0 so the rank owning it overflows a capacity-1.0 bucket.
-  biases = jnp.zeros((2, 9)).at[:, 0].set(5.0)
-  variables = {**variables, BALANCING: {"layers": {"mlp": {"gate": {"balancing_biases": biases}}}}}
-  dropless = ZayaForCausalLM(CFG, mesh).apply(variables, ids)
-  capped = ZayaForCausalLM(CFG.replace(moe_capacity_factor=1.0), mesh).apply(variables, ids)
-  single = ZayaForCausalLM(CFG).apply(variables, ids)
-  assert int(dropless.dropped_tokens.sum()) == 0
-  np.testing.assert_allclose(dropless.logits, single.logits, atol=1e-5)
-  # 8 x 16 tokens over 8 devices -> 16 per device, all to one rank with 8 slots: 8 dropped each.
-  np.testing.assert_array_equal(capped.dropped_tokens, [64, 64])
-  assert not np.allclose(capped.logits, single.logits)
+    mesh = make_mesh(2, 1, 4)
+    assert capacity(16, 4, None) == 16 and capacity(16, 4, 1.0) == 8 and capacity(64, 4, 1.0) == 16
+    ids = jax.device_put(jnp.asarray(_batch(3)["input_ids"]), batch_sharding(mesh))
+    variables = init_variables(CFG, jax.random.key(0))
+    # Route everything to expert 0 so the rank owning it overflows a capacity-1.0 bucket.
+    biases = jnp.zeros((2, 9)).at[:, 0].set(5.0)
+    variables = {**variables, BALANCING: {"layers": {"mlp": {"gate": {"balancing_biases": biases}}}}}
+    dropless = ZayaForCausalLM(CFG, mesh).apply(variables, ids)
+    capped = ZayaForCausalLM(CFG.replace(moe_capacity_factor=1.0), mesh).apply(variables, ids)
+    single = ZayaForCausalLM(CFG).apply(variables, ids)
+    assert int(dropless.dropped_tokens.sum()) == 0
+    np.testing.assert_allclose(dropless.logits, single.logits, atol=1e-5)
+    # 8 x 16 tokens over 8 devices -> 16 per device, all to one rank with 8 slots: 8 dropped each.
+    np.testing.assert_array_equal(capped.dropped_tokens, [64, 64])
+    assert not np.allclose(capped.logits, single.logits)

@@ -11,8 +11,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "zaya_jax.plot", *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "zaya_jax.plot", *map(str, args)], capture_output=True, text=True, timeout=120
+    )
 
 
 def _is_png(path):
@@ -26,16 +27,23 @@ def _write_run(workdir, num_layers=3, with_load=True):
     workdir.mkdir(parents=True, exist_ok=True)
     with open(workdir / "metrics.jsonl", "w") as f:
         for step in range(1, 201):
-            rec = {"step": step, "split": "train", "loss": 5.0 * math.exp(-step / 60) + 2.0
-                   + 0.1 * math.sin(step), "lr": 1e-3}
+            rec = {
+                "step": step,
+                "split": "train",
+                "loss": 5.0 * math.exp(-step / 60) + 2.0 + 0.1 * math.sin(step),
+                "lr": 1e-3,
+            }
             if with_load:
-                rec["expert_load_max_over_mean"] = [1.2 + (1.8 + 0.3 * i) * math.exp(-step / 40)
-                                                    for i in range(num_layers)]
+                rec["expert_load_max_over_mean"] = [
+                    1.2 + (1.8 + 0.3 * i) * math.exp(-step / 40) for i in range(num_layers)
+                ]
                 rec["expert_skip_fraction"] = [0.02 * (i + 1) for i in range(num_layers)]
             f.write(json.dumps(rec) + "\n")
             if step % 50 == 0:
-                f.write(json.dumps({"step": step, "split": "eval",
-                                    "eval_loss": 5.0 * math.exp(-step / 60) + 2.1}) + "\n")
+                f.write(
+                    json.dumps({"step": step, "split": "eval", "eval_loss": 5.0 * math.exp(-step / 60) + 2.1})
+                    + "\n"
+                )
         f.write(json.dumps({"step": 201, "split": "train", "loss": float("nan")}) + "\n")
 
 
@@ -67,6 +75,9 @@ def test_cli_errors(tmp_path, case):
         (workdir / "metrics.jsonl").write_text(json.dumps({"step": 1, "split": "train"}) + "\n")
     res = _run(workdir)
     assert res.returncode == 2 and res.stdout == ""
-    expected = {"no_workdir": "does not exist", "no_metrics": "no metrics.jsonl",
-                "no_loss": "no train 'loss'"}[case]
+    expected = {
+        "no_workdir": "does not exist",
+        "no_metrics": "no metrics.jsonl",
+        "no_loss": "no train 'loss'",
+    }[case]
     assert expected in res.stderr

@@ -20,24 +20,23 @@ def _curve(schedule, n):
 def test_wsd_shape(shape):
     peak, total, warmup, decay = 2e-3, 50, 10, 15
     lr = _curve(
-        warmup_stable_decay(peak, total, warmup, decay_steps=decay,
-                            final_lr_fraction=0.1, decay_shape=shape),
+        warmup_stable_decay(peak, total, warmup, decay_steps=decay, final_lr_fraction=0.1, decay_shape=shape),
         total + 5,
     )
     # Warmup: linear ramp from ~0 (first step peak/warmup) up to peak.
     np.testing.assert_allclose(lr[:warmup], peak * np.arange(1, warmup + 1) / warmup, rtol=1e-6)
     assert lr[0] == pytest.approx(peak / warmup, rel=1e-6)
     # Stable: exactly peak.
-    np.testing.assert_allclose(lr[warmup:total - decay], peak, rtol=1e-6)
+    np.testing.assert_allclose(lr[warmup : total - decay], peak, rtol=1e-6)
     # Decay: strictly decreasing, below peak, ends at the final fraction on the last step.
-    d = lr[total - decay:total]
+    d = lr[total - decay : total]
     assert np.all(np.diff(d) < 0) and d[0] < peak
     np.testing.assert_allclose(lr[total - 1], 0.1 * peak, rtol=1e-5)
     # After the end: stays at the final value.
     np.testing.assert_allclose(lr[total:], 0.1 * peak, rtol=1e-5)
     # Whole curve: non-decreasing then non-increasing.
-    assert np.all(np.diff(lr[:total - decay]) >= 0)
-    assert np.all(np.diff(lr[warmup - 1:]) <= 1e-12)
+    assert np.all(np.diff(lr[: total - decay]) >= 0)
+    assert np.all(np.diff(lr[warmup - 1 :]) <= 1e-12)
 
 
 def test_wsd_decay_shapes_differ_as_expected():
@@ -64,7 +63,7 @@ def test_warmup_cosine_shape():
     peak, total, warmup = 1.0, 40, 5
     lr = _curve(warmup_cosine(peak, total, warmup, final_lr_fraction=0.05), total)
     np.testing.assert_allclose(lr[:warmup], np.arange(1, warmup + 1) / warmup, rtol=1e-6)
-    assert np.all(np.diff(lr[warmup - 1:]) < 0)
+    assert np.all(np.diff(lr[warmup - 1 :]) < 0)
     np.testing.assert_allclose(lr[-1], 0.05, rtol=1e-5)
     # Half-way through the decay the cosine is at the mean of peak and final.
     decay = total - warmup

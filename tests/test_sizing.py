@@ -9,29 +9,31 @@ from zaya_jax.sizing import flops_per_token, mfu, param_counts
 
 
 def test_released_model_counts():
-  pc = param_counts(ZayaConfig.zaya1_base())
-  assert abs(pc.total / 8.84e9 - 1) < 0.005
-  assert abs((pc.total - pc.embedding) / 8.30e9 - 1) < 0.005
-  assert abs(pc.active / 0.76e9 - 1) < 0.015
-  assert pc.embedding == 262272 * 2048
+    pc = param_counts(ZayaConfig.zaya1_base())
+    assert abs(pc.total / 8.84e9 - 1) < 0.005
+    assert abs((pc.total - pc.embedding) / 8.30e9 - 1) < 0.005
+    assert abs(pc.active / 0.76e9 - 1) < 0.015
+    assert pc.embedding == 262272 * 2048
 
 
-@pytest.mark.parametrize("extras", [{}, dict(attention_bias=True, tie_word_embeddings=False, lm_head_bias=True)])
+@pytest.mark.parametrize(
+    "extras", [{}, dict(attention_bias=True, tie_word_embeddings=False, lm_head_bias=True)]
+)
 def test_counts_equal_initialised_params(extras):
-  cfg = ZayaConfig.tiny(**extras)
-  shapes = jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0)))["params"]
-  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
-  # Ours has one extra EDA scale in block 0 (multiplies zeros; not in the released model).
-  assert n - cfg.router_hidden_size == param_counts(cfg).total
+    cfg = ZayaConfig.tiny(**extras)
+    shapes = jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0)))["params"]
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    # Ours has one extra EDA scale in block 0 (multiplies zeros; not in the released model).
+    assert n - cfg.router_hidden_size == param_counts(cfg).total
 
 
 def test_flops_and_mfu():
-  cfg = ZayaConfig.zaya1_base()
-  f = flops_per_token(cfg, 4096)
-  assert 6 * param_counts(cfg).active < f < 6 * (param_counts(cfg).active + cfg.vocab_size * 2048) * 1.5
-  assert flops_per_token(cfg, 4096, training=False) * 3 == pytest.approx(f)
-  assert mfu(1000.0, cfg, 4096, 8, None) is None
-  assert mfu(1000.0, cfg, 4096, 1, f * 1000.0) == pytest.approx(1.0)
+    cfg = ZayaConfig.zaya1_base()
+    f = flops_per_token(cfg, 4096)
+    assert 6 * param_counts(cfg).active < f < 6 * (param_counts(cfg).active + cfg.vocab_size * 2048) * 1.5
+    assert flops_per_token(cfg, 4096, training=False) * 3 == pytest.approx(f)
+    assert mfu(1000.0, cfg, 4096, 8, None) is None
+    assert mfu(1000.0, cfg, 4096, 1, f * 1000.0) == pytest.approx(1.0)
 
 
 # --------------------------------------------------------------------- FLOPs breakdown, memory, rules
@@ -48,135 +50,164 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_flops_breakdown_sums_to_flops_per_token():
-  cfg = ZayaConfig.zaya1_base()
-  b = sizing.flops_breakdown(cfg, 4096)
-  assert b.forward_total == pytest.approx(flops_per_token(cfg, 4096, training=False))
-  assert b.training_total == pytest.approx(flops_per_token(cfg, 4096))
-  assert b.head == 2 * 262272 * 2048
-  assert b.moe_active == 2 * 40 * 3 * 2048 * 2048
-  assert b.attention_core == 40 * 2 * 2 * 8 * 128 * 2048  # S/2 = 2048 keys per query
-  assert b.dense + b.moe_active == pytest.approx(2 * param_counts(cfg).active)
+    cfg = ZayaConfig.zaya1_base()
+    b = sizing.flops_breakdown(cfg, 4096)
+    assert b.forward_total == pytest.approx(flops_per_token(cfg, 4096, training=False))
+    assert b.training_total == pytest.approx(flops_per_token(cfg, 4096))
+    assert b.head == 2 * 262272 * 2048
+    assert b.moe_active == 2 * 40 * 3 * 2048 * 2048
+    assert b.attention_core == 40 * 2 * 2 * 8 * 128 * 2048  # S/2 = 2048 keys per query
+    assert b.dense + b.moe_active == pytest.approx(2 * param_counts(cfg).active)
 
 
 def test_sliding_window_keys():
-  assert sizing.mean_keys_per_query(8) == 4
-  assert sizing.mean_keys_per_query(8, 4) == pytest.approx((1 + 2 + 3 + 4 + 4 + 4 + 4 + 4) / 8)
-  assert sizing.mean_keys_per_query(8, 16) == 4
-  full = ZayaConfig.tiny()
-  sliding = ZayaConfig.tiny(layer_types=["hybrid_sliding", "hybrid"], sliding_window=16)
-  assert sizing.flops_breakdown(sliding, 256).attention_core < sizing.flops_breakdown(full, 256).attention_core
+    assert sizing.mean_keys_per_query(8) == 4
+    assert sizing.mean_keys_per_query(8, 4) == pytest.approx((1 + 2 + 3 + 4 + 4 + 4 + 4 + 4) / 8)
+    assert sizing.mean_keys_per_query(8, 16) == 4
+    full = ZayaConfig.tiny()
+    sliding = ZayaConfig.tiny(layer_types=["hybrid_sliding", "hybrid"], sliding_window=16)
+    assert (
+        sizing.flops_breakdown(sliding, 256).attention_core < sizing.flops_breakdown(full, 256).attention_core
+    )
 
 
 def test_state_bytes_by_hand():
-  """data=2, fsdp=2, expert=2; fp32 params/grads, fp32 Muon momentum, fp32 AdamW m and v."""
-  leaves = [
-      # embed [V, d]: d over fsdp -> 320 x 32; ZeRO-1 splits V (largest free dim) over data -> 160 x 32.
-      ("embed_tokens/embedding", (320, 64), "adamw"),
-      # experts [L, E, d, 2I]: E over expert, d over fsdp -> 2 x 2 x 32 x 128; ZeRO-1 splits 2I -> 64.
-      ("layers/mlp/experts/gate_up_proj", (2, 4, 64, 128), "muon"),
-      # a norm scale [L, d]: replicated -> 2 x 64; ZeRO-1 splits d -> 2 x 32.
-      ("layers/input_layernorm/scale", (2, 64), "adamw"),
-  ]
-  mesh = {"data": 2, "fsdp": 2, "expert": 2}
-  got = sizing.state_bytes_per_device(leaves, mesh)
-  assert got["params"] == 4 * (320 * 32 + 2 * 2 * 32 * 128 + 2 * 64) == 107008
-  assert got["grads"] == got["params"]
-  assert got["optimizer_muon"] == 4 * (2 * 2 * 32 * 64) == 32768
-  assert got["optimizer_adamw"] == 8 * (160 * 32 + 2 * 32) == 41472
-  assert got["muon_params"] == 2 * 4 * 64 * 128 and got["adamw_params"] == 320 * 64 + 128
-  off = sizing.state_bytes_per_device(leaves, mesh, zero1=False)
-  assert off["optimizer_muon"] == 65536 and off["optimizer_adamw"] == 8 * (320 * 32 + 128)
-  # bf16 momentum halves the Muon state.
-  assert sizing.state_bytes_per_device(leaves, mesh, muon_mu_bytes=2)["optimizer_muon"] == 16384
+    """data=2, fsdp=2, expert=2; fp32 params/grads, fp32 Muon momentum, fp32 AdamW m and v."""
+    leaves = [
+        # embed [V, d]: d over fsdp -> 320 x 32; ZeRO-1 splits V (largest free dim) over data -> 160 x 32.
+        ("embed_tokens/embedding", (320, 64), "adamw"),
+        # experts [L, E, d, 2I]: E over expert, d over fsdp -> 2 x 2 x 32 x 128; ZeRO-1 splits 2I -> 64.
+        ("layers/mlp/experts/gate_up_proj", (2, 4, 64, 128), "muon"),
+        # a norm scale [L, d]: replicated -> 2 x 64; ZeRO-1 splits d -> 2 x 32.
+        ("layers/input_layernorm/scale", (2, 64), "adamw"),
+    ]
+    mesh = {"data": 2, "fsdp": 2, "expert": 2}
+    got = sizing.state_bytes_per_device(leaves, mesh)
+    assert got["params"] == 4 * (320 * 32 + 2 * 2 * 32 * 128 + 2 * 64) == 107008
+    assert got["grads"] == got["params"]
+    assert got["optimizer_muon"] == 4 * (2 * 2 * 32 * 64) == 32768
+    assert got["optimizer_adamw"] == 8 * (160 * 32 + 2 * 32) == 41472
+    assert got["muon_params"] == 2 * 4 * 64 * 128 and got["adamw_params"] == 320 * 64 + 128
+    off = sizing.state_bytes_per_device(leaves, mesh, zero1=False)
+    assert off["optimizer_muon"] == 65536 and off["optimizer_adamw"] == 8 * (320 * 32 + 128)
+    # bf16 momentum halves the Muon state.
+    assert sizing.state_bytes_per_device(leaves, mesh, muon_mu_bytes=2)["optimizer_muon"] == 16384
 
 
 def test_memory_per_device_single_device_and_data_parallel():
-  cfg = ZayaConfig.tiny()
-  n = param_counts(cfg).total + cfg.router_hidden_size  # + our block-0 EDA scale
-  one = sizing.memory_per_device(cfg, seq_len=16, micro_batch=1, mesh={"data": 1})
-  assert one.muon_params + one.adamw_params == n
-  assert one.params == one.grads == 4 * n
-  assert one.optimizer_muon == 4 * one.muon_params and one.optimizer_adamw == 8 * one.adamw_params
-  assert one.total == one.params + one.grads + one.optimizer + one.activations
-  two = sizing.memory_per_device(cfg, seq_len=16, micro_batch=1, mesh="data=2")
-  assert two.params == one.params and two.grads == one.grads
-  assert two.optimizer == pytest.approx(one.optimizer / 2)  # every tiny leaf has an even dimension
-  act = one.activations_by_remat
-  assert act["full"] < act["dots_saveable"] < act["none"]
-  assert one.activations == act["none"]  # tiny() has remat "none"
-  # Full remat keeps the fp32 block carry (h [d] + router state [R]) of every layer per token.
-  a1 = sizing.activation_bytes(cfg, seq_len=16, micro_batch=1, remat="full")
-  a2 = sizing.activation_bytes(cfg, seq_len=16, micro_batch=2, remat="full")
-  block = sum(sizing.activation_terms(cfg, 16).values())
-  loss_rows = 16 * cfg.vocab_size * 12
-  assert a2 - a1 == pytest.approx(16 * (cfg.num_hidden_layers * 4 * (64 + 32) + block + 12 * 64) + loss_rows)
+    cfg = ZayaConfig.tiny()
+    n = param_counts(cfg).total + cfg.router_hidden_size  # + our block-0 EDA scale
+    one = sizing.memory_per_device(cfg, seq_len=16, micro_batch=1, mesh={"data": 1})
+    assert one.muon_params + one.adamw_params == n
+    assert one.params == one.grads == 4 * n
+    assert one.optimizer_muon == 4 * one.muon_params and one.optimizer_adamw == 8 * one.adamw_params
+    assert one.total == one.params + one.grads + one.optimizer + one.activations
+    two = sizing.memory_per_device(cfg, seq_len=16, micro_batch=1, mesh="data=2")
+    assert two.params == one.params and two.grads == one.grads
+    assert two.optimizer == pytest.approx(one.optimizer / 2)  # every tiny leaf has an even dimension
+    act = one.activations_by_remat
+    assert act["full"] < act["dots_saveable"] < act["none"]
+    assert one.activations == act["none"]  # tiny() has remat "none"
+    # Full remat keeps the fp32 block carry (h [d] + router state [R]) of every layer per token.
+    a1 = sizing.activation_bytes(cfg, seq_len=16, micro_batch=1, remat="full")
+    a2 = sizing.activation_bytes(cfg, seq_len=16, micro_batch=2, remat="full")
+    block = sum(sizing.activation_terms(cfg, 16).values())
+    loss_rows = 16 * cfg.vocab_size * 12
+    assert a2 - a1 == pytest.approx(
+        16 * (cfg.num_hidden_layers * 4 * (64 + 32) + block + 12 * 64) + loss_rows
+    )
 
 
 def test_zaya1_base_memory_data_parallel_8():
-  cfg = ZayaConfig.zaya1_base()
-  m = sizing.memory_per_device(cfg, seq_len=4096, micro_batch=4, mesh={"data": 8}, remat="full")
-  n = param_counts(cfg).total + cfg.router_hidden_size
-  assert m.params == 4 * n  # ZeRO-1 only: params replicated
-  assert m.optimizer == pytest.approx((4 * m.muon_params + 8 * m.adamw_params) / 8, rel=1e-3)
-  assert 0 < m.activations < 64 * sizing.GIB
-  fsdp = sizing.memory_per_device(cfg, seq_len=4096, micro_batch=4, mesh={"fsdp": 8}, remat="full")
-  assert fsdp.params < m.params / 7  # nearly everything is a big matrix split on d
-  ep = sizing.memory_per_device(cfg, seq_len=4096, micro_batch=4, mesh={"expert": 8}, remat="full")
-  assert ep.params < m.params / 4  # expert tensors are ~87% of the params
+    cfg = ZayaConfig.zaya1_base()
+    m = sizing.memory_per_device(cfg, seq_len=4096, micro_batch=4, mesh={"data": 8}, remat="full")
+    n = param_counts(cfg).total + cfg.router_hidden_size
+    assert m.params == 4 * n  # ZeRO-1 only: params replicated
+    assert m.optimizer == pytest.approx((4 * m.muon_params + 8 * m.adamw_params) / 8, rel=1e-3)
+    assert 0 < m.activations < 64 * sizing.GIB
+    fsdp = sizing.memory_per_device(cfg, seq_len=4096, micro_batch=4, mesh={"fsdp": 8}, remat="full")
+    assert fsdp.params < m.params / 7  # nearly everything is a big matrix split on d
+    ep = sizing.memory_per_device(cfg, seq_len=4096, micro_batch=4, mesh={"expert": 8}, remat="full")
+    assert ep.params < m.params / 4  # expert tensors are ~87% of the params
 
 
 def test_sizing_warnings():
-  cfg = ZayaConfig.zaya1_base()
-  w = sizing.sizing_warnings(cfg, tokens_per_device=16384, mesh={"data": 8, "fsdp": 1, "expert": 1})
-  assert not [x for x in w if x.startswith("WARNING") and "expert GEMMs" not in x]
-  assert any("expert GEMMs are small" in x and "1,024 tokens per expert" in x for x in w)
-  # Enough tokens per expert: no GEMM warning.
-  assert not any("expert GEMMs" in x for x in sizing.sizing_warnings(cfg, tokens_per_device=16384 * 8,
-                                                                     mesh={"expert": 8}))
-  bad = ZayaConfig.zaya1_base(hidden_size=2000, head_dim=96, vocab_size=262200)
-  w = " | ".join(sizing.sizing_warnings(bad, mesh={"expert": 3}))
-  assert "WARNING hidden_size=2000" in w and "WARNING head_dim=96" in w
-  assert "WARNING vocab_size=262200" in w and "not divisible by the expert axis 3" in w
+    cfg = ZayaConfig.zaya1_base()
+    w = sizing.sizing_warnings(cfg, tokens_per_device=16384, mesh={"data": 8, "fsdp": 1, "expert": 1})
+    assert not [x for x in w if x.startswith("WARNING") and "expert GEMMs" not in x]
+    assert any("expert GEMMs are small" in x and "1,024 tokens per expert" in x for x in w)
+    # Enough tokens per expert: no GEMM warning.
+    assert not any(
+        "expert GEMMs" in x
+        for x in sizing.sizing_warnings(cfg, tokens_per_device=16384 * 8, mesh={"expert": 8})
+    )
+    bad = ZayaConfig.zaya1_base(hidden_size=2000, head_dim=96, vocab_size=262200)
+    w = " | ".join(sizing.sizing_warnings(bad, mesh={"expert": 3}))
+    assert "WARNING hidden_size=2000" in w and "WARNING head_dim=96" in w
+    assert "WARNING vocab_size=262200" in w and "not divisible by the expert axis 3" in w
 
 
 def test_parse_mesh_and_peaks():
-  assert sizing.parse_mesh("data=8,fsdp=1,expert=1") == {"data": 8, "fsdp": 1, "expert": 1}
-  assert sizing.parse_mesh("fsdp=2", num_devices=16, default={"data": -1}) == {"data": 8, "fsdp": 2, "expert": 1}
-  with pytest.raises(ValueError):
-    sizing.parse_mesh("data=-1,fsdp=-1", num_devices=8)
-  with pytest.raises(ValueError):
-    sizing.parse_mesh("model=2")
-  assert sizing.peak_flops_per_device() is None  # CPU
-  assert sizing.peak_flops_per_device(dtype="float32") is None
+    assert sizing.parse_mesh("data=8,fsdp=1,expert=1") == {"data": 8, "fsdp": 1, "expert": 1}
+    assert sizing.parse_mesh("fsdp=2", num_devices=16, default={"data": -1}) == {
+        "data": 8,
+        "fsdp": 2,
+        "expert": 1,
+    }
+    with pytest.raises(ValueError):
+        sizing.parse_mesh("data=-1,fsdp=-1", num_devices=8)
+    with pytest.raises(ValueError):
+        sizing.parse_mesh("model=2")
+    assert sizing.peak_flops_per_device() is None  # CPU
+    assert sizing.peak_flops_per_device(dtype="float32") is None
 
 
 def _count(text: str, label: str) -> int:
-  m = re.search(rf"^\s*{label}\s+[\d.]+B\s+\(([\d,]+)", text, re.M)
-  assert m, f"no {label!r} line in:\n{text}"
-  return int(m.group(1).replace(",", ""))
+    m = re.search(rf"^\s*{label}\s+[\d.]+B\s+\(([\d,]+)", text, re.M)
+    assert m, f"no {label!r} line in:\n{text}"
+    return int(m.group(1).replace(",", ""))
 
 
 @pytest.mark.parametrize("extra", [[], ["--mesh", "data=8,fsdp=1,expert=1", "--micro-batch", "4"]])
 def test_sizing_cli_zaya1_base(tmp_path, extra):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  out = tmp_path / "sizing.json"
-  proc = subprocess.run([sys.executable, "-m", "zaya_jax.sizing", "--config", "configs/zaya1_base.py",
-                         *extra, "--json", str(out)],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  text = proc.stdout
-  assert abs(_count(text, "total") / 8.84e9 - 1) < 0.005
-  assert abs(_count(text, "non-embedding") / 8.30e9 - 1) < 0.005
-  assert abs(_count(text, "embedding") / 0.537e9 - 1) < 0.005
-  assert abs(_count(text, "active") / 0.76e9 - 1) < 0.015
-  assert "Memory per device" in text
-  for row in ("params (float32)", "grads (float32)", "optimizer: Muon momentum", "optimizer: AdamW m, v",
-              "activations (remat full)"):
-    assert re.search(rf"^\s*{re.escape(row)}\s+[\d.]+", text, re.M), row
-  if extra:  # 4 x 4096 tokens per device: 1024 tokens per expert, far below the ~200 GFLOP rule
-    assert "expert GEMMs are small" in text and "exceeds the device" not in text
-  else:  # the config's 4096-sequence batch on one node of 8 without grad_accum cannot fit
-    assert "micro-batch 512 sequences" in text and "exceeds the device" in text
-  data = json.loads(out.read_text())
-  assert data["params"]["total"] == param_counts(ZayaConfig.zaya1_base()).total
-  assert data["memory_per_device_bytes"]["mesh"] == {"data": 8, "fsdp": 1, "expert": 1}
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = tmp_path / "sizing.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zaya_jax.sizing",
+            "--config",
+            "configs/zaya1_base.py",
+            *extra,
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = proc.stdout
+    assert abs(_count(text, "total") / 8.84e9 - 1) < 0.005
+    assert abs(_count(text, "non-embedding") / 8.30e9 - 1) < 0.005
+    assert abs(_count(text, "embedding") / 0.537e9 - 1) < 0.005
+    assert abs(_count(text, "active") / 0.76e9 - 1) < 0.015
+    assert "Memory per device" in text
+    for row in (
+        "params (float32)",
+        "grads (float32)",
+        "optimizer: Muon momentum",
+        "optimizer: AdamW m, v",
+        "activations (remat full)",
+    ):
+        assert re.search(rf"^\s*{re.escape(row)}\s+[\d.]+", text, re.M), row
+    if extra:  # 4 x 4096 tokens per device: 1024 tokens per expert, far below the ~200 GFLOP rule
+        assert "expert GEMMs are small" in text and "exceeds the device" not in text
+    else:  # the config's 4096-sequence batch on one node of 8 without grad_accum cannot fit
+        assert "micro-batch 512 sequences" in text and "exceeds the device" in text
+    data = json.loads(out.read_text())
+    assert data["params"]["total"] == param_counts(ZayaConfig.zaya1_base()).total
+    assert data["memory_per_device_bytes"]["mesh"] == {"data": 8, "fsdp": 1, "expert": 1}

@@ -19,116 +19,194 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=timeout)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _positive_finite(x) -> bool:
-  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 # ------------------------------------------------------------------------------ formulas by hand
-@pytest.mark.parametrize("name, n, factor", [
-    ("all_reduce", 8, 1.75), ("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5), ("all_reduce", 1, 0.0),
-    ("reduce_scatter", 8, 0.875), ("reduce_scatter", 4, 0.75), ("all_gather", 2, 0.5),
-    ("all_gather", 8, 0.875), ("broadcast", 8, 1.0), ("broadcast", 2, 1.0),
-    ("all_to_all", 8, 0.875), ("all_to_all", 4, 0.75)])
+@pytest.mark.parametrize(
+    "name, n, factor",
+    [
+        ("all_reduce", 8, 1.75),
+        ("all_reduce", 2, 1.0),
+        ("all_reduce", 4, 1.5),
+        ("all_reduce", 1, 0.0),
+        ("reduce_scatter", 8, 0.875),
+        ("reduce_scatter", 4, 0.75),
+        ("all_gather", 2, 0.5),
+        ("all_gather", 8, 0.875),
+        ("broadcast", 8, 1.0),
+        ("broadcast", 2, 1.0),
+        ("all_to_all", 8, 0.875),
+        ("all_to_all", 4, 0.75),
+    ],
+)
 def test_busbw_factors(name, n, factor):
-  assert collectives.busbw_factor(name, n) == pytest.approx(factor)
+    assert collectives.busbw_factor(name, n) == pytest.approx(factor)
 
 
 def test_algbw_and_busbw_by_hand():
-  # 1 GB in 0.5 s = 2 GB/s algorithm bandwidth; an 8-rank all-reduce carries 2*7/8 of it per link.
-  assert collectives.algbw(1e9, 0.5) == pytest.approx(2.0)
-  assert collectives.busbw("all_reduce", 1e9, 0.5, 8) == pytest.approx(3.5)
-  assert collectives.busbw("all_gather", 2 ** 30, 1e-3, 4) == pytest.approx(2 ** 30 / 1e-3 / 1e9 * 0.75)
-  assert collectives.busbw("broadcast", 4e6, 2e-3, 8) == pytest.approx(2.0)
-  with pytest.raises(ValueError):
-    collectives.busbw_factor("gather", 4)
+    # 1 GB in 0.5 s = 2 GB/s algorithm bandwidth; an 8-rank all-reduce carries 2*7/8 of it per link.
+    assert collectives.algbw(1e9, 0.5) == pytest.approx(2.0)
+    assert collectives.busbw("all_reduce", 1e9, 0.5, 8) == pytest.approx(3.5)
+    assert collectives.busbw("all_gather", 2**30, 1e-3, 4) == pytest.approx(2**30 / 1e-3 / 1e9 * 0.75)
+    assert collectives.busbw("broadcast", 4e6, 2e-3, 8) == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        collectives.busbw_factor("gather", 4)
 
 
 def test_sizes():
-  assert collectives.parse_bytes("1K") == 1024
-  assert collectives.parse_bytes("64KiB") == 65536
-  assert collectives.parse_bytes("1G") == 2 ** 30
-  assert collectives.parse_bytes("4096") == 4096
-  assert collectives.message_sizes(1024, 65536, 4) == [1024, 4096, 16384, 65536]
-  assert collectives.message_sizes(2 ** 10, 2 ** 30, 2)[-1] == 2 ** 30
-  assert len(collectives.message_sizes(2 ** 10, 2 ** 30, 2)) == 21
-  # bf16 1 KiB on 8 ranks: 512 elements; on 6 ranks rounded down to a multiple of 6.
-  assert collectives.element_count(1024, 2, 8) == 512
-  assert collectives.element_count(1024, 2, 6) == 510
-  assert collectives.element_count(2, 4, 8) == 8
-  assert collectives.default_device_counts(8) == [2, 4, 8]
-  assert collectives.default_device_counts(6) == [2, 4]
-  assert collectives.launched_multi_process({"SLURM_NTASKS": "16"})
-  assert not collectives.launched_multi_process({"SLURM_NTASKS": "1"})
-  assert not collectives.launched_multi_process({})
+    assert collectives.parse_bytes("1K") == 1024
+    assert collectives.parse_bytes("64KiB") == 65536
+    assert collectives.parse_bytes("1G") == 2**30
+    assert collectives.parse_bytes("4096") == 4096
+    assert collectives.message_sizes(1024, 65536, 4) == [1024, 4096, 16384, 65536]
+    assert collectives.message_sizes(2**10, 2**30, 2)[-1] == 2**30
+    assert len(collectives.message_sizes(2**10, 2**30, 2)) == 21
+    # bf16 1 KiB on 8 ranks: 512 elements; on 6 ranks rounded down to a multiple of 6.
+    assert collectives.element_count(1024, 2, 8) == 512
+    assert collectives.element_count(1024, 2, 6) == 510
+    assert collectives.element_count(2, 4, 8) == 8
+    assert collectives.default_device_counts(8) == [2, 4, 8]
+    assert collectives.default_device_counts(6) == [2, 4]
+    assert collectives.launched_multi_process({"SLURM_NTASKS": "16"})
+    assert not collectives.launched_multi_process({"SLURM_NTASKS": "1"})
+    assert not collectives.launched_multi_process({})
 
 
 def test_stream_bytes_and_gemm_shapes():
-  assert membw.stream_bytes("copy", 100) == 200
-  assert membw.stream_bytes("scale", 100) == 200
-  assert membw.stream_bytes("add", 100) == 300
-  assert membw.stream_bytes("triad", 100) == 300
-  sweep = gemm.sweep_shapes(1024, 8192, [4096])
-  dims = [s[1] for s in sweep]
-  assert dims == [1024, 2048, 4095, 4096, 4097, 8192]
-  zaya = {name: (m, n, k) for name, m, n, k in gemm.zaya_shapes(16384)}
-  assert zaya["zaya1 q_proj"] == (16384, 1024, 2048)
-  assert zaya["zaya1 expert gate_up"] == (1024, 4096, 2048)  # 16384 tokens / 16 experts
-  assert zaya["zaya1 expert down"] == (1024, 2048, 2048)
-  assert zaya["zaya1 lm head"] == (2048, 262272, 2048)
-  assert "zaya1 lm head" not in {s[0] for s in gemm.zaya_shapes(16384, head_tokens=0)}
+    assert membw.stream_bytes("copy", 100) == 200
+    assert membw.stream_bytes("scale", 100) == 200
+    assert membw.stream_bytes("add", 100) == 300
+    assert membw.stream_bytes("triad", 100) == 300
+    sweep = gemm.sweep_shapes(1024, 8192, [4096])
+    dims = [s[1] for s in sweep]
+    assert dims == [1024, 2048, 4095, 4096, 4097, 8192]
+    zaya = {name: (m, n, k) for name, m, n, k in gemm.zaya_shapes(16384)}
+    assert zaya["zaya1 q_proj"] == (16384, 1024, 2048)
+    assert zaya["zaya1 expert gate_up"] == (1024, 4096, 2048)  # 16384 tokens / 16 experts
+    assert zaya["zaya1 expert down"] == (1024, 2048, 2048)
+    assert zaya["zaya1 lm head"] == (2048, 262272, 2048)
+    assert "zaya1 lm head" not in {s[0] for s in gemm.zaya_shapes(16384, head_tokens=0)}
 
 
 # ----------------------------------------------------------------------------- end-to-end on CPU
 def test_collectives_cpu(tmp_path):
-  proc = _run(["-m", "benchmarks.collectives", "--min-bytes", "1K", "--max-bytes", "64K", "--factor", "8",
-               "--device-counts", "2,8", "--warmup", "1", "--iters", "2", "--out", str(tmp_path)])
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  report = json.loads((tmp_path / "collectives.json").read_text())
-  assert report["benchmark"] == "collectives" and report["num_devices"] == 8
-  rows = report["results"]
-  assert len(rows) == 5 * 2 * 3  # collectives x device counts x sizes
-  assert {r["collective"] for r in rows} == set(collectives.COLLECTIVES)
-  for r in rows:
-    for key in ("time_s", "algbw_GBps", "busbw_GBps", "bytes", "count"):
-      assert _positive_finite(r[key]), (key, r)
-    assert r["devices"] in (2, 8)
-    assert r["bytes"] == r["count"] * 2  # bfloat16
-    assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * collectives.busbw_factor(r["collective"], r["devices"]))
-  for name in collectives.COLLECTIVES:
-    png = tmp_path / f"{name}.png"
-    assert png.exists() and png.stat().st_size > 1000
-  assert "busbw GB/s" in proc.stdout
+    proc = _run(
+        [
+            "-m",
+            "benchmarks.collectives",
+            "--min-bytes",
+            "1K",
+            "--max-bytes",
+            "64K",
+            "--factor",
+            "8",
+            "--device-counts",
+            "2,8",
+            "--warmup",
+            "1",
+            "--iters",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((tmp_path / "collectives.json").read_text())
+    assert report["benchmark"] == "collectives" and report["num_devices"] == 8
+    rows = report["results"]
+    assert len(rows) == 5 * 2 * 3  # collectives x device counts x sizes
+    assert {r["collective"] for r in rows} == set(collectives.COLLECTIVES)
+    for r in rows:
+        for key in ("time_s", "algbw_GBps", "busbw_GBps", "bytes", "count"):
+            assert _positive_finite(r[key]), (key, r)
+        assert r["devices"] in (2, 8)
+        assert r["bytes"] == r["count"] * 2  # bfloat16
+        assert r["busbw_GBps"] == pytest.approx(
+            r["algbw_GBps"] * collectives.busbw_factor(r["collective"], r["devices"])
+        )
+    for name in collectives.COLLECTIVES:
+        png = tmp_path / f"{name}.png"
+        assert png.exists() and png.stat().st_size > 1000
+    assert "busbw GB/s" in proc.stdout
 
 
 def test_gemm_cpu(tmp_path):
-  proc = _run(["-m", "benchmarks.gemm", "--min-dim", "32", "--max-dim", "128", "--near-miss", "64",
-               "--tokens", "32", "--head-tokens", "0", "--warmup", "1", "--iters", "2", "--out", str(tmp_path)])
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  report = json.loads((tmp_path / "gemm.json").read_text())
-  rows = report["results"]
-  names = {r["name"] for r in rows}
-  assert {"square 32", "square 128", "near-miss 63", "near-miss 65", "zaya1 q_proj", "zaya1 expert gate_up"} <= names
-  assert "zaya1 lm head" not in names  # --head-tokens 0
-  assert {r["dtype"] for r in rows} == {"float32", "bfloat16"}
-  for r in rows:
-    assert _positive_finite(r["tflops"]) and _positive_finite(r["time_s"])
-    assert r["flops"] == 2 * r["m"] * r["n"] * r["k"]
-    assert r["fraction_of_peak"] is None  # CPU: no known peak
-  assert "n/a" in proc.stdout
+    proc = _run(
+        [
+            "-m",
+            "benchmarks.gemm",
+            "--min-dim",
+            "32",
+            "--max-dim",
+            "128",
+            "--near-miss",
+            "64",
+            "--tokens",
+            "32",
+            "--head-tokens",
+            "0",
+            "--warmup",
+            "1",
+            "--iters",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((tmp_path / "gemm.json").read_text())
+    rows = report["results"]
+    names = {r["name"] for r in rows}
+    assert {
+        "square 32",
+        "square 128",
+        "near-miss 63",
+        "near-miss 65",
+        "zaya1 q_proj",
+        "zaya1 expert gate_up",
+    } <= names
+    assert "zaya1 lm head" not in names  # --head-tokens 0
+    assert {r["dtype"] for r in rows} == {"float32", "bfloat16"}
+    for r in rows:
+        assert _positive_finite(r["tflops"]) and _positive_finite(r["time_s"])
+        assert r["flops"] == 2 * r["m"] * r["n"] * r["k"]
+        assert r["fraction_of_peak"] is None  # CPU: no known peak
+    assert "n/a" in proc.stdout
 
 
 def test_membw_cpu(tmp_path):
-  proc = _run(["-m", "benchmarks.membw", "--min-bytes", "64K", "--max-bytes", "256K", "--factor", "4",
-               "--devices", "2", "--warmup", "1", "--iters", "2", "--out", str(tmp_path)])
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  report = json.loads((tmp_path / "membw.json").read_text())
-  rows = report["results"]
-  assert len(rows) == 4 * 2 and {r["kernel"] for r in rows} == set(membw.KERNELS)
-  for r in rows:
-    assert _positive_finite(r["GBps"]) and _positive_finite(r["best_GBps"]) and r["devices"] == 2
-    assert r["bytes_moved"] == membw.STREAM_ARRAYS[r["kernel"]] * r["array_bytes_per_device"] * 2
+    proc = _run(
+        [
+            "-m",
+            "benchmarks.membw",
+            "--min-bytes",
+            "64K",
+            "--max-bytes",
+            "256K",
+            "--factor",
+            "4",
+            "--devices",
+            "2",
+            "--warmup",
+            "1",
+            "--iters",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((tmp_path / "membw.json").read_text())
+    rows = report["results"]
+    assert len(rows) == 4 * 2 and {r["kernel"] for r in rows} == set(membw.KERNELS)
+    for r in rows:
+        assert _positive_finite(r["GBps"]) and _positive_finite(r["best_GBps"]) and r["devices"] == 2
+        assert r["bytes_moved"] == membw.STREAM_ARRAYS[r["kernel"]] * r["array_bytes_per_device"] * 2

@@ -14,58 +14,67 @@ CFG = ZayaConfig.tiny(num_hidden_layers=2)
 
 
 def _setup(grad_accum=1):
-  c = base_config()
-  c.optim.warmup_steps = 2
-  tx = make_optimizer(c, total_steps=10)
-  step = jax.jit(make_train_step(CFG, tx, bal.BalancingConfig(), lr_schedule(c, 10), grad_accum))
-  state = create_train_state(CFG, tx, bal.BalancingConfig(), jax.random.key(0))
-  r = np.random.default_rng(0)
-  ids = r.integers(3, CFG.vocab_size, size=(4, 17))
-  batch = {"input_ids": jnp.asarray(ids[:, :-1], jnp.int32), "targets": jnp.asarray(ids[:, 1:], jnp.int32),
-           "loss_mask": jnp.asarray(r.random((4, 16)) > 0.2, jnp.float32)}
-  return state, step, batch
+    c = base_config()
+    c.optim.warmup_steps = 2
+    tx = make_optimizer(c, total_steps=10)
+    step = jax.jit(make_train_step(CFG, tx, bal.BalancingConfig(), lr_schedule(c, 10), grad_accum))
+    state = create_train_state(CFG, tx, bal.BalancingConfig(), jax.random.key(0))
+    r = np.random.default_rng(0)
+    ids = r.integers(3, CFG.vocab_size, size=(4, 17))
+    batch = {
+        "input_ids": jnp.asarray(ids[:, :-1], jnp.int32),
+        "targets": jnp.asarray(ids[:, 1:], jnp.int32),
+        "loss_mask": jnp.asarray(r.random((4, 16)) > 0.2, jnp.float32),
+    }
+    return state, step, batch
 
 
 def test_grad_accumulation_equals_one_big_batch():
-  s1, step1, batch = _setup(1)
-  s2, step2, _ = _setup(2)
-  a, ma = step1(s1, batch)
-  b, mb = step2(s2, batch)
-  np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-6)
-  np.testing.assert_allclose(ma["grad_norm"], mb["grad_norm"], rtol=1e-5)
-  for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
-    np.testing.assert_allclose(x, y, atol=1e-5)
-  np.testing.assert_array_equal(bal.get_balancing_biases(a.variables), bal.get_balancing_biases(b.variables))
+    s1, step1, batch = _setup(1)
+    s2, step2, _ = _setup(2)
+    a, ma = step1(s1, batch)
+    b, mb = step2(s2, batch)
+    np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-6)
+    np.testing.assert_allclose(ma["grad_norm"], mb["grad_norm"], rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+    np.testing.assert_array_equal(
+        bal.get_balancing_biases(a.variables), bal.get_balancing_biases(b.variables)
+    )
 
 
 def test_step_updates_params_and_balancing_biases():
-  state, step, batch = _setup()
-  new, m = step(state, batch)
-  assert int(new.step) == 1 and np.isfinite(float(m["loss"]))
-  assert not np.allclose(new.params["layers"]["self_attn"]["q_proj"]["kernel"],
-                         state.params["layers"]["self_attn"]["q_proj"]["kernel"])
-  assert not np.array_equal(bal.get_balancing_biases(new.variables), bal.get_balancing_biases(state.variables))
-  assert m["expert_load_max_over_mean"].shape == (CFG.num_hidden_layers,)
+    state, step, batch = _setup()
+    new, m = step(state, batch)
+    assert int(new.step) == 1 and np.isfinite(float(m["loss"]))
+    assert not np.allclose(
+        new.params["layers"]["self_attn"]["q_proj"]["kernel"],
+        state.params["layers"]["self_attn"]["q_proj"]["kernel"],
+    )
+    assert not np.array_equal(
+        bal.get_balancing_biases(new.variables), bal.get_balancing_biases(state.variables)
+    )
+    assert m["expert_load_max_over_mean"].shape == (CFG.num_hidden_layers,)
 
 
 def test_non_finite_loss_skips_the_update():
-  state, step, batch = _setup()
-  poisoned = state.replace(params=jax.tree.map(lambda x: x, state.params))
-  poisoned.params["norm"]["scale"] = poisoned.params["norm"]["scale"].at[0].set(jnp.nan)
-  new, m = step(poisoned, batch)
-  assert not np.isfinite(float(m["loss"])) and bool(m["update_skipped"])
-  assert int(new.skipped_steps) == 1 and int(new.step) == 1
-  for x, y in zip(jax.tree.leaves(new.params), jax.tree.leaves(poisoned.params)):
-    np.testing.assert_array_equal(x, y)
+    state, step, batch = _setup()
+    poisoned = state.replace(params=jax.tree.map(lambda x: x, state.params))
+    poisoned.params["norm"]["scale"] = poisoned.params["norm"]["scale"].at[0].set(jnp.nan)
+    new, m = step(poisoned, batch)
+    assert not np.isfinite(float(m["loss"])) and bool(m["update_skipped"])
+    assert int(new.skipped_steps) == 1 and int(new.step) == 1
+    for x, y in zip(jax.tree.leaves(new.params), jax.tree.leaves(poisoned.params)):
+        np.testing.assert_array_equal(x, y)
 
 
 def test_same_seed_same_losses():
-  losses = []
-  for _ in range(2):
-    state, step, batch = _setup()
-    run = []
-    for _ in range(3):
-      state, m = step(state, batch)
-      run.append(float(m["loss"]))
-    losses.append(run)
-  assert losses[0] == losses[1] and losses[0][2] < losses[0][0]
+    losses = []
+    for _ in range(2):
+        state, step, batch = _setup()
+        run = []
+        for _ in range(3):
+            state, m = step(state, batch)
+            run.append(float(m["loss"]))
+        losses.append(run)
+    assert losses[0] == losses[1] and losses[0][2] < losses[0][0]

@@ -155,8 +155,9 @@ def balancing_gradient(counts_le: jax.Array, cfg: BalancingConfig) -> jax.Array:
     return grad  # _safe_div made it 0 for a layer without (routed) tokens
 
 
-def balancing_update(biases_le: jax.Array, counts_le: jax.Array, state: optax.OptState,
-                     cfg: BalancingConfig) -> tuple[jax.Array, optax.OptState, dict[str, jax.Array]]:
+def balancing_update(
+    biases_le: jax.Array, counts_le: jax.Array, state: optax.OptState, cfg: BalancingConfig
+) -> tuple[jax.Array, optax.OptState, dict[str, jax.Array]]:
     """One controller step: biases [L, E+1], GLOBAL counts [L, E+1] (see module docstring), state.
 
     Returns (new biases [L, E+1] fp32, new state, metrics). Metrics, each [L], describe the load

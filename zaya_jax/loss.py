@@ -14,37 +14,45 @@ import jax.numpy as jnp
 
 
 def token_cross_entropy(logits_bsv: jax.Array, targets_bs: jax.Array) -> jax.Array:
-  """fp32 -log softmax(logits)[target], per token [B, S]."""
-  logits = logits_bsv.astype(jnp.float32)
-  target_logit = jnp.take_along_axis(logits, targets_bs[..., None], axis=-1)[..., 0]
-  return jax.nn.logsumexp(logits, axis=-1) - target_logit
+    """fp32 -log softmax(logits)[target], per token [B, S]."""
+    logits = logits_bsv.astype(jnp.float32)
+    target_logit = jnp.take_along_axis(logits, targets_bs[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - target_logit
 
 
-def chunked_cross_entropy(hidden_bsd: jax.Array, targets_bs: jax.Array, weights_bs: jax.Array,
-                          head: Callable[[jax.Array], jax.Array], chunk: int = 512) -> tuple[jax.Array, jax.Array]:
-  """Returns (sum of weighted token losses, sum of weights), both fp32 scalars.
+def chunked_cross_entropy(
+    hidden_bsd: jax.Array,
+    targets_bs: jax.Array,
+    weights_bs: jax.Array,
+    head: Callable[[jax.Array], jax.Array],
+    chunk: int = 512,
+) -> tuple[jax.Array, jax.Array]:
+    """Returns (sum of weighted token losses, sum of weights), both fp32 scalars.
 
-  hidden [B, S, d] final-normed; head maps [..., d] -> logits [..., V]; weights [B, S] (loss mask).
-  The sequence is split into chunks of `chunk` positions (the last chunk is padded with weight 0).
-  """
-  b, s, d = hidden_bsd.shape
-  chunk = min(chunk, s)
-  n = -(-s // chunk)
-  pad = n * chunk - s
-  if pad:
-    hidden_bsd = jnp.pad(hidden_bsd, ((0, 0), (0, pad), (0, 0)))
-    targets_bs = jnp.pad(targets_bs, ((0, 0), (0, pad)))
-    weights_bs = jnp.pad(weights_bs, ((0, 0), (0, pad)))
-  # [n, B, chunk, ...]: scan over chunks.
-  split = lambda x: jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
+    hidden [B, S, d] final-normed; head maps [..., d] -> logits [..., V]; weights [B, S] (loss mask).
+    The sequence is split into chunks of `chunk` positions (the last chunk is padded with weight 0).
+    """
+    b, s, d = hidden_bsd.shape
+    chunk = min(chunk, s)
+    n = -(-s // chunk)
+    pad = n * chunk - s
+    if pad:
+        hidden_bsd = jnp.pad(hidden_bsd, ((0, 0), (0, pad), (0, 0)))
+        targets_bs = jnp.pad(targets_bs, ((0, 0), (0, pad)))
+        weights_bs = jnp.pad(weights_bs, ((0, 0), (0, pad)))
+    # [n, B, chunk, ...]: scan over chunks.
+    split = lambda x: jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
 
-  @jax.checkpoint
-  def chunk_loss(h, t, w):
-    return jnp.sum(token_cross_entropy(head(h), t) * w)
+    @jax.checkpoint
+    def chunk_loss(h, t, w):
+        return jnp.sum(token_cross_entropy(head(h), t) * w)
 
-  def body(total, xs):
-    return total + chunk_loss(*xs), None
+    def body(total, xs):
+        return total + chunk_loss(*xs), None
 
-  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
-                          (split(hidden_bsd), split(targets_bs), split(weights_bs.astype(jnp.float32))))
-  return total, jnp.sum(weights_bs.astype(jnp.float32))
+    total, _ = jax.lax.scan(
+        body,
+        jnp.zeros((), jnp.float32),
+        (split(hidden_bsd), split(targets_bs), split(weights_bs.astype(jnp.float32))),
+    )
+    return total, jnp.sum(weights_bs.astype(jnp.float32))

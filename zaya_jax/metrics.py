@@ -178,9 +178,16 @@ class MetricsLogger:
     it is a TTY decides between an in-place bar and plain lines.
     """
 
-    def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True, console: bool = True,
-                 total_steps: int | None = None, resume_step: int | None = None,
-                 stream: TextIO | None = None):
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        *,
+        tensorboard: bool = True,
+        console: bool = True,
+        total_steps: int | None = None,
+        resume_step: int | None = None,
+        stream: TextIO | None = None,
+    ):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.path = self.workdir / METRICS_FILE
@@ -217,14 +224,15 @@ class MetricsLogger:
             return
         for key, value in values.items():
             if split == EVAL and key.startswith("eval_"):
-                key = key[len("eval_"):]
+                key = key[len("eval_") :]
             tag = f"{split}/{key}"
             if isinstance(value, bool) or isinstance(value, str) or value is None:
                 continue
             if isinstance(value, (int, float)):
                 self._writer.add_scalar(tag, value, step)
             elif isinstance(value, list) and all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+            ):
                 for i, v in enumerate(value):  # per-layer values [L]; deeper nesting is skipped
                     self._writer.add_scalar(f"{tag}/layer_{i}", v, step)
 
@@ -256,8 +264,9 @@ class MetricsLogger:
     def log_eval(self, step: int, values: Mapping[str, Any]) -> dict[str, Any]:
         """Record eval metrics of ``step`` (keys prefixed ``eval_``); returns the record."""
         step = int(step)
-        flat = {(k if k.startswith("eval_") else f"eval_{k}"): v
-                for k, v in _checked(flatten(values)).items()}
+        flat = {
+            (k if k.startswith("eval_") else f"eval_{k}"): v for k, v in _checked(flatten(values)).items()
+        }
         loss = flat.get("eval_loss")
         if "eval_perplexity" not in flat and isinstance(loss, (int, float)):
             flat["eval_perplexity"] = math.exp(min(loss, 700.0))  # 700: exp overflows float64
@@ -267,8 +276,11 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.flush()  # evals are rare; make them visible in TensorBoard at once
         parts = [f"eval step {step}"]
-        parts += [f"{k[len('eval_'):]} {v:.4g}" for k, v in flat.items()
-                  if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        parts += [
+            f"{k[len('eval_') :]} {v:.4g}"
+            for k, v in flat.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        ]
         self._print(" | ".join(parts), in_place=False)
         return record
 

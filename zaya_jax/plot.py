@@ -53,9 +53,13 @@ def _layer_series(records: list[dict[str, Any]], keys: tuple[str, ...]):
         rows = [(r["step"], r[key]) for r in records if isinstance(r.get(key), list) and r[key]]
         if rows:
             num_layers = max(len(v) for _, v in rows)
-            layers = [([s for s, v in rows if i < len(v) and _finite(v[i])],
-                       [v[i] for s, v in rows if i < len(v) and _finite(v[i])])
-                      for i in range(num_layers)]
+            layers = [
+                (
+                    [s for s, v in rows if i < len(v) and _finite(v[i])],
+                    [v[i] for s, v in rows if i < len(v) and _finite(v[i])],
+                )
+                for i in range(num_layers)
+            ]
             return key, layers
     return None, []
 
@@ -71,8 +75,7 @@ def ema(values: list[float], alpha: float) -> list[float]:
     return out
 
 
-def plot_loss(records: list[dict[str, Any]], path: Path, *, log_y: bool = False,
-              smooth: float = 0.0) -> Path:
+def plot_loss(records: list[dict[str, Any]], path: Path, *, log_y: bool = False, smooth: float = 0.0) -> Path:
     plt = _pyplot()
     train = [r for r in records if r.get("split", "train") == "train"]
     evals = [r for r in records if r.get("split") == "eval"]
@@ -118,8 +121,13 @@ def plot_expert_load(records: list[dict[str, Any]], path: Path) -> Path | None:
     cmap = plt.get_cmap("viridis")
     n = len(load)
     for i, (steps, values) in enumerate(load):
-        ax.plot(steps, values, color=cmap(0.85 * i / max(n - 1, 1)), linewidth=1,
-                label=f"layer {i}" if n <= 12 else None)
+        ax.plot(
+            steps,
+            values,
+            color=cmap(0.85 * i / max(n - 1, 1)),
+            linewidth=1,
+            label=f"layer {i}" if n <= 12 else None,
+        )
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="balanced")
     ax.set_ylabel("max / mean expert load")
     ax.set_title(f"expert load per layer ({load_key})")
@@ -143,8 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("workdir", type=Path, help=f"run directory holding {METRICS_FILE}")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: WORKDIR)")
     parser.add_argument("--log-y", action="store_true", help="log-scale loss axis")
-    parser.add_argument("--smooth", type=float, default=0.0,
-                        help="EMA weight of the past for the train loss, in [0, 1) (default 0: raw)")
+    parser.add_argument(
+        "--smooth",
+        type=float,
+        default=0.0,
+        help="EMA weight of the past for the train loss, in [0, 1) (default 0: raw)",
+    )
     args = parser.parse_args(argv)
     if not 0.0 <= args.smooth < 1.0:
         parser.error(f"--smooth must be in [0, 1), got {args.smooth}")
@@ -161,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.workdir / METRICS_FILE}: {e}")
     load = plot_expert_load(records, out / "expert_load.png")
     if load is None:
-        print(f"no per-layer expert load ({' / '.join(LOAD_KEYS)}) in the records; "
-              "expert_load.png not written", file=sys.stderr)
+        print(
+            f"no per-layer expert load ({' / '.join(LOAD_KEYS)}) in the records; expert_load.png not written",
+            file=sys.stderr,
+        )
     else:
         written.append(load)
     for path in written:

@@ -97,8 +97,13 @@ class ByteTokenizer:
     def save(self, directory: str | os.PathLike) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        config = {"type": "byte", "vocab_size": self.vocab_size, "pad_id": self.pad_id,
-                  "eos_id": self.eos_id, "bos_id": self.bos_id}
+        config = {
+            "type": "byte",
+            "vocab_size": self.vocab_size,
+            "pad_id": self.pad_id,
+            "eos_id": self.eos_id,
+            "bos_id": self.bos_id,
+        }
         (directory / CONFIG_FILENAME).write_text(json.dumps(config, indent=2) + "\n")
 
     def __repr__(self) -> str:
@@ -114,8 +119,14 @@ class HFTokenizer:
     doubles as padding; padded positions are always masked out of the loss anyway.
     """
 
-    def __init__(self, path: str | os.PathLike, *, eos: int | str | None = None,
-                 bos: int | str | None = None, pad: int | str | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        eos: int | str | None = None,
+        bos: int | str | None = None,
+        pad: int | str | None = None,
+    ):
         from tokenizers import Tokenizer as _HFTokenizer  # deferred: only needed for this class
 
         self.path = Path(path)
@@ -132,7 +143,8 @@ class HFTokenizer:
         if eos_id is None:
             raise ValueError(
                 f"tokenizer {self.path} has no recognised EOS token (looked for {', '.join(_EOS_CANDIDATES)}); "
-                "pass eos=<id or token> explicitly")
+                "pass eos=<id or token> explicitly"
+            )
         self._eos_id = eos_id
         self._bos_id = self._resolve(bos, _BOS_CANDIDATES, "bos")
         pad_id = self._resolve(pad, _PAD_CANDIDATES, "pad")
@@ -142,8 +154,10 @@ class HFTokenizer:
         """Id of the special token `what`: the override if given, else the first known candidate."""
         if isinstance(override, int):
             if not 0 <= override < self.vocab_size:
-                raise ValueError(f"{what} id {override} out of range for tokenizer {self.path} "
-                                 f"(vocab_size={self.vocab_size})")
+                raise ValueError(
+                    f"{what} id {override} out of range for tokenizer {self.path} "
+                    f"(vocab_size={self.vocab_size})"
+                )
             return override
         if isinstance(override, str):
             tid = self._tok.token_to_id(override)
@@ -192,8 +206,15 @@ class HFTokenizer:
         directory.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(self.path, directory / HF_FILENAME)
         # The special ids are recorded too, so overrides given at construction survive a reload.
-        config = {"type": "hf", "file": HF_FILENAME, "name": self.name, "vocab_size": self.vocab_size,
-                  "pad_id": self.pad_id, "eos_id": self.eos_id, "bos_id": self.bos_id}
+        config = {
+            "type": "hf",
+            "file": HF_FILENAME,
+            "name": self.name,
+            "vocab_size": self.vocab_size,
+            "pad_id": self.pad_id,
+            "eos_id": self.eos_id,
+            "bos_id": self.bos_id,
+        }
         (directory / CONFIG_FILENAME).write_text(json.dumps(config, indent=2) + "\n")
 
     def __repr__(self) -> str:
@@ -210,8 +231,12 @@ def _load_config(config_path: Path) -> Tokenizer:
     if kind == "byte":
         return ByteTokenizer()
     if kind == "hf":
-        return HFTokenizer(config_path.parent / config.get("file", HF_FILENAME), eos=config.get("eos_id"),
-                           bos=config.get("bos_id"), pad=config.get("pad_id"))
+        return HFTokenizer(
+            config_path.parent / config.get("file", HF_FILENAME),
+            eos=config.get("eos_id"),
+            bos=config.get("bos_id"),
+            pad=config.get("pad_id"),
+        )
     raise ValueError(f"unknown tokenizer type {kind!r} in {config_path}")
 
 
@@ -225,12 +250,12 @@ def load_tokenizer(spec: str | os.PathLike | None) -> Tokenizer:
             return _load_config(path / CONFIG_FILENAME)
         if (path / HF_FILENAME).is_file():
             return HFTokenizer(path / HF_FILENAME)
-        raise FileNotFoundError(
-            f"directory {path} contains neither {CONFIG_FILENAME} nor {HF_FILENAME}")
+        raise FileNotFoundError(f"directory {path} contains neither {CONFIG_FILENAME} nor {HF_FILENAME}")
     if path.is_file():
         if path.name == CONFIG_FILENAME:
             return _load_config(path)
         return HFTokenizer(path)
     raise FileNotFoundError(
         f"tokenizer {str(spec)!r} not found: expected 'byte', a tokenizer.json file, "
-        "or a directory written by Tokenizer.save()")
+        "or a directory written by Tokenizer.save()"
+    )

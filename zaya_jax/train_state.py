@@ -28,121 +28,151 @@ Batch = dict[str, jax.Array]  # input_ids / targets int32 [B, S], loss_mask fp32
 
 @flax.struct.dataclass
 class TrainState:
-  step: jax.Array  # int32 scalar: optimizer steps taken
-  params: Any
-  opt_state: Any
-  balancing: Any  # the model's "balancing" collection: biases [L, E+1]
-  balancing_opt_state: Any
-  skipped_steps: jax.Array  # int32: updates skipped for non-finite loss or gradients
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: Any
+    opt_state: Any
+    balancing: Any  # the model's "balancing" collection: biases [L, E+1]
+    balancing_opt_state: Any
+    skipped_steps: jax.Array  # int32: updates skipped for non-finite loss or gradients
 
-  @property
-  def variables(self) -> dict[str, Any]:
-    return {"params": self.params, BALANCING: self.balancing}
+    @property
+    def variables(self) -> dict[str, Any]:
+        return {"params": self.params, BALANCING: self.balancing}
 
 
-def create_train_state(cfg: ZayaConfig, tx: optax.GradientTransformation, bal_cfg: bal.BalancingConfig,
-                       rng: jax.Array) -> TrainState:
-  variables = init_variables(cfg, rng)
-  biases = bal.get_balancing_biases(variables)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=variables["params"],
-                    opt_state=tx.init(variables["params"]), balancing=variables[BALANCING],
-                    balancing_opt_state=bal.init_balancing_state(biases, bal_cfg),
-                    skipped_steps=jnp.zeros((), jnp.int32))
+def create_train_state(
+    cfg: ZayaConfig, tx: optax.GradientTransformation, bal_cfg: bal.BalancingConfig, rng: jax.Array
+) -> TrainState:
+    variables = init_variables(cfg, rng)
+    biases = bal.get_balancing_biases(variables)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=variables["params"],
+        opt_state=tx.init(variables["params"]),
+        balancing=variables[BALANCING],
+        balancing_opt_state=bal.init_balancing_state(biases, bal_cfg),
+        skipped_steps=jnp.zeros((), jnp.int32),
+    )
 
 
 def state_shardings(state: TrainState, mesh: Mesh, zero1: bool = True) -> TrainState:
-  """Where each part of the state lives: params by the sharding table (FSDP / expert axes),
-  optimizer state like its params plus ZeRO-1 over `data`, small things replicated."""
-  replicated = NamedSharding(mesh, P())
-  return TrainState(
-      step=replicated, params=param_shardings(state.params, mesh),
-      opt_state=opt_state_shardings(state.opt_state, state.params, mesh, zero1=zero1),
-      balancing=jax.tree.map(lambda _: replicated, state.balancing),
-      balancing_opt_state=jax.tree.map(lambda _: replicated, state.balancing_opt_state),
-      skipped_steps=replicated)
+    """Where each part of the state lives: params by the sharding table (FSDP / expert axes),
+    optimizer state like its params plus ZeRO-1 over `data`, small things replicated."""
+    replicated = NamedSharding(mesh, P())
+    return TrainState(
+        step=replicated,
+        params=param_shardings(state.params, mesh),
+        opt_state=opt_state_shardings(state.opt_state, state.params, mesh, zero1=zero1),
+        balancing=jax.tree.map(lambda _: replicated, state.balancing),
+        balancing_opt_state=jax.tree.map(lambda _: replicated, state.balancing_opt_state),
+        skipped_steps=replicated,
+    )
 
 
-def loss_and_counts(model: ZayaForCausalLM, params: Any, balancing: Any, batch: Batch,
-                    loss_chunk: int = 512) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-  """(sum of token losses, (sum of loss weights, expert counts [L, E+1], dropped tokens [L]))."""
-  variables = {"params": params, BALANCING: balancing}
-  out = model.apply(variables, batch["input_ids"], return_logits=False)
-  head = lambda h: model.apply(variables, h, method=ZayaForCausalLM.logits_from_hidden)
-  total, weight = chunked_cross_entropy(out.hidden, batch["targets"], batch["loss_mask"], head, loss_chunk)
-  return total, (weight, out.expert_counts, out.dropped_tokens)
+def loss_and_counts(
+    model: ZayaForCausalLM, params: Any, balancing: Any, batch: Batch, loss_chunk: int = 512
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    """(sum of token losses, (sum of loss weights, expert counts [L, E+1], dropped tokens [L]))."""
+    variables = {"params": params, BALANCING: balancing}
+    out = model.apply(variables, batch["input_ids"], return_logits=False)
+    head = lambda h: model.apply(variables, h, method=ZayaForCausalLM.logits_from_hidden)
+    total, weight = chunked_cross_entropy(out.hidden, batch["targets"], batch["loss_mask"], head, loss_chunk)
+    return total, (weight, out.expert_counts, out.dropped_tokens)
 
 
-def make_train_step(cfg: ZayaConfig, tx: optax.GradientTransformation, bal_cfg: bal.BalancingConfig | None,
-                    schedule: Callable[[jax.Array], jax.Array], grad_accum: int = 1,
-                    mesh: Mesh | None = None
-                    ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
-  """Returns train_step(state, batch) -> (state, metrics); batch leaves are [B, S] (global).
+def make_train_step(
+    cfg: ZayaConfig,
+    tx: optax.GradientTransformation,
+    bal_cfg: bal.BalancingConfig | None,
+    schedule: Callable[[jax.Array], jax.Array],
+    grad_accum: int = 1,
+    mesh: Mesh | None = None,
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+    """Returns train_step(state, batch) -> (state, metrics); batch leaves are [B, S] (global).
 
-  Microbatch a takes rows a, a + A, a + 2A, ... so that with the batch split over devices in
-  contiguous row blocks every microbatch stays spread over all devices (no resharding).
-  """
-  model = ZayaForCausalLM(cfg, mesh)
-  grad_fn = jax.value_and_grad(lambda p, b, mb: loss_and_counts(model, p, b, mb), has_aux=True)
+    Microbatch a takes rows a, a + A, a + 2A, ... so that with the batch split over devices in
+    contiguous row blocks every microbatch stays spread over all devices (no resharding).
+    """
+    model = ZayaForCausalLM(cfg, mesh)
+    grad_fn = jax.value_and_grad(lambda p, b, mb: loss_and_counts(model, p, b, mb), has_aux=True)
 
-  def split(x):
-    x = x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
-    if mesh is not None:
-      x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES)))
-    return x
+    def split(x):
+        x = x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
+        if mesh is not None:
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES)))
+        return x
 
-  def train_step(state: TrainState, batch: Batch):
-    micro = jax.tree.map(split, batch)
+    def train_step(state: TrainState, batch: Batch):
+        micro = jax.tree.map(split, batch)
 
-    def accumulate(carry, mb):
-      (loss_sum, aux), grads = grad_fn(state.params, state.balancing, mb)
-      acc_loss, acc_aux, acc_grads = carry
-      return (acc_loss + loss_sum, jax.tree.map(jnp.add, acc_aux, aux),
-              jax.tree.map(jnp.add, acc_grads, grads)), None
+        def accumulate(carry, mb):
+            (loss_sum, aux), grads = grad_fn(state.params, state.balancing, mb)
+            acc_loss, acc_aux, acc_grads = carry
+            return (
+                acc_loss + loss_sum,
+                jax.tree.map(jnp.add, acc_aux, aux),
+                jax.tree.map(jnp.add, acc_grads, grads),
+            ), None
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
-    aux0 = (jnp.zeros(()), jnp.zeros((cfg.num_hidden_layers, cfg.num_router_classes), jnp.float32),
-            jnp.zeros((cfg.num_hidden_layers,), jnp.int32))
-    (loss_sum, (weight, counts, dropped), grads), _ = jax.lax.scan(
-        accumulate, (jnp.zeros(()), aux0, zeros), micro)
-    denom = jnp.maximum(weight, 1.0)
-    loss = loss_sum / denom
-    grads = jax.tree.map(lambda g: g / denom, grads)
-    grad_norm = optax.global_norm(grads)
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        aux0 = (
+            jnp.zeros(()),
+            jnp.zeros((cfg.num_hidden_layers, cfg.num_router_classes), jnp.float32),
+            jnp.zeros((cfg.num_hidden_layers,), jnp.int32),
+        )
+        (loss_sum, (weight, counts, dropped), grads), _ = jax.lax.scan(
+            accumulate, (jnp.zeros(()), aux0, zeros), micro
+        )
+        denom = jnp.maximum(weight, 1.0)
+        loss = loss_sum / denom
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        grad_norm = optax.global_norm(grads)
 
-    # A non-finite loss or gradient skips the whole update (params, optimizer and balancing
-    # state) rather than poisoning the run; the trainer counts and reports these.
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    biases = bal.get_balancing_biases({BALANCING: state.balancing})
-    if bal_cfg is not None:
-      new_biases, bal_state, load = bal.balancing_update(biases, counts, state.balancing_opt_state, bal_cfg)
-    else:
-      new_biases, bal_state = biases, state.balancing_opt_state
-      load = bal.expert_load_stats(counts, cfg.num_experts)
-    balancing = bal.set_balancing_biases({BALANCING: state.balancing}, new_biases)[BALANCING]
+        # A non-finite loss or gradient skips the whole update (params, optimizer and balancing
+        # state) rather than poisoning the run; the trainer counts and reports these.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        biases = bal.get_balancing_biases({BALANCING: state.balancing})
+        if bal_cfg is not None:
+            new_biases, bal_state, load = bal.balancing_update(
+                biases, counts, state.balancing_opt_state, bal_cfg
+            )
+        else:
+            new_biases, bal_state = biases, state.balancing_opt_state
+            load = bal.expert_load_stats(counts, cfg.num_experts)
+        balancing = bal.set_balancing_biases({BALANCING: state.balancing}, new_biases)[BALANCING]
 
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-    new_state = TrainState(
-        step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
-        balancing=keep(balancing, state.balancing),
-        balancing_opt_state=keep(bal_state, state.balancing_opt_state),
-        skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32))
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "tokens": weight,
-               "update_skipped": ~finite, "dropped_tokens": jnp.sum(dropped),
-               "expert_load_max_over_mean": load["load_max_over_mean"],
-               "expert_skip_fraction": load["skip_fraction"]}
-    return new_state, metrics
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        new_state = TrainState(
+            step=state.step + 1,
+            params=keep(params, state.params),
+            opt_state=keep(opt_state, state.opt_state),
+            balancing=keep(balancing, state.balancing),
+            balancing_opt_state=keep(bal_state, state.balancing_opt_state),
+            skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
+        )
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": schedule(state.step),
+            "tokens": weight,
+            "update_skipped": ~finite,
+            "dropped_tokens": jnp.sum(dropped),
+            "expert_load_max_over_mean": load["load_max_over_mean"],
+            "expert_skip_fraction": load["skip_fraction"],
+        }
+        return new_state, metrics
 
-  return train_step
+    return train_step
 
 
 def make_eval_step(cfg: ZayaConfig, mesh: Mesh | None = None) -> Callable[[Any, Batch], dict[str, jax.Array]]:
-  """eval_step(variables, batch) -> {"loss_sum", "weight"} (sum over tokens; divide at the end)."""
-  model = ZayaForCausalLM(cfg, mesh)
+    """eval_step(variables, batch) -> {"loss_sum", "weight"} (sum over tokens; divide at the end)."""
+    model = ZayaForCausalLM(cfg, mesh)
 
-  def eval_step(variables, batch):
-    loss_sum, (weight, _, _) = loss_and_counts(model, variables["params"], variables[BALANCING], batch)
-    return {"loss_sum": loss_sum, "weight": weight}
+    def eval_step(variables, batch):
+        loss_sum, (weight, _, _) = loss_and_counts(model, variables["params"], variables[BALANCING], batch)
+        return {"loss_sum": loss_sum, "weight": weight}
 
-  return eval_step
+    return eval_step

@@ -57,7 +57,9 @@ def _paragraph_groups(section: str, max_chars: int) -> list[str]:
 @lru_cache(maxsize=1)
 def _embedded_corpus() -> tuple[str, ...]:
     corpus_dir = resources.files(__name__).joinpath("corpus")
-    files = sorted((f for f in corpus_dir.iterdir() if f.name.endswith((".txt", ".txt.gz"))), key=lambda f: f.name)
+    files = sorted(
+        (f for f in corpus_dir.iterdir() if f.name.endswith((".txt", ".txt.gz"))), key=lambda f: f.name
+    )
     if not files:
         raise FileNotFoundError(f"embedded corpus is missing: no .txt/.txt.gz files in {corpus_dir}")
     docs: list[str] = []
@@ -109,5 +111,10 @@ def split_documents(docs: Sequence[str], eval_fraction: float, seed: int = 0) ->
     return train, held_out
 
 
-__all__ = ["EMBEDDED_EVAL_FRACTION", "EMBEDDED_SPLIT_SEED", "is_eval_document", "load_embedded_corpus",
-           "split_documents"]
+__all__ = [
+    "EMBEDDED_EVAL_FRACTION",
+    "EMBEDDED_SPLIT_SEED",
+    "is_eval_document",
+    "load_embedded_corpus",
+    "split_documents",
+]

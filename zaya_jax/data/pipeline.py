@@ -69,8 +69,9 @@ def _embedded_documents(split: str) -> TokenDocuments:
     train, held_out = split_documents(load_embedded_corpus(), EMBEDDED_EVAL_FRACTION, EMBEDDED_SPLIT_SEED)
     tok = ByteTokenizer()
     docs = train if split == "train" else held_out
-    return TokenDocuments.from_token_lists(tok.encode_batch(docs), eos_id=tok.eos_id, pad_id=tok.pad_id,
-                                           vocab_size=tok.vocab_size)
+    return TokenDocuments.from_token_lists(
+        tok.encode_batch(docs), eos_id=tok.eos_id, pad_id=tok.pad_id, vocab_size=tok.vocab_size
+    )
 
 
 def load_documents(source: Source, split: str = "train") -> TokenDocuments:
@@ -102,8 +103,16 @@ class PackedSequences:
     (extra indices are all-padding sequences), or sys.maxsize when num_epochs is None.
     """
 
-    def __init__(self, docs: TokenDocuments, *, seq_len: int, seed: int = 0, shuffle: bool = True,
-                 num_epochs: int | None = None, pad_to_multiple: int = 1):
+    def __init__(
+        self,
+        docs: TokenDocuments,
+        *,
+        seq_len: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_epochs: int | None = None,
+        pad_to_multiple: int = 1,
+    ):
         if docs.num_docs == 0:
             raise ValueError("cannot build sequences from an empty split")
         if seq_len < 1:
@@ -169,7 +178,9 @@ class PackedSequences:
             doc = int(order[k])
             doc_begin = int(ends[k]) - int(self.docs.doc_len[doc])
             take = min(end, int(ends[k])) - pos
-            out[pos - lo:pos - lo + take] = self.docs.doc_tokens(doc, pos - doc_begin, pos - doc_begin + take)
+            out[pos - lo : pos - lo + take] = self.docs.doc_tokens(
+                doc, pos - doc_begin, pos - doc_begin + take
+            )
             pos += take
             k += 1
         return out
@@ -178,9 +189,11 @@ class PackedSequences:
         index = int(index)
         s = self.seq_len
         if index >= self._num_real:  # padding sequence that rounds the total up to whole global batches
-            return {"input_ids": np.full(s, self.docs.pad_id, np.int32),
-                    "targets": np.full(s, self.docs.pad_id, np.int32),
-                    "loss_mask": np.zeros(s, np.float32)}
+            return {
+                "input_ids": np.full(s, self.docs.pad_id, np.int32),
+                "targets": np.full(s, self.docs.pad_id, np.int32),
+                "loss_mask": np.zeros(s, np.float32),
+            }
         epoch, i = divmod(index, self.sequences_per_epoch)
         window = self._read_stream(epoch, i * s - 1, (i + 1) * s)  # [S + 1]
         num_targets = min(s, self.tokens_per_epoch - i * s)
@@ -193,10 +206,20 @@ class PackedSequences:
 # Datasets
 
 
-def make_dataset(source: Source = None, *, seq_len: int, global_batch_size: int, seed: int = 0,
-                 process_index: int = 0, process_count: int = 1, split: str = "train",
-                 num_epochs: int | None = None, shuffle: bool | None = None, num_threads: int = 2,
-                 prefetch_buffer_size: int = 4) -> grain.IterDataset:
+def make_dataset(
+    source: Source = None,
+    *,
+    seq_len: int,
+    global_batch_size: int,
+    seed: int = 0,
+    process_index: int = 0,
+    process_count: int = 1,
+    split: str = "train",
+    num_epochs: int | None = None,
+    shuffle: bool | None = None,
+    num_threads: int = 2,
+    prefetch_buffer_size: int = 4,
+) -> grain.IterDataset:
     """grain IterDataset of this process' share of the packed batches (format in the module doc).
 
     Args:
@@ -216,32 +239,59 @@ def make_dataset(source: Source = None, *, seq_len: int, global_batch_size: int,
     `it.set_state(state)` on a fresh iterator of the same dataset resumes at the same batch.
     """
     if global_batch_size < 1 or process_count < 1:
-        raise ValueError(f"global_batch_size ({global_batch_size}) and process_count ({process_count}) must be >= 1")
+        raise ValueError(
+            f"global_batch_size ({global_batch_size}) and process_count ({process_count}) must be >= 1"
+        )
     if global_batch_size % process_count:
-        raise ValueError(f"global_batch_size {global_batch_size} is not divisible by process_count {process_count}")
+        raise ValueError(
+            f"global_batch_size {global_batch_size} is not divisible by process_count {process_count}"
+        )
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} out of range for process_count {process_count}")
     docs = load_documents(source, split)
     if docs.num_docs == 0:
         raise ValueError(f"the {split!r} split of {source or _EMBEDDED} has no documents")
-    sequences = PackedSequences(docs, seq_len=seq_len, seed=seed,
-                                shuffle=(split == "train") if shuffle is None else shuffle,
-                                num_epochs=num_epochs, pad_to_multiple=global_batch_size)
+    sequences = PackedSequences(
+        docs,
+        seq_len=seq_len,
+        seed=seed,
+        shuffle=(split == "train") if shuffle is None else shuffle,
+        num_epochs=num_epochs,
+        pad_to_multiple=global_batch_size,
+    )
     ds = grain.MapDataset.source(sequences)
     ds = ds[process_index::process_count]  # interleaved rows: see "Sharding" in the module doc
     # The total is a multiple of the global batch, so every local batch is full.
     ds = ds.batch(global_batch_size // process_count, drop_remainder=True)
-    return ds.to_iter_dataset(grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size))
+    return ds.to_iter_dataset(
+        grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size)
+    )
 
 
-def make_eval_dataset(source: Source = None, *, seq_len: int, global_batch_size: int, process_index: int = 0,
-                      process_count: int = 1, **kwargs) -> grain.IterDataset:
+def make_eval_dataset(
+    source: Source = None,
+    *,
+    seq_len: int,
+    global_batch_size: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    **kwargs,
+) -> grain.IterDataset:
     """One deterministic pass over the held-out split (documents in stored order, no shuffling).
 
     The last batch is filled with padding (loss_mask 0); every process yields the same number of batches.
     """
-    return make_dataset(source, seq_len=seq_len, global_batch_size=global_batch_size, process_index=process_index,
-                        process_count=process_count, split="eval", num_epochs=1, shuffle=False, **kwargs)
+    return make_dataset(
+        source,
+        seq_len=seq_len,
+        global_batch_size=global_batch_size,
+        process_index=process_index,
+        process_count=process_count,
+        split="eval",
+        num_epochs=1,
+        shuffle=False,
+        **kwargs,
+    )
 
 
 def interleave_process_batches(batches: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -250,9 +300,16 @@ def interleave_process_batches(batches: Sequence[dict[str, np.ndarray]]) -> dict
     Inverse of the sharding: global row r*P + p is row r of process p. Useful for tests and debugging;
     training never needs the global batch on one host.
     """
-    return {k: np.stack([b[k] for b in batches], axis=1).reshape(-1, *batches[0][k].shape[1:])
-            for k in batches[0]}
+    return {
+        k: np.stack([b[k] for b in batches], axis=1).reshape(-1, *batches[0][k].shape[1:]) for k in batches[0]
+    }
 
 
-__all__ = ["PackedSequences", "interleave_process_batches", "load_documents", "make_dataset",
-           "make_eval_dataset", "source_tokenizer"]
+__all__ = [
+    "PackedSequences",
+    "interleave_process_batches",
+    "load_documents",
+    "make_dataset",
+    "make_eval_dataset",
+    "source_tokenizer",
+]

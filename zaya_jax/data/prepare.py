@@ -89,20 +89,28 @@ class TokenDocuments:
         length = int(self.doc_len[d])
         hi = length if hi is None else min(hi, length)
         start = int(self.doc_start[d])
-        return self.shards[int(self.doc_shard[d])][start + lo:start + hi]
+        return self.shards[int(self.doc_shard[d])][start + lo : start + hi]
 
     @classmethod
-    def from_token_lists(cls, docs: Sequence[Sequence[int]], *, eos_id: int, pad_id: int,
-                         vocab_size: int) -> TokenDocuments:
+    def from_token_lists(
+        cls, docs: Sequence[Sequence[int]], *, eos_id: int, pad_id: int, vocab_size: int
+    ) -> TokenDocuments:
         """In-memory documents (without EOS; it is appended here) -> a single-shard TokenDocuments."""
         lengths = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         tokens = np.empty(int(offsets[-1]), dtype=np.int32)
         for d, start, end in zip(docs, offsets[:-1], offsets[1:]):
-            tokens[start:end - 1] = d
+            tokens[start : end - 1] = d
             tokens[end - 1] = eos_id
-        return cls(shards=(tokens,), doc_shard=np.zeros(len(docs), np.int32), doc_start=offsets[:-1],
-                   doc_len=lengths, eos_id=eos_id, pad_id=pad_id, vocab_size=vocab_size)
+        return cls(
+            shards=(tokens,),
+            doc_shard=np.zeros(len(docs), np.int32),
+            doc_start=offsets[:-1],
+            doc_len=lengths,
+            eos_id=eos_id,
+            pad_id=pad_id,
+            vocab_size=vocab_size,
+        )
 
 
 def read_meta(data_dir: str | os.PathLike) -> dict:
@@ -111,11 +119,14 @@ def read_meta(data_dir: str | os.PathLike) -> dict:
     if not path.is_file():
         raise FileNotFoundError(
             f"{data_dir} is not a prepared dataset (no {META_FILENAME}); create one with "
-            "`python -m zaya_jax.data.prepare --input ... --out DIR`")
+            "`python -m zaya_jax.data.prepare --input ... --out DIR`"
+        )
     meta = json.loads(path.read_text())
     if meta.get("format") != FORMAT_NAME or meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: unsupported dataset format {meta.get('format')!r} version "
-                         f"{meta.get('format_version')!r} (expected {FORMAT_NAME!r} v{FORMAT_VERSION})")
+        raise ValueError(
+            f"{path}: unsupported dataset format {meta.get('format')!r} version "
+            f"{meta.get('format_version')!r} (expected {FORMAT_NAME!r} v{FORMAT_VERSION})"
+        )
     return meta
 
 
@@ -137,9 +148,15 @@ def load_split(data_dir: str | os.PathLike, split: str) -> TokenDocuments:
         doc_start.append(offsets[:-1])
         doc_len.append(np.diff(offsets))
     cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
-    return TokenDocuments(shards=tuple(shards), doc_shard=cat(doc_shard, np.int32),
-                          doc_start=cat(doc_start, np.int64), doc_len=cat(doc_len, np.int64),
-                          eos_id=tok["eos_id"], pad_id=tok["pad_id"], vocab_size=tok["vocab_size"])
+    return TokenDocuments(
+        shards=tuple(shards),
+        doc_shard=cat(doc_shard, np.int32),
+        doc_start=cat(doc_start, np.int64),
+        doc_len=cat(doc_len, np.int64),
+        eos_id=tok["eos_id"],
+        pad_id=tok["pad_id"],
+        vocab_size=tok["vocab_size"],
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,8 +191,9 @@ def _input_kind(path: Path) -> str:
     raise ValueError(f"unsupported input file {path}: expected .txt or .jsonl (optionally .gz)")
 
 
-def iter_documents(path: Path, *, separator: str | re.Pattern | None = None,
-                   text_field: str = "text") -> Iterator[str]:
+def iter_documents(
+    path: Path, *, separator: str | re.Pattern | None = None, text_field: str = "text"
+) -> Iterator[str]:
     """Yields the raw documents of one input file (see the module docstring for the rules)."""
     kind = _input_kind(path)
     with _open_text(path) as f:
@@ -197,7 +215,9 @@ def iter_documents(path: Path, *, separator: str | re.Pattern | None = None,
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: invalid JSON: {e}") from None
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with a string field {text_field!r}")
+                raise ValueError(
+                    f"{path}:{lineno}: expected a JSON object with a string field {text_field!r}"
+                )
             yield record[text_field]
 
 
@@ -230,19 +250,32 @@ class _ShardWriter:
         offsets = np.concatenate([[0], np.cumsum([len(d) for d in self._pending])]).astype(np.int64)
         np.save(self.split_dir / f"{stem}.npy", np.concatenate(self._pending).astype(self.dtype))
         np.save(self.split_dir / f"{stem}.offsets.npy", offsets)
-        self.shards.append({"tokens": f"{stem}.npy", "offsets": f"{stem}.offsets.npy",
-                            "num_docs": len(self._pending), "num_tokens": int(offsets[-1])})
+        self.shards.append(
+            {
+                "tokens": f"{stem}.npy",
+                "offsets": f"{stem}.offsets.npy",
+                "num_docs": len(self._pending),
+                "num_tokens": int(offsets[-1]),
+            }
+        )
         self._pending, self._pending_tokens = [], 0
 
     def summary(self) -> dict:
         return {"num_docs": self.num_docs, "num_tokens": self.num_tokens, "shards": self.shards}
 
 
-def prepare_dataset(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathLike, *,
-                    tokenizer: str | os.PathLike | Tokenizer | None = None, eval_fraction: float = 0.01,
-                    split_seed: int = 0, shard_tokens: int = DEFAULT_SHARD_TOKENS,
-                    doc_separator: str | None = None, text_field: str = "text",
-                    overwrite: bool = False) -> dict:
+def prepare_dataset(
+    inputs: Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | Tokenizer | None = None,
+    eval_fraction: float = 0.01,
+    split_seed: int = 0,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    doc_separator: str | None = None,
+    text_field: str = "text",
+    overwrite: bool = False,
+) -> dict:
     """Tokenizes `inputs` into a prepared dataset at `out_dir` (layout in the module docstring).
 
     Returns the meta dict that was written to meta.json.
@@ -302,8 +335,13 @@ def prepare_dataset(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathL
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "created_unix": int(time.time()),
-            "tokenizer": {"name": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-                          "pad_id": tok.pad_id, "bos_id": tok.bos_id},
+            "tokenizer": {
+                "name": tok.name,
+                "vocab_size": tok.vocab_size,
+                "eos_id": tok.eos_id,
+                "pad_id": tok.pad_id,
+                "bos_id": tok.bos_id,
+            },
             "dtype": dtype.name,
             "inputs": [str(p) for p in paths],
             "doc_separator": doc_separator,
@@ -331,11 +369,15 @@ def prepare_dataset(inputs: Sequence[str | os.PathLike], out_dir: str | os.PathL
 
 def _format_summary(out_dir: Path, meta: dict) -> str:
     tok = meta["tokenizer"]
-    lines = [f"wrote {out_dir} (tokenizer {tok['name']}, vocab_size {tok['vocab_size']}, "
-             f"eos {tok['eos_id']}, pad {tok['pad_id']}, {meta['dtype']})"]
+    lines = [
+        f"wrote {out_dir} (tokenizer {tok['name']}, vocab_size {tok['vocab_size']}, "
+        f"eos {tok['eos_id']}, pad {tok['pad_id']}, {meta['dtype']})"
+    ]
     for split, s in meta["splits"].items():
-        lines.append(f"  {split:5s}: {s['num_docs']:>10,d} docs {s['num_tokens']:>14,d} tokens "
-                     f"{len(s['shards']):>4d} shards")
+        lines.append(
+            f"  {split:5s}: {s['num_docs']:>10,d} docs {s['num_tokens']:>14,d} tokens "
+            f"{len(s['shards']):>4d} shards"
+        )
     if meta["skipped_empty_docs"]:
         lines.append(f"  skipped {meta['skipped_empty_docs']} empty documents")
     if meta["splits"]["eval"]["num_docs"] == 0:
@@ -346,28 +388,51 @@ def _format_summary(out_dir: Path, meta: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m zaya_jax.data.prepare",
-        description="Tokenize .txt/.jsonl files into train/eval token shards for zaya_jax training.")
-    parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                        help=".txt or .jsonl files (optionally .gz)")
+        description="Tokenize .txt/.jsonl files into train/eval token shards for zaya_jax training.",
+    )
+    parser.add_argument(
+        "--input", nargs="+", required=True, metavar="FILE", help=".txt or .jsonl files (optionally .gz)"
+    )
     parser.add_argument("--out", required=True, metavar="DIR", help="output dataset directory")
-    parser.add_argument("--tokenizer", default="byte",
-                        help="'byte' (default), a tokenizer.json, or a directory saved by a tokenizer")
-    parser.add_argument("--eval-fraction", type=float, default=0.01,
-                        help="fraction of documents held out for eval (default 0.01)")
+    parser.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="'byte' (default), a tokenizer.json, or a directory saved by a tokenizer",
+    )
+    parser.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.01,
+        help="fraction of documents held out for eval (default 0.01)",
+    )
     parser.add_argument("--split-seed", type=int, default=0, help="seed of the train/eval split")
-    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
-                        help=f"tokens per shard file (default {DEFAULT_SHARD_TOKENS})")
-    parser.add_argument("--doc-separator", default="none",
-                        help="how .txt files are cut into documents: none (whole file, default), "
-                             "blank-line, form-feed, or a literal string such as '\\n\\n\\n'")
+    parser.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=DEFAULT_SHARD_TOKENS,
+        help=f"tokens per shard file (default {DEFAULT_SHARD_TOKENS})",
+    )
+    parser.add_argument(
+        "--doc-separator",
+        default="none",
+        help="how .txt files are cut into documents: none (whole file, default), "
+        "blank-line, form-feed, or a literal string such as '\\n\\n\\n'",
+    )
     parser.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl")
     parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
     args = parser.parse_args(argv)
     try:
-        meta = prepare_dataset(args.input, args.out, tokenizer=args.tokenizer, eval_fraction=args.eval_fraction,
-                               split_seed=args.split_seed, shard_tokens=args.shard_tokens,
-                               doc_separator=args.doc_separator, text_field=args.text_field,
-                               overwrite=args.overwrite)
+        meta = prepare_dataset(
+            args.input,
+            args.out,
+            tokenizer=args.tokenizer,
+            eval_fraction=args.eval_fraction,
+            split_seed=args.split_seed,
+            shard_tokens=args.shard_tokens,
+            doc_separator=args.doc_separator,
+            text_field=args.text_field,
+            overwrite=args.overwrite,
+        )
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -33,169 +33,195 @@ __all__ = ["load_pretrained", "save_pretrained", "SafetensorsError"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-DEFAULT_MAX_SHARD_BYTES = 5 * 1000 ** 3
+DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Routing decisions hinge on the balancing biases; they stay fp32 whatever the export dtype.
 FP32_TENSOR_SUFFIXES = ("balancing_biases",)
 
 
 def _safetensors_files(path: str) -> list[str]:
-  index = os.path.join(path, INDEX_FILE)
-  if os.path.exists(index):
-    with open(index) as f:
-      weight_map = json.load(f).get("weight_map")
-    if not weight_map:
-      raise ValueError(f"{index}: no weight_map")
-    files = sorted(set(weight_map.values()))
-  elif os.path.exists(os.path.join(path, SINGLE_FILE)):
-    files = [SINGLE_FILE]
-  else:
-    raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
-  for f in files:
-    if not os.path.exists(os.path.join(path, f)):
-      raise FileNotFoundError(f"{path}: shard {f} named in {INDEX_FILE} is missing")
-  return [os.path.join(path, f) for f in files]
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not weight_map:
+            raise ValueError(f"{index}: no weight_map")
+        files = sorted(set(weight_map.values()))
+    elif os.path.exists(os.path.join(path, SINGLE_FILE)):
+        files = [SINGLE_FILE]
+    else:
+        raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    for f in files:
+        if not os.path.exists(os.path.join(path, f)):
+            raise FileNotFoundError(f"{path}: shard {f} named in {INDEX_FILE} is missing")
+    return [os.path.join(path, f) for f in files]
 
 
-def load_pretrained(path: str, *, param_dtype: str = "float32", **config_overrides) -> tuple[ZayaConfig, dict]:
-  """Reads an HF ZAYA1 directory (config.json + safetensors, sharded or not, native or legacy).
+def load_pretrained(
+    path: str, *, param_dtype: str = "float32", **config_overrides
+) -> tuple[ZayaConfig, dict]:
+    """Reads an HF ZAYA1 directory (config.json + safetensors, sharded or not, native or legacy).
 
-  Returns (ZayaConfig, variables) with variables = {"params": ..., "balancing": ...} as jax arrays.
-  `config_overrides` set our compute fields (dtype, moe_impl, remat, ...). Raises ValueError naming
-  the tensor for unknown, missing or mis-shaped tensors.
-  """
-  if not os.path.isdir(path):
-    raise FileNotFoundError(f"HF checkpoint directory {path!r} does not exist")
-  config_path = os.path.join(path, "config.json")
-  if not os.path.exists(config_path):
-    raise FileNotFoundError(f"{path}: config.json not found")
-  with open(config_path) as f:
-    raw_cfg = json.load(f)
-  files = _safetensors_files(path)
-  shapes = {}
-  for file in files:
-    shapes.update({n: tuple(i["shape"]) for n, i in read_header(file)[0].items()})
+    Returns (ZayaConfig, variables) with variables = {"params": ..., "balancing": ...} as jax arrays.
+    `config_overrides` set our compute fields (dtype, moe_impl, remat, ...). Raises ValueError naming
+    the tensor for unknown, missing or mis-shaped tensors.
+    """
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"HF checkpoint directory {path!r} does not exist")
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{path}: config.json not found")
+    with open(config_path) as f:
+        raw_cfg = json.load(f)
+    files = _safetensors_files(path)
+    shapes = {}
+    for file in files:
+        shapes.update({n: tuple(i["shape"]) for n, i in read_header(file)[0].items()})
 
-  overrides = {"param_dtype": param_dtype, **config_overrides}
-  if is_legacy(shapes):
-    cfg = hf_config.from_legacy(raw_cfg, shapes, **overrides)
-    table = legacy_map(cfg)
-  else:
-    cfg = hf_config.from_native(raw_cfg, **overrides)
-    table = native_map(cfg)
-  by_name = {m.hf: m for m in table}
-  if not cfg.tie_word_embeddings or "lm_head.weight" in by_name:
-    ignorable = set()
-  else:
-    ignorable = {"lm_head.weight"}  # a tied head some writers store anyway
-  unknown = sorted(set(shapes) - set(by_name) - ignorable)
-  if unknown:
-    raise ValueError(f"{path}: unknown tensor(s) for this ZAYA config: {unknown[:10]}"
-                     f"{' ...' if len(unknown) > 10 else ''}")
-  missing = sorted(set(by_name) - set(shapes))
-  if missing:
-    raise ValueError(f"{path}: missing tensor(s): {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+    overrides = {"param_dtype": param_dtype, **config_overrides}
+    if is_legacy(shapes):
+        cfg = hf_config.from_legacy(raw_cfg, shapes, **overrides)
+        table = legacy_map(cfg)
+    else:
+        cfg = hf_config.from_native(raw_cfg, **overrides)
+        table = native_map(cfg)
+    by_name = {m.hf: m for m in table}
+    if not cfg.tie_word_embeddings or "lm_head.weight" in by_name:
+        ignorable = set()
+    else:
+        ignorable = {"lm_head.weight"}  # a tied head some writers store anyway
+    unknown = sorted(set(shapes) - set(by_name) - ignorable)
+    if unknown:
+        raise ValueError(
+            f"{path}: unknown tensor(s) for this ZAYA config: {unknown[:10]}"
+            f"{' ...' if len(unknown) > 10 else ''}"
+        )
+    missing = sorted(set(by_name) - set(shapes))
+    if missing:
+        raise ValueError(f"{path}: missing tensor(s): {missing[:10]}{' ...' if len(missing) > 10 else ''}")
 
-  arrays = _allocate(cfg)
-  for file in files:
-    for name, tensor in iter_tensors(file):
-      if name in ignorable:
-        continue
-      m = by_name[name]
-      dest = arrays[m.path]
-      value = m.transform.from_hf(tensor)
-      want = dest.shape[len(m.index):]
-      if value.shape != want:
-        raise ValueError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}; expected "
-                         f"{tuple(m.transform.to_hf(np.empty(want, np.float32)).shape)} for this config")
-      dest[m.index] = value.astype(dest.dtype)
-  variables = {}
-  for key in list(arrays):  # hand arrays to jax one by one, never holding two full copies
-    variables[key] = jax.numpy.asarray(arrays.pop(key))
-  return cfg, flax.traverse_util.unflatten_dict(variables)
+    arrays = _allocate(cfg)
+    for file in files:
+        for name, tensor in iter_tensors(file):
+            if name in ignorable:
+                continue
+            m = by_name[name]
+            dest = arrays[m.path]
+            value = m.transform.from_hf(tensor)
+            want = dest.shape[len(m.index) :]
+            if value.shape != want:
+                raise ValueError(
+                    f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}; expected "
+                    f"{tuple(m.transform.to_hf(np.empty(want, np.float32)).shape)} for this config"
+                )
+            dest[m.index] = value.astype(dest.dtype)
+    variables = {}
+    for key in list(arrays):  # hand arrays to jax one by one, never holding two full copies
+        variables[key] = jax.numpy.asarray(arrays.pop(key))
+    return cfg, flax.traverse_util.unflatten_dict(variables)
 
 
 def _allocate(cfg: ZayaConfig) -> dict[tuple[str, ...], np.ndarray]:
-  """Empty numpy arrays of our layout; defaults for what no HF tensor supplies (block 0's EDA scale)."""
-  shapes = jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0)))
-  arrays = {k: np.empty(v.shape, np.dtype(v.dtype)) for k, v in flax.traverse_util.flatten_dict(shapes).items()}
-  eda = ("params", "layers", "mlp", "gate", "router_states_scale")
-  arrays[eda][0] = 1.0
-  return arrays
+    """Empty numpy arrays of our layout; defaults for what no HF tensor supplies (block 0's EDA scale)."""
+    shapes = jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0)))
+    arrays = {
+        k: np.empty(v.shape, np.dtype(v.dtype)) for k, v in flax.traverse_util.flatten_dict(shapes).items()
+    }
+    eda = ("params", "layers", "mlp", "gate", "router_states_scale")
+    arrays[eda][0] = 1.0
+    return arrays
 
 
-def save_pretrained(cfg: ZayaConfig, variables: dict, path: str, *, dtype: str = "bfloat16",
-                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
-  """Writes `variables` as a transformers ZayaForCausalLM directory (native layout).
+def save_pretrained(
+    cfg: ZayaConfig,
+    variables: dict,
+    path: str,
+    *,
+    dtype: str = "bfloat16",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """Writes `variables` as a transformers ZayaForCausalLM directory (native layout).
 
-  config.json, generation_config.json and model.safetensors (or model-0000i-of-0000n.safetensors +
-  model.safetensors.index.json past `max_shard_bytes`). The directory is assembled beside `path`
-  and swapped in at the end, so an interrupted export never leaves a half-written checkpoint.
-  """
-  if dtype not in EXPORT_DTYPES:
-    raise ValueError(f"save_pretrained: dtype {dtype!r} not in {sorted(EXPORT_DTYPES)}")
-  if cfg.skip_expert_output != "zero":
-    raise ValueError("save_pretrained: skip_expert_output='weighted_input' (legacy ZAYA1-base "
-                     "behaviour) cannot be expressed by transformers' native ZayaForCausalLM")
-  flat = flax.traverse_util.flatten_dict(variables)
-  expected = flax.traverse_util.flatten_dict(jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0))))
-  for key, spec in expected.items():
-    if key not in flat:
-      raise ValueError(f"save_pretrained: variable {'/'.join(key)} is missing")
-    if tuple(flat[key].shape) != tuple(spec.shape):
-      raise ValueError(f"save_pretrained: variable {'/'.join(key)} has shape {tuple(flat[key].shape)}, "
-                       f"config expects {tuple(spec.shape)}")
+    config.json, generation_config.json and model.safetensors (or model-0000i-of-0000n.safetensors +
+    model.safetensors.index.json past `max_shard_bytes`). The directory is assembled beside `path`
+    and swapped in at the end, so an interrupted export never leaves a half-written checkpoint.
+    """
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"save_pretrained: dtype {dtype!r} not in {sorted(EXPORT_DTYPES)}")
+    if cfg.skip_expert_output != "zero":
+        raise ValueError(
+            "save_pretrained: skip_expert_output='weighted_input' (legacy ZAYA1-base "
+            "behaviour) cannot be expressed by transformers' native ZayaForCausalLM"
+        )
+    flat = flax.traverse_util.flatten_dict(variables)
+    expected = flax.traverse_util.flatten_dict(jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0))))
+    for key, spec in expected.items():
+        if key not in flat:
+            raise ValueError(f"save_pretrained: variable {'/'.join(key)} is missing")
+        if tuple(flat[key].shape) != tuple(spec.shape):
+            raise ValueError(
+                f"save_pretrained: variable {'/'.join(key)} has shape {tuple(flat[key].shape)}, "
+                f"config expects {tuple(spec.shape)}"
+            )
 
-  table = native_map(cfg)
-  by_name = {m.hf: m for m in table}
+    table = native_map(cfg)
+    by_name = {m.hf: m for m in table}
 
-  def export_dtype(m: TensorMap):
-    return np.float32 if m.hf.endswith(FP32_TENSOR_SUFFIXES) else EXPORT_DTYPES[dtype]
+    def export_dtype(m: TensorMap):
+        return np.float32 if m.hf.endswith(FP32_TENSOR_SUFFIXES) else EXPORT_DTYPES[dtype]
 
-  def produce(name: str) -> np.ndarray:
-    m = by_name[name]
-    return m.transform.to_hf(np.asarray(flat[m.path][m.index] if m.index else flat[m.path]))
+    def produce(name: str) -> np.ndarray:
+        m = by_name[name]
+        return m.transform.to_hf(np.asarray(flat[m.path][m.index] if m.index else flat[m.path]))
 
-  def hf_shape(m: TensorMap) -> tuple[int, ...]:
-    slice_shape = tuple(flat[m.path].shape[len(m.index):])
-    return tuple(m.transform.to_hf(np.empty(slice_shape, np.float32)).shape)
+    def hf_shape(m: TensorMap) -> tuple[int, ...]:
+        slice_shape = tuple(flat[m.path].shape[len(m.index) :])
+        return tuple(m.transform.to_hf(np.empty(slice_shape, np.float32)).shape)
 
-  specs = [(m.hf, hf_shape(m), np.dtype(export_dtype(m))) for m in table]
-  shards = plan_shards(specs, max_shard_bytes)
+    specs = [(m.hf, hf_shape(m), np.dtype(export_dtype(m))) for m in table]
+    shards = plan_shards(specs, max_shard_bytes)
 
-  parent = os.path.dirname(os.path.abspath(path))
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
-  try:
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-      fname = SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-      total += write_file(os.path.join(tmp, fname), shard, produce)
-      weight_map.update({name: fname for name, _, _ in shard})
-    if len(shards) > 1:
-      _write_json(os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
-    _write_json(os.path.join(tmp, "config.json"), hf_config.to_native(cfg, dtype))
-    _write_json(os.path.join(tmp, "generation_config.json"), {
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
-        "transformers_version": hf_config.TRANSFORMERS_VERSION})
-    _swap_in(tmp, path)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            fname = SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            total += write_file(os.path.join(tmp, fname), shard, produce)
+            weight_map.update({name: fname for name, _, _ in shard})
+        if len(shards) > 1:
+            _write_json(
+                os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map}
+            )
+        _write_json(os.path.join(tmp, "config.json"), hf_config.to_native(cfg, dtype))
+        _write_json(
+            os.path.join(tmp, "generation_config.json"),
+            {
+                "bos_token_id": cfg.bos_token_id,
+                "eos_token_id": cfg.eos_token_id,
+                "pad_token_id": cfg.pad_token_id,
+                "transformers_version": hf_config.TRANSFORMERS_VERSION,
+            },
+        )
+        _swap_in(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _write_json(path: str, obj: Any) -> None:
-  with open(path, "w") as f:
-    json.dump(obj, f, indent=2, sort_keys=True)
-    f.write("\n")
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def _swap_in(tmp: str, path: str) -> None:
-  """Replaces `path` by the finished directory `tmp`; an existing `path` is kept until the end."""
-  if os.path.exists(path):
-    old = tmp + ".old"
-    os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
-  else:
-    os.replace(tmp, path)
+    """Replaces `path` by the finished directory `tmp`; an existing `path` is kept until the end."""
+    if os.path.exists(path):
+        old = tmp + ".old"
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)

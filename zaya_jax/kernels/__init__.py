@@ -16,8 +16,12 @@ import jax
 
 from zaya_jax.kernels.block_sizes import pick_blocks
 from zaya_jax.kernels.flash_attention import flash_attention, reference_attention, reference_mask
-from zaya_jax.kernels.grouped_matmul import (grouped_matmul, reference_grouped_matmul,
-                                             swiglu_grouped_pallas, tgmm)
+from zaya_jax.kernels.grouped_matmul import (
+    grouped_matmul,
+    reference_grouped_matmul,
+    swiglu_grouped_pallas,
+    tgmm,
+)
 from zaya_jax.kernels.newton_schulz import newton_schulz, reference_newton_schulz
 
 # Which backends each kernel compiles for. All kernels are `pl.pallas_call` with
@@ -37,27 +41,40 @@ SUPPORTED: dict[str, dict[str, str]] = {
 
 
 def default_interpret() -> bool:
-  """True when the default backend is CPU (no Triton there: run the kernels interpreted)."""
-  return jax.default_backend() == "cpu"
+    """True when the default backend is CPU (no Triton there: run the kernels interpreted)."""
+    return jax.default_backend() == "cpu"
 
 
 def use_pallas(impl: str) -> bool:
-  """Resolves a config's kernel choice: "pallas" -> True; "auto" -> True on GPU; else False."""
-  return impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")
+    """Resolves a config's kernel choice: "pallas" -> True; "auto" -> True on GPU; else False."""
+    return impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")
 
 
 def check_backend(*impls: str) -> None:
-  """Start-up check: a Pallas choice on a backend without the Triton lowering (TPU) is an error
-  here, with the fix named, instead of a lowering failure deep inside jit."""
-  backend = jax.default_backend()
-  if any(use_pallas(i) for i in impls) and backend not in ("gpu", "cpu"):
-    raise ValueError(f"Pallas kernels (model.attention_impl / model.moe_impl / optim.muon.ns_impl = "
-                     f"'pallas') use the Triton lowering, which backend {backend!r} lacks; use 'xla' "
-                     "or 'auto'")
+    """Start-up check: a Pallas choice on a backend without the Triton lowering (TPU) is an error
+    here, with the fix named, instead of a lowering failure deep inside jit."""
+    backend = jax.default_backend()
+    if any(use_pallas(i) for i in impls) and backend not in ("gpu", "cpu"):
+        raise ValueError(
+            f"Pallas kernels (model.attention_impl / model.moe_impl / optim.muon.ns_impl = "
+            f"'pallas') use the Triton lowering, which backend {backend!r} lacks; use 'xla' "
+            "or 'auto'"
+        )
 
 
 __all__ = [
-    "SUPPORTED", "check_backend", "default_interpret", "use_pallas", "flash_attention", "grouped_matmul", "newton_schulz",
-    "pick_blocks", "reference_attention", "reference_grouped_matmul", "reference_mask",
-    "reference_newton_schulz", "swiglu_grouped_pallas", "tgmm",
+    "SUPPORTED",
+    "check_backend",
+    "default_interpret",
+    "use_pallas",
+    "flash_attention",
+    "grouped_matmul",
+    "newton_schulz",
+    "pick_blocks",
+    "reference_attention",
+    "reference_grouped_matmul",
+    "reference_mask",
+    "reference_newton_schulz",
+    "swiglu_grouped_pallas",
+    "tgmm",
 ]

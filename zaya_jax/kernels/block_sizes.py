@@ -52,8 +52,9 @@ KERNELS = ("flash_attention", "grouped_matmul", "tgmm", "newton_schulz")
 
 # Base table (bf16 / fp16 operands). fp32 adjustments are applied in `pick_blocks`.
 TABLE: dict[str, dict[str, int]] = {
-    "flash_attention": dict(block_q=128, block_k=128, block_q_bwd=64, block_k_bwd=64,
-                            num_warps=8, num_stages=None),
+    "flash_attention": dict(
+        block_q=128, block_k=128, block_q_bwd=64, block_k_bwd=64, num_warps=8, num_stages=None
+    ),
     "grouped_matmul": dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=None),
     "tgmm": dict(block_m=64, block_k=128, block_n=128, num_warps=8, num_stages=None),
     "newton_schulz": dict(block=128, block_k=64, num_warps=8, num_stages=None),
@@ -61,89 +62,94 @@ TABLE: dict[str, dict[str, int]] = {
 
 
 def _p2(x: int) -> int:
-  """Next power of two >= max(x, 1)."""
-  x = max(int(x), 1)
-  return 1 << (x - 1).bit_length()
+    """Next power of two >= max(x, 1)."""
+    x = max(int(x), 1)
+    return 1 << (x - 1).bit_length()
 
 
 def _clip(block: int, dim: int | None, floor: int = 16) -> int:
-  """Clip a block to the next power of two of the dimension it tiles (but >= floor)."""
-  if dim is None:
-    return block
-  return max(floor, min(block, _p2(dim)))
+    """Clip a block to the next power of two of the dimension it tiles (but >= floor)."""
+    if dim is None:
+        return block
+    return max(floor, min(block, _p2(dim)))
 
 
 def gpu_platform() -> str | None:
-  """'rocm' or 'cuda' for the default device, None when it is not a GPU."""
-  import jax
+    """'rocm' or 'cuda' for the default device, None when it is not a GPU."""
+    import jax
 
-  try:
-    dev = jax.devices()[0]
-  except RuntimeError:
-    return None
-  if dev.platform not in ("gpu", "cuda", "rocm"):
-    return None
-  version = str(getattr(dev.client, "platform_version", "")).lower()
-  return "rocm" if dev.platform == "rocm" or "rocm" in version or "hip" in version else "cuda"
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return None
+    if dev.platform not in ("gpu", "cuda", "rocm"):
+        return None
+    version = str(getattr(dev.client, "platform_version", "")).lower()
+    return "rocm" if dev.platform == "rocm" or "rocm" in version or "hip" in version else "cuda"
 
 
-def pick_blocks(kernel: str, shapes: Mapping[str, int], dtype: Any = jnp.bfloat16,
-                platform: str | None = None) -> dict[str, Any]:
-  """Block sizes for `kernel` (one of KERNELS) on a problem of `shapes` in `dtype`.
+def pick_blocks(
+    kernel: str, shapes: Mapping[str, int], dtype: Any = jnp.bfloat16, platform: str | None = None
+) -> dict[str, Any]:
+    """Block sizes for `kernel` (one of KERNELS) on a problem of `shapes` in `dtype`.
 
-  See the module docstring for the keys of `shapes` and the rules. platform: "rocm" / "cuda"
-  (default: the default device's, see `gpu_platform`); it only changes num_warps. Every block is
-  a power of two >= 16; the result is a fresh dict (callers may override entries).
-  """
-  if kernel not in TABLE:
-    raise ValueError(f"pick_blocks: unknown kernel {kernel!r}; one of {KERNELS}")
-  wide = jnp.dtype(dtype).itemsize >= 4  # fp32 tiles take twice the shared memory
-  out = dict(TABLE[kernel])
-  get = lambda key: shapes.get(key)  # noqa: E731
+    See the module docstring for the keys of `shapes` and the rules. platform: "rocm" / "cuda"
+    (default: the default device's, see `gpu_platform`); it only changes num_warps. Every block is
+    a power of two >= 16; the result is a fresh dict (callers may override entries).
+    """
+    if kernel not in TABLE:
+        raise ValueError(f"pick_blocks: unknown kernel {kernel!r}; one of {KERNELS}")
+    wide = jnp.dtype(dtype).itemsize >= 4  # fp32 tiles take twice the shared memory
+    out = dict(TABLE[kernel])
+    get = lambda key: shapes.get(key)  # noqa: E731
 
-  if kernel == "flash_attention":
-    hd = get("head_dim") or 128
-    if hd > 128:
-      out.update(block_q=64, block_k=64, block_q_bwd=32, block_k_bwd=32)
-    if wide:
-      out.update(block_k=min(out["block_k"], 64), block_k_bwd=min(out["block_k_bwd"], 32))
-    for key, dim in (("block_q", "seq_q"), ("block_k", "seq_k"),
-                     ("block_q_bwd", "seq_q"), ("block_k_bwd", "seq_k")):
-      out[key] = _clip(out[key], get(dim))
-    small = out["block_q"] * out["block_k"] <= 64 * 64 or hd <= 64
-    out["num_warps"] = 4 if small else 8
+    if kernel == "flash_attention":
+        hd = get("head_dim") or 128
+        if hd > 128:
+            out.update(block_q=64, block_k=64, block_q_bwd=32, block_k_bwd=32)
+        if wide:
+            out.update(block_k=min(out["block_k"], 64), block_k_bwd=min(out["block_k_bwd"], 32))
+        for key, dim in (
+            ("block_q", "seq_q"),
+            ("block_k", "seq_k"),
+            ("block_q_bwd", "seq_q"),
+            ("block_k_bwd", "seq_k"),
+        ):
+            out[key] = _clip(out[key], get(dim))
+        small = out["block_q"] * out["block_k"] <= 64 * 64 or hd <= 64
+        out["num_warps"] = 4 if small else 8
 
-  elif kernel == "grouped_matmul":
-    m, groups = get("m"), get("groups")
-    if wide:
-      out["block_k"] = 32
-    if m is not None and groups:
-      avg = max(1, m // groups)
-      while out["block_m"] > 16 and avg < out["block_m"]:
-        out["block_m"] //= 2
-    out["block_m"] = _clip(out["block_m"], m)
-    out["block_n"] = _clip(out["block_n"], get("n"))
-    out["block_k"] = _clip(out["block_k"], get("k"))
-    out["num_warps"] = 4 if out["block_m"] * out["block_n"] <= 64 * 64 else 8
+    elif kernel == "grouped_matmul":
+        m, groups = get("m"), get("groups")
+        if wide:
+            out["block_k"] = 32
+        if m is not None and groups:
+            avg = max(1, m // groups)
+            while out["block_m"] > 16 and avg < out["block_m"]:
+                out["block_m"] //= 2
+        out["block_m"] = _clip(out["block_m"], m)
+        out["block_n"] = _clip(out["block_n"], get("n"))
+        out["block_k"] = _clip(out["block_k"], get("k"))
+        out["num_warps"] = 4 if out["block_m"] * out["block_n"] <= 64 * 64 else 8
 
-  elif kernel == "tgmm":
-    if wide:
-      out["block_m"] = 32
-    out["block_m"] = _clip(out["block_m"], get("m"))
-    out["block_k"] = _clip(out["block_k"], get("k"))
-    out["block_n"] = _clip(out["block_n"], get("n"))
-    out["num_warps"] = 4 if out["block_k"] * out["block_n"] <= 64 * 64 else 8
+    elif kernel == "tgmm":
+        if wide:
+            out["block_m"] = 32
+        out["block_m"] = _clip(out["block_m"], get("m"))
+        out["block_k"] = _clip(out["block_k"], get("k"))
+        out["block_n"] = _clip(out["block_n"], get("n"))
+        out["num_warps"] = 4 if out["block_k"] * out["block_n"] <= 64 * 64 else 8
 
-  elif kernel == "newton_schulz":
-    m, n = get("m"), get("n")
-    short = min(m, n) if m is not None and n is not None else None
-    if short is not None and short < 128:
-      out["block"] = 64
-    if wide:
-      out["block_k"] = 32
-    out["block"] = _clip(out["block"], short)
-    out["block_k"] = _clip(out["block_k"], short)
-    out["num_warps"] = 4 if out["block"] <= 64 else 8
-  if (platform or gpu_platform()) == "rocm":  # 64-lane wavefronts: same threads, half the warps
-    out["num_warps"] = max(1, out["num_warps"] // 2)
-  return out
+    elif kernel == "newton_schulz":
+        m, n = get("m"), get("n")
+        short = min(m, n) if m is not None and n is not None else None
+        if short is not None and short < 128:
+            out["block"] = 64
+        if wide:
+            out["block_k"] = 32
+        out["block"] = _clip(out["block"], short)
+        out["block_k"] = _clip(out["block_k"], short)
+        out["num_warps"] = 4 if out["block"] <= 64 else 8
+    if (platform or gpu_platform()) == "rocm":  # 64-lane wavefronts: same threads, half the warps
+        out["num_warps"] = max(1, out["num_warps"] // 2)
+    return out

@@ -40,132 +40,169 @@ DEFAULT_NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
 def _dot(a, b, contract):
-  precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-  return lax.dot_general(a, b, (contract, ((), ())), precision=precision,
-                         preferred_element_type=jnp.float32)
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(
+        a, b, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
 
 
 def _mm_kernel(p_ref, q_ref, *refs, alpha, beta, trans_q, symmetric, bs, bk, rows, cols, red):
-  """out = alpha * c + beta * (P @ Q) (Q^T if trans_q) for one [bs, bs] tile of one matrix."""
-  if alpha:
-    c_ref, out_ref = refs
-  else:
-    (out_ref,) = refs
-  i = pl.program_id(1)
-  j = pl.program_id(2)
-  r_idx = i * bs + jnp.arange(bs, dtype=jnp.int32)
-  c_idx = j * bs + jnp.arange(bs, dtype=jnp.int32)
-  r_in = r_idx < rows
-  c_in = c_idx < cols
+    """out = alpha * c + beta * (P @ Q) (Q^T if trans_q) for one [bs, bs] tile of one matrix."""
+    if alpha:
+        c_ref, out_ref = refs
+    else:
+        (out_ref,) = refs
+    i = pl.program_id(1)
+    j = pl.program_id(2)
+    r_idx = i * bs + jnp.arange(bs, dtype=jnp.int32)
+    c_idx = j * bs + jnp.arange(bs, dtype=jnp.int32)
+    r_in = r_idx < rows
+    c_in = c_idx < cols
 
-  def tile():
-    def body(kk, acc):
-      k0 = kk * bk
-      k_in = (k0 + jnp.arange(bk, dtype=jnp.int32)) < red
-      a = plgpu.load(p_ref.at[pl.ds(i * bs, bs), pl.ds(k0, bk)],
-                     mask=r_in[:, None] & k_in[None, :], other=0)
-      if trans_q:  # Q^T: rows j of Q [cols, red]
-        b = plgpu.load(q_ref.at[pl.ds(j * bs, bs), pl.ds(k0, bk)],
-                       mask=c_in[:, None] & k_in[None, :], other=0)
-        return acc + _dot(a, b, ((1,), (1,)))
-      b = plgpu.load(q_ref.at[pl.ds(k0, bk), pl.ds(j * bs, bs)],
-                     mask=k_in[:, None] & c_in[None, :], other=0)
-      return acc + _dot(a, b, ((1,), (0,)))
+    def tile():
+        def body(kk, acc):
+            k0 = kk * bk
+            k_in = (k0 + jnp.arange(bk, dtype=jnp.int32)) < red
+            a = plgpu.load(
+                p_ref.at[pl.ds(i * bs, bs), pl.ds(k0, bk)], mask=r_in[:, None] & k_in[None, :], other=0
+            )
+            if trans_q:  # Q^T: rows j of Q [cols, red]
+                b = plgpu.load(
+                    q_ref.at[pl.ds(j * bs, bs), pl.ds(k0, bk)], mask=c_in[:, None] & k_in[None, :], other=0
+                )
+                return acc + _dot(a, b, ((1,), (1,)))
+            b = plgpu.load(
+                q_ref.at[pl.ds(k0, bk), pl.ds(j * bs, bs)], mask=k_in[:, None] & c_in[None, :], other=0
+            )
+            return acc + _dot(a, b, ((1,), (0,)))
 
-    acc = lax.fori_loop(0, pl.cdiv(red, bk), body, jnp.zeros((bs, bs), jnp.float32))
-    mask = r_in[:, None] & c_in[None, :]
-    if beta != 1.0:
-      acc = beta * acc
-    if alpha:  # fused fp32 epilogue, one rounding to ns_dtype
-      c = plgpu.load(c_ref.at[pl.ds(i * bs, bs), pl.ds(j * bs, bs)], mask=mask, other=0)
-      acc = acc + alpha * c.astype(jnp.float32)
-    out = acc.astype(out_ref.dtype)
-    plgpu.store(out_ref.at[pl.ds(i * bs, bs), pl.ds(j * bs, bs)], out, mask=mask)
-    if symmetric:  # mirror the tile into (j, i); the diagonal tile rewrites itself identically
-      plgpu.store(out_ref.at[pl.ds(j * bs, bs), pl.ds(i * bs, bs)], out.T, mask=mask.T)
+        acc = lax.fori_loop(0, pl.cdiv(red, bk), body, jnp.zeros((bs, bs), jnp.float32))
+        mask = r_in[:, None] & c_in[None, :]
+        if beta != 1.0:
+            acc = beta * acc
+        if alpha:  # fused fp32 epilogue, one rounding to ns_dtype
+            c = plgpu.load(c_ref.at[pl.ds(i * bs, bs), pl.ds(j * bs, bs)], mask=mask, other=0)
+            acc = acc + alpha * c.astype(jnp.float32)
+        out = acc.astype(out_ref.dtype)
+        plgpu.store(out_ref.at[pl.ds(i * bs, bs), pl.ds(j * bs, bs)], out, mask=mask)
+        if symmetric:  # mirror the tile into (j, i); the diagonal tile rewrites itself identically
+            plgpu.store(out_ref.at[pl.ds(j * bs, bs), pl.ds(i * bs, bs)], out.T, mask=mask.T)
 
-  if symmetric:
-    pl.when(i <= j)(tile)
-  else:
-    tile()
-
-
-def _mm(p, q, c, *, alpha: float, beta: float, trans_q: bool, symmetric: bool, bs: int, bk: int,
-        num_warps: int, num_stages: int, interpret: bool):
-  """Batched alpha * c + beta * (p @ q or p @ q^T), [Bt, rows, cols] in p.dtype."""
-  bt, rows, red = p.shape
-  cols = q.shape[1] if trans_q else q.shape[2]
-  kernel = functools.partial(_mm_kernel, alpha=alpha, beta=beta, trans_q=trans_q,
-                             symmetric=symmetric, bs=bs, bk=bk, rows=rows, cols=cols, red=red)
-  mat = lambda a: pl.BlockSpec((None, *a.shape[1:]), lambda b, i, j: (b, 0, 0))  # noqa: E731
-  args = [p, q] + ([c] if alpha else [])
-  nb = pl.cdiv(rows, bs), pl.cdiv(cols, bs)
-  return pl.pallas_call(
-      kernel,
-      grid=(bt, *nb),
-      in_specs=[mat(a) for a in args],
-      out_specs=pl.BlockSpec((None, rows, cols), lambda b, i, j: (b, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct((bt, rows, cols), p.dtype),
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      interpret=interpret,
-      name="zaya_ns_matmul",
-  )(*args)
+    if symmetric:
+        pl.when(i <= j)(tile)
+    else:
+        tile()
 
 
-def newton_schulz(x: jax.Array, *, ns_coeffs: Sequence[float] = DEFAULT_NS_COEFFS,
-                  ns_steps: int = 5, eps: float = 1e-8, ns_dtype: Any = jnp.float32,
-                  block: int | None = None, block_k: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None,
-                  interpret: bool = False) -> jax.Array:
-  """Pallas `orthogonalize`: approximate U V^T of each [m, n] slice of x [..., m, n].
+def _mm(
+    p,
+    q,
+    c,
+    *,
+    alpha: float,
+    beta: float,
+    trans_q: bool,
+    symmetric: bool,
+    bs: int,
+    bk: int,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+):
+    """Batched alpha * c + beta * (p @ q or p @ q^T), [Bt, rows, cols] in p.dtype."""
+    bt, rows, red = p.shape
+    cols = q.shape[1] if trans_q else q.shape[2]
+    kernel = functools.partial(
+        _mm_kernel,
+        alpha=alpha,
+        beta=beta,
+        trans_q=trans_q,
+        symmetric=symmetric,
+        bs=bs,
+        bk=bk,
+        rows=rows,
+        cols=cols,
+        red=red,
+    )
+    mat = lambda a: pl.BlockSpec((None, *a.shape[1:]), lambda b, i, j: (b, 0, 0))  # noqa: E731
+    args = [p, q] + ([c] if alpha else [])
+    nb = pl.cdiv(rows, bs), pl.cdiv(cols, bs)
+    return pl.pallas_call(
+        kernel,
+        grid=(bt, *nb),
+        in_specs=[mat(a) for a in args],
+        out_specs=pl.BlockSpec((None, rows, cols), lambda b, i, j: (b, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((bt, rows, cols), p.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="zaya_ns_matmul",
+    )(*args)
 
-  """
-  if x.ndim < 2:
-    raise ValueError(f"newton_schulz needs ndim >= 2 ([..., m, n]), got shape {x.shape}")
-  coeffs = tuple(float(c) for c in ns_coeffs)
-  if len(coeffs) != 3:
-    raise ValueError(f"ns_coeffs must be a triple (a, b, c), got {ns_coeffs!r}")
-  a, b, c = coeffs
-  ns_dtype = jnp.dtype(ns_dtype)
-  out_dtype = x.dtype
-  transposed = x.shape[-2] > x.shape[-1]
-  if transposed:
-    x = jnp.swapaxes(x, -1, -2)
-  lead, (m, n) = x.shape[:-2], x.shape[-2:]
-  if x.size == 0:
-    y = x.astype(out_dtype)
-    return jnp.swapaxes(y, -1, -2) if transposed else y
-  x32 = x.astype(jnp.float32).reshape(-1, m, n)
-  norm = jnp.sqrt(jnp.sum(jnp.square(x32), axis=(-2, -1), keepdims=True))
-  xs = (x32 / (norm + eps)).astype(ns_dtype)
 
-  picked = pick_blocks("newton_schulz", {"m": m, "n": n}, ns_dtype)
+def newton_schulz(
+    x: jax.Array,
+    *,
+    ns_coeffs: Sequence[float] = DEFAULT_NS_COEFFS,
+    ns_steps: int = 5,
+    eps: float = 1e-8,
+    ns_dtype: Any = jnp.float32,
+    block: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Pallas `orthogonalize`: approximate U V^T of each [m, n] slice of x [..., m, n]."""
+    if x.ndim < 2:
+        raise ValueError(f"newton_schulz needs ndim >= 2 ([..., m, n]), got shape {x.shape}")
+    coeffs = tuple(float(c) for c in ns_coeffs)
+    if len(coeffs) != 3:
+        raise ValueError(f"ns_coeffs must be a triple (a, b, c), got {ns_coeffs!r}")
+    a, b, c = coeffs
+    ns_dtype = jnp.dtype(ns_dtype)
+    out_dtype = x.dtype
+    transposed = x.shape[-2] > x.shape[-1]
+    if transposed:
+        x = jnp.swapaxes(x, -1, -2)
+    lead, (m, n) = x.shape[:-2], x.shape[-2:]
+    if x.size == 0:
+        y = x.astype(out_dtype)
+        return jnp.swapaxes(y, -1, -2) if transposed else y
+    x32 = x.astype(jnp.float32).reshape(-1, m, n)
+    norm = jnp.sqrt(jnp.sum(jnp.square(x32), axis=(-2, -1), keepdims=True))
+    xs = (x32 / (norm + eps)).astype(ns_dtype)
 
-  def blk(given, key):
-    size = picked[key] if given is None else int(given)
-    if size < 16 or size & (size - 1):
-      raise ValueError(f"newton_schulz: {key}={size} must be a power of two >= 16")
-    return max(16, min(size, pl.next_power_of_2(m)))
+    picked = pick_blocks("newton_schulz", {"m": m, "n": n}, ns_dtype)
 
-  kw = dict(bs=blk(block, "block"), bk=blk(block_k, "block_k"),
-            num_warps=num_warps or picked["num_warps"],
-            num_stages=num_stages or picked["num_stages"], interpret=bool(interpret))
+    def blk(given, key):
+        size = picked[key] if given is None else int(given)
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"newton_schulz: {key}={size} must be a power of two >= 16")
+        return max(16, min(size, pl.next_power_of_2(m)))
 
-  def step(_, xs):
-    gram = _mm(xs, xs, None, alpha=0.0, beta=1.0, trans_q=True, symmetric=True, **kw)
-    poly = _mm(gram, gram, gram, alpha=b, beta=c, trans_q=True, symmetric=True, **kw)
-    return _mm(poly, xs, xs, alpha=a, beta=1.0, trans_q=False, symmetric=False, **kw)
+    kw = dict(
+        bs=blk(block, "block"),
+        bk=blk(block_k, "block_k"),
+        num_warps=num_warps or picked["num_warps"],
+        num_stages=num_stages or picked["num_stages"],
+        interpret=bool(interpret),
+    )
 
-  xs = lax.fori_loop(0, ns_steps, step, xs)
-  y = xs.reshape(*lead, m, n)
-  if transposed:
-    y = jnp.swapaxes(y, -1, -2)
-  return y.astype(out_dtype)
+    def step(_, xs):
+        gram = _mm(xs, xs, None, alpha=0.0, beta=1.0, trans_q=True, symmetric=True, **kw)
+        poly = _mm(gram, gram, gram, alpha=b, beta=c, trans_q=True, symmetric=True, **kw)
+        return _mm(poly, xs, xs, alpha=a, beta=1.0, trans_q=False, symmetric=False, **kw)
+
+    xs = lax.fori_loop(0, ns_steps, step, xs)
+    y = xs.reshape(*lead, m, n)
+    if transposed:
+        y = jnp.swapaxes(y, -1, -2)
+    return y.astype(out_dtype)
 
 
 def reference_newton_schulz(x: jax.Array, **kwargs) -> jax.Array:
-  """`zaya_jax.optim.muon.orthogonalize` (the XLA reference); extra kernel keywords ignored."""
-  from zaya_jax.optim.muon import orthogonalize
+    """`zaya_jax.optim.muon.orthogonalize` (the XLA reference); extra kernel keywords ignored."""
+    from zaya_jax.optim.muon import orthogonalize
 
-  keep = {k: v for k, v in kwargs.items() if k in ("ns_coeffs", "ns_steps", "ns_dtype", "eps")}
-  return orthogonalize(x, **keep)
+    keep = {k: v for k, v in kwargs.items() if k in ("ns_coeffs", "ns_steps", "ns_dtype", "eps")}
+    return orthogonalize(x, **keep)

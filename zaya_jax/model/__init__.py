@@ -4,5 +4,11 @@ from zaya_jax.model.config import ZayaConfig
 from zaya_jax.model.router import BALANCING, init_balancing_biases
 from zaya_jax.model.transformer import ZayaForCausalLM, ZayaOutput, init_variables
 
-__all__ = ["ZayaConfig", "ZayaForCausalLM", "ZayaOutput", "init_variables", "BALANCING",
-           "init_balancing_biases"]
+__all__ = [
+    "ZayaConfig",
+    "ZayaForCausalLM",
+    "ZayaOutput",
+    "init_variables",
+    "BALANCING",
+    "init_balancing_biases",
+]

@@ -19,53 +19,85 @@ from zaya_jax.kernels import default_interpret, flash_attention
 MASK_VALUE = float(jnp.finfo(jnp.float32).min)
 
 
-def attention_allowed(q_pos_bs: jax.Array, kv_pos_bt: jax.Array, *, key_mask_bt: jax.Array | None = None,
-                      q_segment_bs: jax.Array | None = None, kv_segment_bt: jax.Array | None = None,
-                      sliding_window: jax.Array | int | None = None) -> jax.Array:
-  """Which (query, key) pairs may attend: bool [B, Sq, Sk].
+def attention_allowed(
+    q_pos_bs: jax.Array,
+    kv_pos_bt: jax.Array,
+    *,
+    key_mask_bt: jax.Array | None = None,
+    q_segment_bs: jax.Array | None = None,
+    kv_segment_bt: jax.Array | None = None,
+    sliding_window: jax.Array | int | None = None,
+) -> jax.Array:
+    """Which (query, key) pairs may attend: bool [B, Sq, Sk].
 
-  Causal on positions (key position <= query position); keys with key_mask == 0 are hidden; with
-  segment ids only pairs in the same segment (packed documents); with a window w > 0 only keys with
-  position > query position - w (transformers' sliding-window convention; w <= 0 means no window).
-  """
-  allowed = kv_pos_bt[:, None, :] <= q_pos_bs[:, :, None]
-  if key_mask_bt is not None:
-    allowed &= key_mask_bt[:, None, :].astype(bool)
-  if q_segment_bs is not None:
-    allowed &= q_segment_bs[:, :, None] == kv_segment_bt[:, None, :]
-  if sliding_window is not None:
-    w = jnp.asarray(sliding_window)
-    allowed &= (w <= 0) | (kv_pos_bt[:, None, :] > q_pos_bs[:, :, None] - w)
-  return allowed
-
-
-def xla_attention(q_bsnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, allowed_bst: jax.Array,
-                  scale: float) -> jax.Array:
-  """Softmax attention with fp32 logits and softmax; returns [B, Sq, Nq, hd] in q's dtype."""
-  b, s, nq, hd = q_bsnh.shape
-  nkv = k_btkh.shape[2]
-  q = q_bsnh.reshape(b, s, nkv, nq // nkv, hd)
-  logits = jnp.einsum("bskgh,btkh->bkgst", q, k_btkh, preferred_element_type=jnp.float32) * scale
-  logits = jnp.where(allowed_bst[:, None, None], logits, MASK_VALUE)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v_btkh.dtype)
-  out = jnp.einsum("bkgst,btkh->bskgh", probs, v_btkh, preferred_element_type=jnp.float32)
-  return out.reshape(b, s, nq, hd).astype(q_bsnh.dtype)
+    Causal on positions (key position <= query position); keys with key_mask == 0 are hidden; with
+    segment ids only pairs in the same segment (packed documents); with a window w > 0 only keys with
+    position > query position - w (transformers' sliding-window convention; w <= 0 means no window).
+    """
+    allowed = kv_pos_bt[:, None, :] <= q_pos_bs[:, :, None]
+    if key_mask_bt is not None:
+        allowed &= key_mask_bt[:, None, :].astype(bool)
+    if q_segment_bs is not None:
+        allowed &= q_segment_bs[:, :, None] == kv_segment_bt[:, None, :]
+    if sliding_window is not None:
+        w = jnp.asarray(sliding_window)
+        allowed &= (w <= 0) | (kv_pos_bt[:, None, :] > q_pos_bs[:, :, None] - w)
+    return allowed
 
 
-def pallas_attention(q_bsnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *, scale: float,
-                     segment_ids: jax.Array | None, key_mask: jax.Array | None,
-                     sliding_window: jax.Array | int | None, mesh: Mesh | None = None) -> jax.Array:
-  """The Pallas flash-attention kernel with the semantics of `xla_attention` + `attention_allowed`
-  (positions = token order). On a mesh it runs per device on the batch shard: a pallas_call is
-  not partitioned by XLA."""
-  def run(q, k, v, seg, mask):
-    return flash_attention(q, k, v, scale=scale, causal=True, q_segment_ids=seg, kv_segment_ids=seg,
-                           key_mask=mask, sliding_window=sliding_window, interpret=default_interpret())
+def xla_attention(
+    q_bsnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, allowed_bst: jax.Array, scale: float
+) -> jax.Array:
+    """Softmax attention with fp32 logits and softmax; returns [B, Sq, Nq, hd] in q's dtype."""
+    b, s, nq, hd = q_bsnh.shape
+    nkv = k_btkh.shape[2]
+    q = q_bsnh.reshape(b, s, nkv, nq // nkv, hd)
+    logits = jnp.einsum("bskgh,btkh->bkgst", q, k_btkh, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(allowed_bst[:, None, None], logits, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_btkh.dtype)
+    out = jnp.einsum("bkgst,btkh->bskgh", probs, v_btkh, preferred_element_type=jnp.float32)
+    return out.reshape(b, s, nq, hd).astype(q_bsnh.dtype)
 
-  if mesh is None:
-    return run(q_bsnh, k_bskh, v_bskh, segment_ids, key_mask)
-  from zaya_jax.parallel.mesh import MESH_AXES  # parallel imports the model package
-  rows = P(MESH_AXES)
-  spec = lambda x: None if x is None else rows
-  return jax.shard_map(run, mesh=mesh, in_specs=(rows, rows, rows, spec(segment_ids), spec(key_mask)),
-                       out_specs=rows, check_vma=False)(q_bsnh, k_bskh, v_bskh, segment_ids, key_mask)
+
+def pallas_attention(
+    q_bsnh: jax.Array,
+    k_bskh: jax.Array,
+    v_bskh: jax.Array,
+    *,
+    scale: float,
+    segment_ids: jax.Array | None,
+    key_mask: jax.Array | None,
+    sliding_window: jax.Array | int | None,
+    mesh: Mesh | None = None,
+) -> jax.Array:
+    """The Pallas flash-attention kernel with the semantics of `xla_attention` + `attention_allowed`
+    (positions = token order). On a mesh it runs per device on the batch shard: a pallas_call is
+    not partitioned by XLA."""
+
+    def run(q, k, v, seg, mask):
+        return flash_attention(
+            q,
+            k,
+            v,
+            scale=scale,
+            causal=True,
+            q_segment_ids=seg,
+            kv_segment_ids=seg,
+            key_mask=mask,
+            sliding_window=sliding_window,
+            interpret=default_interpret(),
+        )
+
+    if mesh is None:
+        return run(q_bsnh, k_bskh, v_bskh, segment_ids, key_mask)
+    from zaya_jax.parallel.mesh import MESH_AXES  # parallel imports the model package
+
+    rows = P(MESH_AXES)
+    spec = lambda x: None if x is None else rows
+    return jax.shard_map(
+        run,
+        mesh=mesh,
+        in_specs=(rows, rows, rows, spec(segment_ids), spec(key_mask)),
+        out_specs=rows,
+        check_vma=False,
+    )(q_bsnh, k_bskh, v_bskh, segment_ids, key_mask)

@@ -27,166 +27,195 @@ from zaya_jax.model.rope import apply_rope, rope_cos_sin
 
 
 class CCAState(NamedTuple):
-  """Left context of the CCA projections for one block.
+    """Left context of the CCA projections for one block.
 
-  conv_bpc: the last P = (t0-1)+(t1-1) raw concat(q0, k0) rows [B, P, (Nq+Nkv)*hd].
-  v_delayed_bv: the previous token's delayed value projection [B, Nkv*hd/2], or None at sequence
-    start (then it is the projection of a zero vector, as in transformers).
-  """
-  conv_bpc: jax.Array
-  v_delayed_bv: jax.Array | None
+    conv_bpc: the last P = (t0-1)+(t1-1) raw concat(q0, k0) rows [B, P, (Nq+Nkv)*hd].
+    v_delayed_bv: the previous token's delayed value projection [B, Nkv*hd/2], or None at sequence
+      start (then it is the projection of a zero vector, as in transformers).
+    """
+
+    conv_bpc: jax.Array
+    v_delayed_bv: jax.Array | None
 
 
 def torch_conv_init(fan_in: int):
-  """PyTorch's default Conv1d init (kaiming_uniform(a=sqrt 5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
-  bound = fan_in ** -0.5
-  return lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
+    """PyTorch's default Conv1d init (kaiming_uniform(a=sqrt 5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    bound = fan_in**-0.5
+    return lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
 class DepthwiseConv(nn.Module):
-  """Depthwise 'valid' cross-correlation over time: [B, T, C] -> [B, T - k + 1, C].
+    """Depthwise 'valid' cross-correlation over time: [B, T, C] -> [B, T - k + 1, C].
 
-  Params: kernel [k, C] (HF conv_qk_depthwise.weight [C, 1, k]), bias [C].
-  """
+    Params: kernel [k, C] (HF conv_qk_depthwise.weight [C, 1, k]), bias [C].
+    """
 
-  kernel_size: int
-  dtype: Any
-  param_dtype: Any
+    kernel_size: int
+    dtype: Any
+    param_dtype: Any
 
-  @nn.compact
-  def __call__(self, u_btc: jax.Array) -> jax.Array:
-    c, k = u_btc.shape[-1], self.kernel_size
-    w = self.param("kernel", torch_conv_init(k), (k, c), self.param_dtype).astype(self.dtype)
-    b = self.param("bias", torch_conv_init(k), (c,), self.param_dtype).astype(self.dtype)
-    t_out = u_btc.shape[1] - k + 1
-    # k is 2 or 3: a sum of shifted products is exact and cheaper than a general convolution.
-    out = sum(u_btc[:, i:i + t_out] * w[i] for i in range(k))
-    return out + b
+    @nn.compact
+    def __call__(self, u_btc: jax.Array) -> jax.Array:
+        c, k = u_btc.shape[-1], self.kernel_size
+        w = self.param("kernel", torch_conv_init(k), (k, c), self.param_dtype).astype(self.dtype)
+        b = self.param("bias", torch_conv_init(k), (c,), self.param_dtype).astype(self.dtype)
+        t_out = u_btc.shape[1] - k + 1
+        # k is 2 or 3: a sum of shifted products is exact and cheaper than a general convolution.
+        out = sum(u_btc[:, i : i + t_out] * w[i] for i in range(k))
+        return out + b
 
 
 class GroupedConv(nn.Module):
-  """Grouped 'valid' cross-correlation over time, one group per head: [B, T, G*h] -> [B, T-k+1, G*h].
+    """Grouped 'valid' cross-correlation over time, one group per head: [B, T, G*h] -> [B, T-k+1, G*h].
 
-  Params: kernel [k, h_in, G*h_out] (HF conv_qk_grouped.weight [G*h_out, h_in, k]), bias [G*h].
-  """
+    Params: kernel [k, h_in, G*h_out] (HF conv_qk_grouped.weight [G*h_out, h_in, k]), bias [G*h].
+    """
 
-  kernel_size: int
-  groups: int
-  dtype: Any
-  param_dtype: Any
+    kernel_size: int
+    groups: int
+    dtype: Any
+    param_dtype: Any
 
-  @nn.compact
-  def __call__(self, u_btc: jax.Array) -> jax.Array:
-    b_, t, c = u_btc.shape
-    g, k = self.groups, self.kernel_size
-    h = c // g
-    w = self.param("kernel", torch_conv_init(h * k), (k, h, c), self.param_dtype).astype(self.dtype)
-    bias = self.param("bias", torch_conv_init(h * k), (c,), self.param_dtype).astype(self.dtype)
-    w_kigo = w.reshape(k, h, g, h)  # [tap, in within group, group, out within group]
-    u_btgi = u_btc.reshape(b_, t, g, h)
-    t_out = t - k + 1
-    out = sum(jnp.einsum("btgi,igo->btgo", u_btgi[:, i:i + t_out], w_kigo[i],
-                         preferred_element_type=jnp.float32) for i in range(k))
-    return (out.reshape(b_, t_out, c) + bias.astype(jnp.float32)).astype(self.dtype)
+    @nn.compact
+    def __call__(self, u_btc: jax.Array) -> jax.Array:
+        b_, t, c = u_btc.shape
+        g, k = self.groups, self.kernel_size
+        h = c // g
+        w = self.param("kernel", torch_conv_init(h * k), (k, h, c), self.param_dtype).astype(self.dtype)
+        bias = self.param("bias", torch_conv_init(h * k), (c,), self.param_dtype).astype(self.dtype)
+        w_kigo = w.reshape(k, h, g, h)  # [tap, in within group, group, out within group]
+        u_btgi = u_btc.reshape(b_, t, g, h)
+        t_out = t - k + 1
+        out = sum(
+            jnp.einsum(
+                "btgi,igo->btgo", u_btgi[:, i : i + t_out], w_kigo[i], preferred_element_type=jnp.float32
+            )
+            for i in range(k)
+        )
+        return (out.reshape(b_, t_out, c) + bias.astype(jnp.float32)).astype(self.dtype)
 
 
 def qk_mean_skip(q0_bsnh: jax.Array, k0_bskh: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The q-k mean skip from the pre-conv projections (SPEC §2.1.2).
+    """The q-k mean skip from the pre-conv projections (SPEC §2.1.2).
 
-  mq[j] = (q0[j] + k0[j // G]) / 2 per query head j; mk[h] = mean of mq over kv head h's G queries.
-  """
-  b, s, nq, hd = q0_bsnh.shape
-  nkv = k0_bskh.shape[2]
-  mq = (q0_bsnh.reshape(b, s, nkv, nq // nkv, hd) + k0_bskh[:, :, :, None, :]) * 0.5
-  return mq.reshape(b, s, nq, hd), mq.mean(axis=3)
+    mq[j] = (q0[j] + k0[j // G]) / 2 per query head j; mk[h] = mean of mq over kv head h's G queries.
+    """
+    b, s, nq, hd = q0_bsnh.shape
+    nkv = k0_bskh.shape[2]
+    mq = (q0_bsnh.reshape(b, s, nkv, nq // nkv, hd) + k0_bskh[:, :, :, None, :]) * 0.5
+    return mq.reshape(b, s, nq, hd), mq.mean(axis=3)
 
 
 def l2_qk_norm(q_bsnh: jax.Array, k_bskh: jax.Array, temp_k: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """q <- sqrt(hd) q / max(|q|, eps); k likewise, times the linear per-kv-head temperature (fp32)."""
-  hd = q_bsnh.shape[-1]
-  eps = jnp.finfo(q_bsnh.dtype).eps  # transformers clamps the norm at the compute dtype's eps
+    """q <- sqrt(hd) q / max(|q|, eps); k likewise, times the linear per-kv-head temperature (fp32)."""
+    hd = q_bsnh.shape[-1]
+    eps = jnp.finfo(q_bsnh.dtype).eps  # transformers clamps the norm at the compute dtype's eps
 
-  def normalize(x):
-    x = x.astype(jnp.float32)
-    return x * (hd ** 0.5 / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps))
+    def normalize(x):
+        x = x.astype(jnp.float32)
+        return x * (hd**0.5 / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps))
 
-  return normalize(q_bsnh), normalize(k_bskh) * temp_k.astype(jnp.float32)[:, None]
+    return normalize(q_bsnh), normalize(k_bskh) * temp_k.astype(jnp.float32)[:, None]
 
 
 class CCAttention(nn.Module):
-  """x [B, S, d] (normed) -> attention output [B, S, d] in the compute dtype, and the new CCAState."""
+    """x [B, S, d] (normed) -> attention output [B, S, d] in the compute dtype, and the new CCAState."""
 
-  cfg: ZayaConfig
-  mesh: Mesh | None = None  # the Pallas kernel runs per device (shard_map) on a mesh
+    cfg: ZayaConfig
+    mesh: Mesh | None = None  # the Pallas kernel runs per device (shard_map) on a mesh
 
-  def setup(self):
-    cfg = self.cfg
-    dense = lambda n: nn.Dense(n, use_bias=cfg.attention_bias, dtype=cfg.compute_dtype,
-                               param_dtype=cfg.params_dtype,
-                               kernel_init=nn.initializers.normal(cfg.initializer_range))
-    nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    self.q_proj = dense(nq * hd)
-    self.k_proj = dense(nkv * hd)
-    self.v_proj_current = dense(nkv * hd // 2)
-    self.v_proj_delayed = dense(nkv * hd // 2)
-    self.conv_qk_depthwise = DepthwiseConv(cfg.cca_time0, cfg.compute_dtype, cfg.params_dtype)
-    self.conv_qk_grouped = GroupedConv(cfg.cca_time1, nq + nkv, cfg.compute_dtype, cfg.params_dtype)
-    # HF initialises temp to 0 as a loading placeholder; from scratch it must start at 1 (SPEC 2.1.5).
-    self.temp = self.param("temp", nn.initializers.ones, (nkv,), cfg.params_dtype)
-    self.o_proj = dense(cfg.hidden_size)
+    def setup(self):
+        cfg = self.cfg
+        dense = lambda n: nn.Dense(
+            n,
+            use_bias=cfg.attention_bias,
+            dtype=cfg.compute_dtype,
+            param_dtype=cfg.params_dtype,
+            kernel_init=nn.initializers.normal(cfg.initializer_range),
+        )
+        nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = dense(nq * hd)
+        self.k_proj = dense(nkv * hd)
+        self.v_proj_current = dense(nkv * hd // 2)
+        self.v_proj_delayed = dense(nkv * hd // 2)
+        self.conv_qk_depthwise = DepthwiseConv(cfg.cca_time0, cfg.compute_dtype, cfg.params_dtype)
+        self.conv_qk_grouped = GroupedConv(cfg.cca_time1, nq + nkv, cfg.compute_dtype, cfg.params_dtype)
+        # HF initialises temp to 0 as a loading placeholder; from scratch it must start at 1 (SPEC 2.1.5).
+        self.temp = self.param("temp", nn.initializers.ones, (nkv,), cfg.params_dtype)
+        self.o_proj = dense(cfg.hidden_size)
 
-  def initial_state(self, batch: int) -> CCAState:
-    cfg = self.cfg
-    return CCAState(jnp.zeros((batch, cfg.conv_state_len, cfg.conv_channels), cfg.compute_dtype), None)
+    def initial_state(self, batch: int) -> CCAState:
+        cfg = self.cfg
+        return CCAState(jnp.zeros((batch, cfg.conv_state_len, cfg.conv_channels), cfg.compute_dtype), None)
 
-  def qkv(self, x_bsd: jax.Array, state: CCAState) -> tuple[jax.Array, jax.Array, jax.Array, CCAState]:
-    """Pre-norm q [B,S,Nq,hd], k [B,S,Nkv,hd], v [B,S,Nkv,hd] (all in the compute dtype)."""
-    cfg = self.cfg
-    b, s, _ = x_bsd.shape
-    nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q0, k0 = self.q_proj(x_bsd), self.k_proj(x_bsd)
-    mq, mk = qk_mean_skip(q0.reshape(b, s, nq, hd), k0.reshape(b, s, nkv, hd))
+    def qkv(self, x_bsd: jax.Array, state: CCAState) -> tuple[jax.Array, jax.Array, jax.Array, CCAState]:
+        """Pre-norm q [B,S,Nq,hd], k [B,S,Nkv,hd], v [B,S,Nkv,hd] (all in the compute dtype)."""
+        cfg = self.cfg
+        b, s, _ = x_bsd.shape
+        nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q0, k0 = self.q_proj(x_bsd), self.k_proj(x_bsd)
+        mq, mk = qk_mean_skip(q0.reshape(b, s, nq, hd), k0.reshape(b, s, nkv, hd))
 
-    u = jnp.concatenate([state.conv_bpc.astype(q0.dtype), jnp.concatenate([q0, k0], axis=-1)], axis=1)
-    conv = self.conv_qk_grouped(self.conv_qk_depthwise(u))  # [B, S, C]
-    q = conv[..., :nq * hd].reshape(b, s, nq, hd) + mq
-    k = conv[..., nq * hd:].reshape(b, s, nkv, hd) + mk
+        u = jnp.concatenate([state.conv_bpc.astype(q0.dtype), jnp.concatenate([q0, k0], axis=-1)], axis=1)
+        conv = self.conv_qk_grouped(self.conv_qk_depthwise(u))  # [B, S, C]
+        q = conv[..., : nq * hd].reshape(b, s, nq, hd) + mq
+        k = conv[..., nq * hd :].reshape(b, s, nkv, hd) + mk
 
-    v_cur = self.v_proj_current(x_bsd)
-    v_del = self.v_proj_delayed(x_bsd)
-    prev = state.v_delayed_bv
-    if prev is None:
-      prev = self.v_proj_delayed(jnp.zeros((b, x_bsd.shape[-1]), x_bsd.dtype))
-    v_shifted = jnp.concatenate([prev[:, None].astype(v_del.dtype), v_del[:, :-1]], axis=1)
-    v = jnp.concatenate([v_cur, v_shifted], axis=-1).reshape(b, s, nkv, hd)
+        v_cur = self.v_proj_current(x_bsd)
+        v_del = self.v_proj_delayed(x_bsd)
+        prev = state.v_delayed_bv
+        if prev is None:
+            prev = self.v_proj_delayed(jnp.zeros((b, x_bsd.shape[-1]), x_bsd.dtype))
+        v_shifted = jnp.concatenate([prev[:, None].astype(v_del.dtype), v_del[:, :-1]], axis=1)
+        v = jnp.concatenate([v_cur, v_shifted], axis=-1).reshape(b, s, nkv, hd)
 
-    p = cfg.conv_state_len
-    new_state = CCAState(u[:, u.shape[1] - p:], v_del[:, -1])
-    return q, k, v, new_state
+        p = cfg.conv_state_len
+        new_state = CCAState(u[:, u.shape[1] - p :], v_del[:, -1])
+        return q, k, v, new_state
 
-  def __call__(self, x_bsd: jax.Array, *, positions_bs: jax.Array, padding_mask_bs: jax.Array | None,
-               rope_theta: jax.Array | float, sliding_window: jax.Array | int | None = None,
-               segment_ids_bs: jax.Array | None = None,
-               state: CCAState | None = None) -> tuple[jax.Array, CCAState]:
-    cfg = self.cfg
-    if padding_mask_bs is not None:
-      # Pad tokens must not leak into the conv or the value shift (SPEC 2.1.8).
-      x_bsd = x_bsd * padding_mask_bs[..., None].astype(x_bsd.dtype)
-    if state is None:
-      state = self.initial_state(x_bsd.shape[0])
-    q, k, v, new_state = self.qkv(x_bsd, state)
-    q, k = l2_qk_norm(q, k, self.temp)
-    cos, sin = rope_cos_sin(positions_bs, cfg.rotary_dim, rope_theta)
-    q = apply_rope(q, cos, sin).astype(cfg.compute_dtype)
-    k = apply_rope(k, cos, sin).astype(cfg.compute_dtype)
-    if use_pallas(cfg.attention_impl):
-      # The kernel masks by token order: positions are the default arange (training, prefill).
-      o = pallas_attention(q, k, v, scale=cfg.head_dim ** -0.5, segment_ids=segment_ids_bs,
-                           key_mask=padding_mask_bs, sliding_window=sliding_window, mesh=self.mesh)
-    else:
-      allowed = attention_allowed(positions_bs, positions_bs, key_mask_bt=padding_mask_bs,
-                                  q_segment_bs=segment_ids_bs, kv_segment_bt=segment_ids_bs,
-                                  sliding_window=sliding_window)
-      o = xla_attention(q, k, v, allowed, scale=cfg.head_dim ** -0.5)
-    b, s = x_bsd.shape[:2]
-    return self.o_proj(o.reshape(b, s, -1)), new_state
+    def __call__(
+        self,
+        x_bsd: jax.Array,
+        *,
+        positions_bs: jax.Array,
+        padding_mask_bs: jax.Array | None,
+        rope_theta: jax.Array | float,
+        sliding_window: jax.Array | int | None = None,
+        segment_ids_bs: jax.Array | None = None,
+        state: CCAState | None = None,
+    ) -> tuple[jax.Array, CCAState]:
+        cfg = self.cfg
+        if padding_mask_bs is not None:
+            # Pad tokens must not leak into the conv or the value shift (SPEC 2.1.8).
+            x_bsd = x_bsd * padding_mask_bs[..., None].astype(x_bsd.dtype)
+        if state is None:
+            state = self.initial_state(x_bsd.shape[0])
+        q, k, v, new_state = self.qkv(x_bsd, state)
+        q, k = l2_qk_norm(q, k, self.temp)
+        cos, sin = rope_cos_sin(positions_bs, cfg.rotary_dim, rope_theta)
+        q = apply_rope(q, cos, sin).astype(cfg.compute_dtype)
+        k = apply_rope(k, cos, sin).astype(cfg.compute_dtype)
+        if use_pallas(cfg.attention_impl):
+            # The kernel masks by token order: positions are the default arange (training, prefill).
+            o = pallas_attention(
+                q,
+                k,
+                v,
+                scale=cfg.head_dim**-0.5,
+                segment_ids=segment_ids_bs,
+                key_mask=padding_mask_bs,
+                sliding_window=sliding_window,
+                mesh=self.mesh,
+            )
+        else:
+            allowed = attention_allowed(
+                positions_bs,
+                positions_bs,
+                key_mask_bt=padding_mask_bs,
+                q_segment_bs=segment_ids_bs,
+                kv_segment_bt=segment_ids_bs,
+                sliding_window=sliding_window,
+            )
+            o = xla_attention(q, k, v, allowed, scale=cfg.head_dim**-0.5)
+        b, s = x_bsd.shape[:2]
+        return self.o_proj(o.reshape(b, s, -1)), new_state

@@ -33,82 +33,98 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 
 
 def group_by_expert(expert_t: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
-  """expert_t [T] in [0, E] -> (order [T], group_sizes [E] int32).
+    """expert_t [T] in [0, E] -> (order [T], group_sizes [E] int32).
 
-  `order` lists token indices sorted by expert (stable, skip class E last); group_sizes counts the
-  tokens of each routed expert, so sum(group_sizes) <= T.
-  """
-  order = jnp.argsort(expert_t, stable=True)
-  group_sizes = jnp.bincount(expert_t, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-  return order, group_sizes
-
-
-def swiglu_grouped(x_sorted_td: jax.Array, gate_up_edf: jax.Array, down_efd: jax.Array,
-                   group_sizes_e: jax.Array, act: Callable) -> jax.Array:
-  """Grouped SwiGLU on expert-sorted tokens [T, d] -> [T, d] (rows past sum(group_sizes) are 0)."""
-  h = jax.lax.ragged_dot(x_sorted_td, gate_up_edf, group_sizes_e, preferred_element_type=jnp.float32)
-  gate, up = jnp.split(h, 2, axis=-1)
-  a = (act(gate) * up).astype(x_sorted_td.dtype)
-  return jax.lax.ragged_dot(a, down_efd, group_sizes_e, preferred_element_type=jnp.float32)
+    `order` lists token indices sorted by expert (stable, skip class E last); group_sizes counts the
+    tokens of each routed expert, so sum(group_sizes) <= T.
+    """
+    order = jnp.argsort(expert_t, stable=True)
+    group_sizes = jnp.bincount(expert_t, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    return order, group_sizes
 
 
-def sparse_moe(x_td: jax.Array, expert_t: jax.Array, gate_up_edf: jax.Array, down_efd: jax.Array,
-               act: Callable, swiglu: Callable = swiglu_grouped) -> jax.Array:
-  """Top-1 sparse dispatch: y[t] = Expert_{expert[t]}(x[t]), 0 for the skip class. fp32 [T, d].
+def swiglu_grouped(
+    x_sorted_td: jax.Array,
+    gate_up_edf: jax.Array,
+    down_efd: jax.Array,
+    group_sizes_e: jax.Array,
+    act: Callable,
+) -> jax.Array:
+    """Grouped SwiGLU on expert-sorted tokens [T, d] -> [T, d] (rows past sum(group_sizes) are 0)."""
+    h = jax.lax.ragged_dot(x_sorted_td, gate_up_edf, group_sizes_e, preferred_element_type=jnp.float32)
+    gate, up = jnp.split(h, 2, axis=-1)
+    a = (act(gate) * up).astype(x_sorted_td.dtype)
+    return jax.lax.ragged_dot(a, down_efd, group_sizes_e, preferred_element_type=jnp.float32)
 
-  `swiglu` is the grouped SwiGLU on expert-sorted tokens: ragged_dot (default) or the Pallas kernel.
-  """
-  order, group_sizes = group_by_expert(expert_t, gate_up_edf.shape[0])
-  y_sorted = swiglu(x_td[order], gate_up_edf, down_efd, group_sizes, act)
-  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-  return y_sorted[inverse]
+
+def sparse_moe(
+    x_td: jax.Array,
+    expert_t: jax.Array,
+    gate_up_edf: jax.Array,
+    down_efd: jax.Array,
+    act: Callable,
+    swiglu: Callable = swiglu_grouped,
+) -> jax.Array:
+    """Top-1 sparse dispatch: y[t] = Expert_{expert[t]}(x[t]), 0 for the skip class. fp32 [T, d].
+
+    `swiglu` is the grouped SwiGLU on expert-sorted tokens: ragged_dot (default) or the Pallas kernel.
+    """
+    order, group_sizes = group_by_expert(expert_t, gate_up_edf.shape[0])
+    y_sorted = swiglu(x_td[order], gate_up_edf, down_efd, group_sizes, act)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return y_sorted[inverse]
 
 
-def dense_moe(x_td: jax.Array, expert_t: jax.Array, gate_up_edf: jax.Array, down_efd: jax.Array,
-              act: Callable) -> jax.Array:
-  """Reference: every expert on every token, then select. fp32 [T, d]. O(E) times the work."""
-  h = jnp.einsum("td,edf->etf", x_td, gate_up_edf, preferred_element_type=jnp.float32)
-  gate, up = jnp.split(h, 2, axis=-1)
-  a = (act(gate) * up).astype(x_td.dtype)
-  y_etd = jnp.einsum("etf,efd->etd", a, down_efd, preferred_element_type=jnp.float32)
-  onehot_te = jax.nn.one_hot(expert_t, gate_up_edf.shape[0], dtype=jnp.float32)  # skip row is all 0
-  return jnp.einsum("te,etd->td", onehot_te, y_etd)
+def dense_moe(
+    x_td: jax.Array, expert_t: jax.Array, gate_up_edf: jax.Array, down_efd: jax.Array, act: Callable
+) -> jax.Array:
+    """Reference: every expert on every token, then select. fp32 [T, d]. O(E) times the work."""
+    h = jnp.einsum("td,edf->etf", x_td, gate_up_edf, preferred_element_type=jnp.float32)
+    gate, up = jnp.split(h, 2, axis=-1)
+    a = (act(gate) * up).astype(x_td.dtype)
+    y_etd = jnp.einsum("etf,efd->etd", a, down_efd, preferred_element_type=jnp.float32)
+    onehot_te = jax.nn.one_hot(expert_t, gate_up_edf.shape[0], dtype=jnp.float32)  # skip row is all 0
+    return jnp.einsum("te,etd->td", onehot_te, y_etd)
 
 
 def local_dispatch(moe_impl: str) -> Callable:
-  """The single-device MoE function for a config's `moe_impl`."""
-  if moe_impl == "dense":
-    return dense_moe
-  if use_pallas(moe_impl):
-    return functools.partial(sparse_moe, swiglu=functools.partial(swiglu_grouped_pallas,
-                                                                   interpret=default_interpret()))
-  return sparse_moe
+    """The single-device MoE function for a config's `moe_impl`."""
+    if moe_impl == "dense":
+        return dense_moe
+    if use_pallas(moe_impl):
+        return functools.partial(
+            sparse_moe, swiglu=functools.partial(swiglu_grouped_pallas, interpret=default_interpret())
+        )
+    return sparse_moe
 
 
 class ZayaExperts(nn.Module):
-  """x [T, d] (compute dtype), expert [T], weight [T] -> (weight * Expert(x) fp32 [T, d], dropped).
+    """x [T, d] (compute dtype), expert [T], weight [T] -> (weight * Expert(x) fp32 [T, d], dropped).
 
-  Without a mesh the dispatch runs on the global token array; with one, inside shard_map on each
-  device's tokens, exchanging them over the "expert" axis when it is > 1 (zaya_jax/parallel/expert.py).
-  `dropped` counts tokens that lost their expert to a capacity limit (always 0 when dropless).
-  """
+    Without a mesh the dispatch runs on the global token array; with one, inside shard_map on each
+    device's tokens, exchanging them over the "expert" axis when it is > 1 (zaya_jax/parallel/expert.py).
+    `dropped` counts tokens that lost their expert to a capacity limit (always 0 when dropless).
+    """
 
-  cfg: ZayaConfig
-  mesh: Mesh | None = None
+    cfg: ZayaConfig
+    mesh: Mesh | None = None
 
-  @nn.compact
-  def __call__(self, x_td: jax.Array, expert_t: jax.Array, weight_t: jax.Array) -> tuple[jax.Array, jax.Array]:
-    cfg = self.cfg
-    e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    init = nn.initializers.normal(cfg.initializer_range)
-    gate_up = self.param("gate_up_proj", init, (e, d, 2 * i), cfg.params_dtype)
-    down = self.param("down_proj", init, (e, i, d), cfg.params_dtype)
-    moe = local_dispatch(cfg.moe_impl)
-    dt, act = cfg.compute_dtype, ACTIVATIONS[cfg.hidden_act]
-    args = (x_td.astype(dt), expert_t, gate_up.astype(dt), down.astype(dt), act)
-    if self.mesh is None:
-      y, dropped = moe(*args), jnp.zeros((), jnp.int32)
-    else:
-      y, dropped = expert_parallel_moe(*args, local_moe=moe, mesh=self.mesh,
-                                       capacity_factor=cfg.moe_capacity_factor)
-    return y * weight_t[:, None].astype(jnp.float32), dropped
+    @nn.compact
+    def __call__(
+        self, x_td: jax.Array, expert_t: jax.Array, weight_t: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        cfg = self.cfg
+        e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        init = nn.initializers.normal(cfg.initializer_range)
+        gate_up = self.param("gate_up_proj", init, (e, d, 2 * i), cfg.params_dtype)
+        down = self.param("down_proj", init, (e, i, d), cfg.params_dtype)
+        moe = local_dispatch(cfg.moe_impl)
+        dt, act = cfg.compute_dtype, ACTIVATIONS[cfg.hidden_act]
+        args = (x_td.astype(dt), expert_t, gate_up.astype(dt), down.astype(dt), act)
+        if self.mesh is None:
+            y, dropped = moe(*args), jnp.zeros((), jnp.int32)
+        else:
+            y, dropped = expert_parallel_moe(
+                *args, local_moe=moe, mesh=self.mesh, capacity_factor=cfg.moe_capacity_factor
+            )
+        return y * weight_t[:, None].astype(jnp.float32), dropped

@@ -9,28 +9,30 @@ import jax
 import jax.numpy as jnp
 
 
-def rope_cos_sin(positions_bs: jax.Array, rotary_dim: int, theta: jax.Array | float) -> tuple[jax.Array, jax.Array]:
-  """positions [B, S] -> (cos, sin), each fp32 [B, S, rotary_dim].
+def rope_cos_sin(
+    positions_bs: jax.Array, rotary_dim: int, theta: jax.Array | float
+) -> tuple[jax.Array, jax.Array]:
+    """positions [B, S] -> (cos, sin), each fp32 [B, S, rotary_dim].
 
-  `theta` may be a traced scalar (one per scanned layer). The frequency ladder is computed as in
-  transformers (`1 / theta ** (arange(0, dim, 2) / dim)` in fp32) so the angles agree bit for bit.
-  """
-  exponent = jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim
-  inv_freq = 1.0 / (jnp.asarray(theta, jnp.float32) ** exponent)  # [rotary_dim / 2]
-  freqs = positions_bs.astype(jnp.float32)[..., None] * inv_freq  # [B, S, rotary_dim / 2]
-  emb = jnp.concatenate([freqs, freqs], axis=-1)
-  return jnp.cos(emb), jnp.sin(emb)
+    `theta` may be a traced scalar (one per scanned layer). The frequency ladder is computed as in
+    transformers (`1 / theta ** (arange(0, dim, 2) / dim)` in fp32) so the angles agree bit for bit.
+    """
+    exponent = jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim
+    inv_freq = 1.0 / (jnp.asarray(theta, jnp.float32) ** exponent)  # [rotary_dim / 2]
+    freqs = positions_bs.astype(jnp.float32)[..., None] * inv_freq  # [B, S, rotary_dim / 2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
 
 
 def _rotate_half(x: jax.Array) -> jax.Array:
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  return jnp.concatenate([-x2, x1], axis=-1)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
 
 
 def apply_rope(x_bshd: jax.Array, cos_bsr: jax.Array, sin_bsr: jax.Array) -> jax.Array:
-  """x [B, S, heads, hd]; cos/sin [B, S, r] with r <= hd. Rotates x[..., :r] and keeps x[..., r:]."""
-  r = cos_bsr.shape[-1]
-  cos, sin = cos_bsr[:, :, None, :], sin_bsr[:, :, None, :]
-  x_rot, x_pass = x_bshd[..., :r], x_bshd[..., r:]
-  x_rot = x_rot.astype(jnp.float32) * cos + _rotate_half(x_rot.astype(jnp.float32)) * sin
-  return jnp.concatenate([x_rot.astype(x_bshd.dtype), x_pass], axis=-1)
+    """x [B, S, heads, hd]; cos/sin [B, S, r] with r <= hd. Rotates x[..., :r] and keeps x[..., r:]."""
+    r = cos_bsr.shape[-1]
+    cos, sin = cos_bsr[:, :, None, :], sin_bsr[:, :, None, :]
+    x_rot, x_pass = x_bshd[..., :r], x_bshd[..., r:]
+    x_rot = x_rot.astype(jnp.float32) * cos + _rotate_half(x_rot.astype(jnp.float32)) * sin
+    return jnp.concatenate([x_rot.astype(x_bshd.dtype), x_pass], axis=-1)

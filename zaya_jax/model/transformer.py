@@ -30,62 +30,74 @@ from zaya_jax.model.router import BALANCING, ZayaRouter
 
 @flax.struct.dataclass
 class ZayaOutput:
-  """logits: fp32 [B, S, V] (None with return_logits=False); hidden: final-normed fp32 [B, S, d];
-  expert_counts: tokens per class per block, padding excluded, fp32 [L, E+1] (class E = skip);
-  router_probs: fp32 [L, B, S, E+1]; dropped_tokens: tokens per block that lost their expert to an
-  expert-parallel capacity limit, int32 [L] (0 when dropless)."""
-  logits: jax.Array | None
-  hidden: jax.Array
-  expert_counts: jax.Array
-  router_probs: jax.Array
-  dropped_tokens: jax.Array
+    """logits: fp32 [B, S, V] (None with return_logits=False); hidden: final-normed fp32 [B, S, d];
+    expert_counts: tokens per class per block, padding excluded, fp32 [L, E+1] (class E = skip);
+    router_probs: fp32 [L, B, S, E+1]; dropped_tokens: tokens per block that lost their expert to an
+    expert-parallel capacity limit, int32 [L] (0 when dropless)."""
+
+    logits: jax.Array | None
+    hidden: jax.Array
+    expert_counts: jax.Array
+    router_probs: jax.Array
+    dropped_tokens: jax.Array
 
 
 class SparseMoeBlock(nn.Module):
-  """Router + experts: x [B, S, d], router state [B, S, R] -> (y fp32 [B, S, d], routing, dropped)."""
+    """Router + experts: x [B, S, d], router state [B, S, R] -> (y fp32 [B, S, d], routing, dropped)."""
 
-  cfg: ZayaConfig
-  mesh: Mesh | None = None
+    cfg: ZayaConfig
+    mesh: Mesh | None = None
 
-  @nn.compact
-  def __call__(self, x_bsd, prev_router_state):
-    routing = ZayaRouter(self.cfg, name="gate")(x_bsd, prev_router_state)
-    b, s, d = x_bsd.shape
-    y, dropped = ZayaExperts(self.cfg, self.mesh, name="experts")(
-        x_bsd.reshape(b * s, d), routing.expert_bs.reshape(-1), routing.weight_bs.reshape(-1))
-    y = y.reshape(b, s, d)
-    if self.cfg.skip_expert_output == "weighted_input":
-      skip = self.cfg.num_experts
-      w_skip = jnp.where(routing.expert_bs == skip, routing.probs_bse[..., skip], 0.0)
-      y = y + w_skip[..., None] * x_bsd.astype(jnp.float32)
-    return y, routing, dropped
+    @nn.compact
+    def __call__(self, x_bsd, prev_router_state):
+        routing = ZayaRouter(self.cfg, name="gate")(x_bsd, prev_router_state)
+        b, s, d = x_bsd.shape
+        y, dropped = ZayaExperts(self.cfg, self.mesh, name="experts")(
+            x_bsd.reshape(b * s, d), routing.expert_bs.reshape(-1), routing.weight_bs.reshape(-1)
+        )
+        y = y.reshape(b, s, d)
+        if self.cfg.skip_expert_output == "weighted_input":
+            skip = self.cfg.num_experts
+            w_skip = jnp.where(routing.expert_bs == skip, routing.probs_bse[..., skip], 0.0)
+            y = y + w_skip[..., None] * x_bsd.astype(jnp.float32)
+        return y, routing, dropped
 
 
 class ZayaBlock(nn.Module):
-  """One decoder block; the scan body. carry = (h fp32 [B,S,d], router state fp32 [B,S,R])."""
+    """One decoder block; the scan body. carry = (h fp32 [B,S,d], router state fp32 [B,S,R])."""
 
-  cfg: ZayaConfig
-  mesh: Mesh | None = None
+    cfg: ZayaConfig
+    mesh: Mesh | None = None
 
-  @nn.compact
-  def __call__(self, carry, layer_xs, positions_bs, padding_mask_bs, segment_ids_bs):
-    cfg = self.cfg
-    h, router_state = carry
-    rope_theta, sliding_window = layer_xs
-    norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype, name=name)
+    @nn.compact
+    def __call__(self, carry, layer_xs, positions_bs, padding_mask_bs, segment_ids_bs):
+        cfg = self.cfg
+        h, router_state = carry
+        rope_theta, sliding_window = layer_xs
+        norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype, name=name)
 
-    a, _ = CCAttention(cfg, self.mesh, name="self_attn")(
-        norm("input_layernorm")(h), positions_bs=positions_bs, padding_mask_bs=padding_mask_bs,
-        rope_theta=rope_theta, sliding_window=sliding_window, segment_ids_bs=segment_ids_bs)
-    h = ResidualScaling(cfg.params_dtype, name="post_attention_residual_scale")(a, h)
+        a, _ = CCAttention(cfg, self.mesh, name="self_attn")(
+            norm("input_layernorm")(h),
+            positions_bs=positions_bs,
+            padding_mask_bs=padding_mask_bs,
+            rope_theta=rope_theta,
+            sliding_window=sliding_window,
+            segment_ids_bs=segment_ids_bs,
+        )
+        h = ResidualScaling(cfg.params_dtype, name="post_attention_residual_scale")(a, h)
 
-    y, routing, dropped = SparseMoeBlock(cfg, self.mesh, name="mlp")(norm("post_attention_layernorm")(h), router_state)
-    h = ResidualScaling(cfg.params_dtype, name="post_mlp_residual_scale")(y, h)
+        y, routing, dropped = SparseMoeBlock(cfg, self.mesh, name="mlp")(
+            norm("post_attention_layernorm")(h), router_state
+        )
+        h = ResidualScaling(cfg.params_dtype, name="post_mlp_residual_scale")(y, h)
 
-    token_weight = (jnp.ones(routing.expert_bs.shape, jnp.float32) if padding_mask_bs is None
-                    else padding_mask_bs.astype(jnp.float32))
-    counts = jnp.zeros((cfg.num_router_classes,), jnp.float32).at[routing.expert_bs].add(token_weight)
-    return (h, routing.next_state_bsr), (counts, routing.probs_bse, dropped)
+        token_weight = (
+            jnp.ones(routing.expert_bs.shape, jnp.float32)
+            if padding_mask_bs is None
+            else padding_mask_bs.astype(jnp.float32)
+        )
+        counts = jnp.zeros((cfg.num_router_classes,), jnp.float32).at[routing.expert_bs].add(token_weight)
+        return (h, routing.next_state_bsr), (counts, routing.probs_bse, dropped)
 
 
 REMAT_POLICIES = {
@@ -95,89 +107,114 @@ REMAT_POLICIES = {
 
 
 class ZayaForCausalLM(nn.Module):
-  """ids [B, S] int -> ZayaOutput. Variables: {"params": ..., "balancing": ...} (see router.py).
+    """ids [B, S] int -> ZayaOutput. Variables: {"params": ..., "balancing": ...} (see router.py).
 
-  With a `mesh` the MoE dispatch runs per device inside shard_map (expert parallel over the mesh's
-  "expert" axis); inputs are then expected to be batch-sharded (zaya_jax.parallel.sharding).
-  """
+    With a `mesh` the MoE dispatch runs per device inside shard_map (expert parallel over the mesh's
+    "expert" axis); inputs are then expected to be batch-sharded (zaya_jax.parallel.sharding).
+    """
 
-  cfg: ZayaConfig
-  mesh: Mesh | None = None
+    cfg: ZayaConfig
+    mesh: Mesh | None = None
 
-  def setup(self):
-    cfg = self.cfg
-    self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=cfg.params_dtype,
-                                 embedding_init=nn.initializers.normal(cfg.initializer_range))
-    self.input_hidden_states_scale = self.param(
-        "input_hidden_states_scale", nn.initializers.ones, (cfg.hidden_size,), cfg.params_dtype)
-    self.input_hidden_states_bias = self.param(
-        "input_hidden_states_bias", nn.initializers.zeros, (cfg.hidden_size,), cfg.params_dtype)
-    block = ZayaBlock
-    if cfg.remat != "none":
-      block = nn.remat(ZayaBlock, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    self.layers = nn.scan(
-        block, variable_axes={"params": 0, BALANCING: 0}, split_rngs={"params": True},
-        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_hidden_layers)(cfg, self.mesh)
-    self.norm = RMSNorm(cfg.rms_norm_eps, jnp.float32, cfg.params_dtype)
-    self.lm_head = LMHead(cfg)
+    def setup(self):
+        cfg = self.cfg
+        self.embed_tokens = nn.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            param_dtype=cfg.params_dtype,
+            embedding_init=nn.initializers.normal(cfg.initializer_range),
+        )
+        self.input_hidden_states_scale = self.param(
+            "input_hidden_states_scale", nn.initializers.ones, (cfg.hidden_size,), cfg.params_dtype
+        )
+        self.input_hidden_states_bias = self.param(
+            "input_hidden_states_bias", nn.initializers.zeros, (cfg.hidden_size,), cfg.params_dtype
+        )
+        block = ZayaBlock
+        if cfg.remat != "none":
+            block = nn.remat(ZayaBlock, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        self.layers = nn.scan(
+            block,
+            variable_axes={"params": 0, BALANCING: 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.num_hidden_layers,
+        )(cfg, self.mesh)
+        self.norm = RMSNorm(cfg.rms_norm_eps, jnp.float32, cfg.params_dtype)
+        self.lm_head = LMHead(cfg)
 
-  def per_layer_inputs(self) -> tuple[jax.Array, jax.Array]:
-    """(rope theta [L] fp32, sliding window [L] int32, 0 = full causal) from the layer types."""
-    cfg = self.cfg
-    sliding = [t == "hybrid_sliding" for t in cfg.resolved_layer_types]
-    theta = jnp.array([cfg.sliding_rope_theta if s else cfg.rope_theta for s in sliding], jnp.float32)
-    window = jnp.array([cfg.sliding_window if s else 0 for s in sliding], jnp.int32)
-    return theta, window
+    def per_layer_inputs(self) -> tuple[jax.Array, jax.Array]:
+        """(rope theta [L] fp32, sliding window [L] int32, 0 = full causal) from the layer types."""
+        cfg = self.cfg
+        sliding = [t == "hybrid_sliding" for t in cfg.resolved_layer_types]
+        theta = jnp.array([cfg.sliding_rope_theta if s else cfg.rope_theta for s in sliding], jnp.float32)
+        window = jnp.array([cfg.sliding_window if s else 0 for s in sliding], jnp.int32)
+        return theta, window
 
-  def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
-               positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-               return_logits: bool = True) -> ZayaOutput:
-    """input_ids [B, S]; attention_mask [B, S] (1 = token, 0 = padding); positions [B, S] default
-    arange(S) (as transformers, padding does not shift positions); segment_ids [B, S] restrict
-    attention to tokens of the same packed document."""
-    cfg = self.cfg
-    b, s = input_ids.shape
-    if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    x = self.embed_tokens(input_ids).astype(jnp.float32)
-    h = (x + self.input_hidden_states_bias.astype(jnp.float32)) * self.input_hidden_states_scale.astype(
-        jnp.float32)
-    carry = (h, jnp.zeros((b, s, cfg.router_hidden_size), jnp.float32))
-    (h, _), (counts, probs, dropped) = self.layers(carry, self.per_layer_inputs(), positions, attention_mask,
-                                          segment_ids)
-    hidden = self.norm(h)
-    logits = self.lm_head(hidden, self.embed_tokens.embedding) if return_logits else None
-    return ZayaOutput(logits=logits, hidden=hidden, expert_counts=counts, router_probs=probs,
-                      dropped_tokens=dropped)
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        *,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        return_logits: bool = True,
+    ) -> ZayaOutput:
+        """input_ids [B, S]; attention_mask [B, S] (1 = token, 0 = padding); positions [B, S] default
+        arange(S) (as transformers, padding does not shift positions); segment_ids [B, S] restrict
+        attention to tokens of the same packed document."""
+        cfg = self.cfg
+        b, s = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        x = self.embed_tokens(input_ids).astype(jnp.float32)
+        h = (x + self.input_hidden_states_bias.astype(jnp.float32)) * self.input_hidden_states_scale.astype(
+            jnp.float32
+        )
+        carry = (h, jnp.zeros((b, s, cfg.router_hidden_size), jnp.float32))
+        (h, _), (counts, probs, dropped) = self.layers(
+            carry, self.per_layer_inputs(), positions, attention_mask, segment_ids
+        )
+        hidden = self.norm(h)
+        logits = self.lm_head(hidden, self.embed_tokens.embedding) if return_logits else None
+        return ZayaOutput(
+            logits=logits, hidden=hidden, expert_counts=counts, router_probs=probs, dropped_tokens=dropped
+        )
 
-  def logits_from_hidden(self, hidden_bsd: jax.Array) -> jax.Array:
-    """The head alone, for chunked losses: final-normed hidden [..., d] -> fp32 logits [..., V]."""
-    return self.lm_head(hidden_bsd, self.embed_tokens.embedding)
+    def logits_from_hidden(self, hidden_bsd: jax.Array) -> jax.Array:
+        """The head alone, for chunked losses: final-normed hidden [..., d] -> fp32 logits [..., V]."""
+        return self.lm_head(hidden_bsd, self.embed_tokens.embedding)
 
 
 class LMHead(nn.Module):
-  """hidden [..., d] -> fp32 logits [..., V]; tied to the embedding [V, d] unless configured not."""
+    """hidden [..., d] -> fp32 logits [..., V]; tied to the embedding [V, d] unless configured not."""
 
-  cfg: ZayaConfig
+    cfg: ZayaConfig
 
-  @nn.compact
-  def __call__(self, hidden: jax.Array, embedding_vd: jax.Array) -> jax.Array:
-    cfg = self.cfg
-    dt = cfg.compute_dtype
-    if cfg.tie_word_embeddings:
-      w_vd = embedding_vd
-    else:
-      w_vd = self.param("kernel", nn.initializers.normal(cfg.initializer_range),
-                        (cfg.vocab_size, cfg.hidden_size), cfg.params_dtype)
-    logits = jnp.einsum("...d,vd->...v", hidden.astype(dt), w_vd.astype(dt),
-                        preferred_element_type=jnp.float32)
-    if cfg.lm_head_bias:
-      logits = logits + self.param("bias", nn.initializers.zeros, (cfg.vocab_size,),
-                                   cfg.params_dtype).astype(jnp.float32)
-    return logits
+    @nn.compact
+    def __call__(self, hidden: jax.Array, embedding_vd: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        dt = cfg.compute_dtype
+        if cfg.tie_word_embeddings:
+            w_vd = embedding_vd
+        else:
+            w_vd = self.param(
+                "kernel",
+                nn.initializers.normal(cfg.initializer_range),
+                (cfg.vocab_size, cfg.hidden_size),
+                cfg.params_dtype,
+            )
+        logits = jnp.einsum(
+            "...d,vd->...v", hidden.astype(dt), w_vd.astype(dt), preferred_element_type=jnp.float32
+        )
+        if cfg.lm_head_bias:
+            logits = logits + self.param(
+                "bias", nn.initializers.zeros, (cfg.vocab_size,), cfg.params_dtype
+            ).astype(jnp.float32)
+        return logits
 
 
 def init_variables(cfg: ZayaConfig, rng: jax.Array, batch: int = 1, seq: int = 8) -> dict[str, Any]:
-  """Random-init variables {"params", "balancing"} for `cfg` (shapes do not depend on batch/seq)."""
-  ids = jnp.zeros((batch, seq), jnp.int32)
-  return ZayaForCausalLM(cfg).init(rng, ids)
+    """Random-init variables {"params", "balancing"} for `cfg` (shapes do not depend on batch/seq)."""
+    ids = jnp.zeros((batch, seq), jnp.int32)
+    return ZayaForCausalLM(cfg).init(rng, ids)

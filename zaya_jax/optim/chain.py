@@ -79,25 +79,33 @@ _ATTN_PROJ = r"(q_proj|k_proj|v_proj_current|v_proj_delayed|o_proj)"
 ROUTING_RULES: tuple[Rule, ...] = (
     # ---- AdamW exceptions that LOOK like matrices --------------------------------
     Rule(
-        r"embed_tokens/embedding", ADAMW, True,
+        r"embed_tokens/embedding",
+        ADAMW,
+        True,
         "token embedding [V, d]: a lookup table whose rows receive sparse, "
         "token-frequency-skewed gradients; orthogonalising it would couple unrelated "
         "tokens. Embeddings stay on AdamW in the reference Muon.",
     ),
     Rule(
-        r"lm_head/kernel", ADAMW, True,
+        r"lm_head/kernel",
+        ADAMW,
+        True,
         "untied output head [d, V]: a classifier over the vocabulary whose per-logit "
         "scale matters; kept on AdamW as in the reference Muon.",
     ),
     Rule(
-        r"layers/self_attn/conv_qk_(depthwise|grouped)/kernel", ADAMW, True,
+        r"layers/self_attn/conv_qk_(depthwise|grouped)/kernel",
+        ADAMW,
+        True,
         "CCA causal conv filters ([L, t0, C] depthwise, [L, t1, hd, C] grouped): the "
         "last two axes are (time/head-dim, channel) filter taps, not an (in, out) "
         "linear map, so Newton-Schulz on them has no meaning. This is why routing is "
         "by path and not by ndim.",
     ),
     Rule(
-        r"layers/mlp/gate/router_mlp/out_proj/kernel", ADAMW, True,
+        r"layers/mlp/gate/router_mlp/out_proj/kernel",
+        ADAMW,
+        True,
         "router output layer [L, R, E+1]: a tiny classifier head over the experts "
         "(+1 skip). With fan_out E+1 << R an orthogonalised update has all E+1 "
         "singular values equal, overriding the learned per-expert logit scale that "
@@ -106,39 +114,53 @@ ROUTING_RULES: tuple[Rule, ...] = (
     ),
     # ---- Muon: hidden linear maps [..., fan_in, fan_out] -----------------------------
     Rule(
-        rf"layers/self_attn/{_ATTN_PROJ}/kernel", MUON, True,
+        rf"layers/self_attn/{_ATTN_PROJ}/kernel",
+        MUON,
+        True,
         "attention projections [L, in, out]: hidden linear maps, Muon's target; L is "
         "a batch axis (one orthogonalisation per layer).",
     ),
     Rule(
-        r"layers/mlp/gate/down_proj/kernel", MUON, True,
+        r"layers/mlp/gate/down_proj/kernel",
+        MUON,
+        True,
         "router down-projection [L, d, R]: hidden linear map.",
     ),
     Rule(
-        r"layers/mlp/gate/router_mlp/(fc1|fc2)/kernel", MUON, True,
+        r"layers/mlp/gate/router_mlp/(fc1|fc2)/kernel",
+        MUON,
+        True,
         "router MLP hidden layers [L, R, R]: hidden linear maps.",
     ),
     Rule(
-        r"layers/mlp/experts/(gate_up_proj|down_proj)", MUON, True,
+        r"layers/mlp/experts/(gate_up_proj|down_proj)",
+        MUON,
+        True,
         "expert weights [L, E, d, 2I] / [L, E, I, d]: L and E are batch axes, each "
         "expert's matrix is orthogonalised on its own (gate|up halves of the fused "
         "gate_up_proj together, as one [d, 2I] map).",
     ),
     # ---- AdamW, no decay: vectors (possibly with a scanned L axis) -------------------
     Rule(
-        r"(.*/)?[^/]*(bias|scale)", ADAMW, False,
+        r"(.*/)?[^/]*(bias|scale)",
+        ADAMW,
+        False,
         "biases, norm scales, residual / hidden-state scales and biases, router state "
         "scale ([d] or scanned [L, d]): per-channel vectors; ndim cannot tell [L, d] "
         "from a matrix. No weight decay: it would pull gains towards 0.",
     ),
     Rule(
-        r"layers/self_attn/temp", ADAMW, False,
+        r"layers/self_attn/temp",
+        ADAMW,
+        False,
         "CCA per-KV-head temperature [L, nkv]: per-head scalars; no decay.",
     ),
 )
 
 _SAFETY_RULE = Rule(
-    "<ndim < 2>", ADAMW, False,
+    "<ndim < 2>",
+    ADAMW,
+    False,
     "safety: scalars and vectors can never be orthogonalised, whatever their path.",
 )
 
@@ -179,9 +201,7 @@ def match_rule(path: str, ndim: int) -> Rule:
 
 
 def _map_rules(fn, params):
-    return jax.tree_util.tree_map_with_path(
-        lambda kp, x: fn(match_rule(param_path(kp), jnp.ndim(x))), params
-    )
+    return jax.tree_util.tree_map_with_path(lambda kp, x: fn(match_rule(param_path(kp), jnp.ndim(x))), params)
 
 
 def param_labels(params: Any) -> Any:
@@ -245,9 +265,7 @@ def lr_schedule(cfg: Any, total_steps: int) -> optax.Schedule:
     """The base (multiplier-free) LR schedule ``step -> lr`` of the config, e.g.
     for logging. ``cfg``: training config with ``optim`` or the optim config."""
     oc = _optim_section(cfg)
-    kw: dict[str, Any] = dict(
-        peak_lr=oc.lr, total_steps=total_steps, warmup_steps=oc.warmup_steps
-    )
+    kw: dict[str, Any] = dict(peak_lr=oc.lr, total_steps=total_steps, warmup_steps=oc.warmup_steps)
     if oc.schedule == "wsd":
         decay_steps = getattr(oc, "decay_steps", None)
         if decay_steps is not None:

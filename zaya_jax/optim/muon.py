@@ -228,9 +228,7 @@ def scale_by_shape(consistent_rms: float | None = 0.2) -> optax.GradientTransfor
     def update_fn(updates, state, params=None):
         del params
         _check_matrices(updates, "scale_by_shape")
-        updates = jax.tree.map(
-            lambda u: (u * shape_scale(u.shape, consistent_rms)).astype(u.dtype), updates
-        )
+        updates = jax.tree.map(lambda u: (u * shape_scale(u.shape, consistent_rms)).astype(u.dtype), updates)
         return updates, state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)

@@ -33,8 +33,7 @@ DECAY_SHAPES = ("linear", "cosine", "sqrt")
 def _check_int(name: str, value: Any, minimum: int) -> int:
     # Accept numpy ints and integral floats (e.g. 1e4 from a config file).
     if isinstance(value, bool) or not (
-        isinstance(value, numbers.Integral)
-        or (isinstance(value, float) and value.is_integer())
+        isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer())
     ):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     value = int(value)
@@ -126,12 +125,9 @@ def warmup_stable_decay(
     decay_steps = _check_int("decay_steps", decay_steps, 0)
     if warmup_steps + decay_steps > total_steps:
         raise ValueError(
-            f"warmup_steps ({warmup_steps}) + decay_steps ({decay_steps}) exceed "
-            f"total_steps ({total_steps})"
+            f"warmup_steps ({warmup_steps}) + decay_steps ({decay_steps}) exceed total_steps ({total_steps})"
         )
-    return _piecewise(
-        peak_lr, total_steps, warmup_steps, decay_steps, final_lr_fraction, decay_shape
-    )
+    return _piecewise(peak_lr, total_steps, warmup_steps, decay_steps, final_lr_fraction, decay_shape)
 
 
 def warmup_cosine(
@@ -147,8 +143,7 @@ def warmup_cosine(
     warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
     if warmup_steps >= total_steps:
         raise ValueError(
-            f"warmup_steps ({warmup_steps}) must be < total_steps ({total_steps}) "
-            "so at least one step decays"
+            f"warmup_steps ({warmup_steps}) must be < total_steps ({total_steps}) so at least one step decays"
         )
     return warmup_stable_decay(
         peak_lr,

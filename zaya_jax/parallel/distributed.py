@@ -14,23 +14,26 @@ import jax
 
 
 def initialize_from_env(env: dict[str, str] | None = None) -> bool:
-  """Initialises jax.distributed when the environment describes a multi-process job.
+    """Initialises jax.distributed when the environment describes a multi-process job.
 
-  Returns True when it did. Must run before anything touches a device.
-  """
-  env = dict(os.environ if env is None else env)
-  if env.get("ZAYA_COORDINATOR"):
-    missing = [k for k in ("ZAYA_NUM_PROCESSES", "ZAYA_PROCESS_ID") if not env.get(k)]
-    if missing:
-      raise ValueError(f"ZAYA_COORDINATOR is set but {missing} are not")
-    kwargs = {}
-    if env.get("ZAYA_LOCAL_DEVICE_IDS"):
-      kwargs["local_device_ids"] = [int(i) for i in env["ZAYA_LOCAL_DEVICE_IDS"].split(",")]
-    jax.distributed.initialize(coordinator_address=env["ZAYA_COORDINATOR"],
-                               num_processes=int(env["ZAYA_NUM_PROCESSES"]),
-                               process_id=int(env["ZAYA_PROCESS_ID"]), **kwargs)
-    return True
-  if env.get("SLURM_JOB_ID") and int(env.get("SLURM_NTASKS", "1")) > 1:
-    jax.distributed.initialize()  # cluster auto-detection reads the SLURM variables
-    return True
-  return False
+    Returns True when it did. Must run before anything touches a device.
+    """
+    env = dict(os.environ if env is None else env)
+    if env.get("ZAYA_COORDINATOR"):
+        missing = [k for k in ("ZAYA_NUM_PROCESSES", "ZAYA_PROCESS_ID") if not env.get(k)]
+        if missing:
+            raise ValueError(f"ZAYA_COORDINATOR is set but {missing} are not")
+        kwargs = {}
+        if env.get("ZAYA_LOCAL_DEVICE_IDS"):
+            kwargs["local_device_ids"] = [int(i) for i in env["ZAYA_LOCAL_DEVICE_IDS"].split(",")]
+        jax.distributed.initialize(
+            coordinator_address=env["ZAYA_COORDINATOR"],
+            num_processes=int(env["ZAYA_NUM_PROCESSES"]),
+            process_id=int(env["ZAYA_PROCESS_ID"]),
+            **kwargs,
+        )
+        return True
+    if env.get("SLURM_JOB_ID") and int(env.get("SLURM_NTASKS", "1")) > 1:
+        jax.distributed.initialize()  # cluster auto-detection reads the SLURM variables
+        return True
+    return False

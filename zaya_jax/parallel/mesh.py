@@ -22,42 +22,52 @@ MESH_AXES = ("data", "fsdp", "expert")
 
 
 def resolve_mesh_shape(data: int, fsdp: int, expert: int, num_devices: int) -> tuple[int, int, int]:
-  """Fills a -1 axis and checks the product equals the device count (ValueError otherwise)."""
-  sizes = {"data": data, "fsdp": fsdp, "expert": expert}
-  for name, size in sizes.items():
-    if not isinstance(size, int) or (size < 1 and size != -1):
-      raise ValueError(f"mesh.{name}={size!r}: must be a positive int or -1")
-  free = [n for n, s in sizes.items() if s == -1]
-  if len(free) > 1:
-    raise ValueError(f"mesh: only one axis may be -1, got {free}")
-  known = math.prod(s for s in sizes.values() if s != -1)
-  if free:
-    if num_devices % known:
-      raise ValueError(f"mesh: {num_devices} devices are not divisible by the fixed axes "
-                       f"({', '.join(f'{n}={s}' for n, s in sizes.items() if s != -1)})")
-    sizes[free[0]] = num_devices // known
-  shape = (sizes["data"], sizes["fsdp"], sizes["expert"])
-  if math.prod(shape) != num_devices:
-    raise ValueError(f"mesh: data*fsdp*expert = {'*'.join(map(str, shape))} = {math.prod(shape)} "
-                     f"does not equal the {num_devices} available devices")
-  return shape
+    """Fills a -1 axis and checks the product equals the device count (ValueError otherwise)."""
+    sizes = {"data": data, "fsdp": fsdp, "expert": expert}
+    for name, size in sizes.items():
+        if not isinstance(size, int) or (size < 1 and size != -1):
+            raise ValueError(f"mesh.{name}={size!r}: must be a positive int or -1")
+    free = [n for n, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh: only one axis may be -1, got {free}")
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if free:
+        if num_devices % known:
+            raise ValueError(
+                f"mesh: {num_devices} devices are not divisible by the fixed axes "
+                f"({', '.join(f'{n}={s}' for n, s in sizes.items() if s != -1)})"
+            )
+        sizes[free[0]] = num_devices // known
+    shape = (sizes["data"], sizes["fsdp"], sizes["expert"])
+    if math.prod(shape) != num_devices:
+        raise ValueError(
+            f"mesh: data*fsdp*expert = {'*'.join(map(str, shape))} = {math.prod(shape)} "
+            f"does not equal the {num_devices} available devices"
+        )
+    return shape
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, expert: int = 1, *, num_experts: int | None = None,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A (data, fsdp, expert) mesh over `devices` (default: all, across processes)."""
-  devices = list(devices) if devices is not None else jax.devices()
-  shape = resolve_mesh_shape(data, fsdp, expert, len(devices))
-  if num_experts is not None and num_experts % shape[2]:
-    raise ValueError(f"mesh.expert={shape[2]} does not divide model.num_experts={num_experts}")
-  # Auto axes: XLA propagates shardings from the ones we set on params, state and batches.
-  auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-  if devices == jax.devices():
-    # jax.make_mesh orders devices so that inner axes stay within a host/node (fast links).
-    return jax.make_mesh(shape, MESH_AXES, axis_types=auto)
-  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
+def make_mesh(
+    data: int = -1,
+    fsdp: int = 1,
+    expert: int = 1,
+    *,
+    num_experts: int | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A (data, fsdp, expert) mesh over `devices` (default: all, across processes)."""
+    devices = list(devices) if devices is not None else jax.devices()
+    shape = resolve_mesh_shape(data, fsdp, expert, len(devices))
+    if num_experts is not None and num_experts % shape[2]:
+        raise ValueError(f"mesh.expert={shape[2]} does not divide model.num_experts={num_experts}")
+    # Auto axes: XLA propagates shardings from the ones we set on params, state and batches.
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    if devices == jax.devices():
+        # jax.make_mesh orders devices so that inner axes stay within a host/node (fast links).
+        return jax.make_mesh(shape, MESH_AXES, axis_types=auto)
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
 
 
 def mesh_from_config(c) -> Mesh:
-  """The mesh of a training config (`mesh.data/fsdp/expert`), validated against the devices."""
-  return make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.expert, num_experts=c.model.num_experts)
+    """The mesh of a training config (`mesh.data/fsdp/expert`), validated against the devices."""
+    return make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.expert, num_experts=c.model.num_experts)

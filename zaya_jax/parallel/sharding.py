@@ -41,85 +41,92 @@ BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
-  """Logical axis names of the parameter at `path` (None = replicated dimension)."""
-  for pattern, axes in PARAM_AXES:
-    if re.fullmatch(pattern, path):
-      if axes is not None and len(axes) != ndim:
-        raise ValueError(f"sharding table: {path} has {ndim} dims, table says {axes}")
-      return axes
-  return (None,) * ndim
+    """Logical axis names of the parameter at `path` (None = replicated dimension)."""
+    for pattern, axes in PARAM_AXES:
+        if re.fullmatch(pattern, path):
+            if axes is not None and len(axes) != ndim:
+                raise ValueError(f"sharding table: {path} has {ndim} dims, table says {axes}")
+            return axes
+    return (None,) * ndim
 
 
 def spec_for(path: str, shape: tuple[int, ...], mesh: Mesh) -> P:
-  """PartitionSpec of a parameter; ValueError if a sharded dimension does not divide evenly."""
-  axes = [RULES.get(a) if a else None for a in logical_axes(path, len(shape))]
-  for dim, (size, axis) in enumerate(zip(shape, axes)):
-    if axis and size % mesh.shape[axis]:
-      raise ValueError(f"{path}: dimension {dim} of size {size} is not divisible by mesh axis "
-                       f"{axis}={mesh.shape[axis]}")
-  return P(*axes)
+    """PartitionSpec of a parameter; ValueError if a sharded dimension does not divide evenly."""
+    axes = [RULES.get(a) if a else None for a in logical_axes(path, len(shape))]
+    for dim, (size, axis) in enumerate(zip(shape, axes)):
+        if axis and size % mesh.shape[axis]:
+            raise ValueError(
+                f"{path}: dimension {dim} of size {size} is not divisible by mesh axis "
+                f"{axis}={mesh.shape[axis]}"
+            )
+    return P(*axes)
 
 
 def param_shardings(params: Any, mesh: Mesh) -> Any:
-  """NamedShardings for a params pytree (arrays or ShapeDtypeStructs)."""
-  return jax.tree_util.tree_map_with_path(
-      lambda kp, x: NamedSharding(mesh, spec_for(param_path(kp), tuple(x.shape), mesh)), params)
+    """NamedShardings for a params pytree (arrays or ShapeDtypeStructs)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda kp, x: NamedSharding(mesh, spec_for(param_path(kp), tuple(x.shape), mesh)), params
+    )
 
 
 def _param_path_of(opt_path: str, param_paths: dict[str, tuple[int, ...]]) -> str | None:
-  """The parameter an optimizer-state leaf mirrors: the longest param path its path ends with."""
-  for path in sorted(param_paths, key=len, reverse=True):
-    if opt_path == path or opt_path.endswith("/" + path):
-      return path
-  return None
+    """The parameter an optimizer-state leaf mirrors: the longest param path its path ends with."""
+    for path in sorted(param_paths, key=len, reverse=True):
+        if opt_path == path or opt_path.endswith("/" + path):
+            return path
+    return None
 
 
 def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, axis: str = "data") -> P:
-  """Adds `axis` to the largest dimension that is unsharded and divisible by it (if any)."""
-  n = mesh.shape[axis]
-  dims = list(spec) + [None] * (len(shape) - len(spec))
-  if n == 1 or axis in dims:
+    """Adds `axis` to the largest dimension that is unsharded and divisible by it (if any)."""
+    n = mesh.shape[axis]
+    dims = list(spec) + [None] * (len(shape) - len(spec))
+    if n == 1 or axis in dims:
+        return P(*dims)
+    free = [d for d in range(len(shape)) if dims[d] is None and shape[d] % n == 0]
+    if free:
+        dims[max(free, key=lambda d: shape[d])] = axis
     return P(*dims)
-  free = [d for d in range(len(shape)) if dims[d] is None and shape[d] % n == 0]
-  if free:
-    dims[max(free, key=lambda d: shape[d])] = axis
-  return P(*dims)
 
 
 def opt_state_shardings(opt_state: Any, params: Any, mesh: Mesh, zero1: bool = True) -> Any:
-  """Shardings for an optax state: each leaf like its parameter, plus ZeRO-1 over `data`."""
-  param_paths = {param_path(kp): tuple(x.shape) for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    """Shardings for an optax state: each leaf like its parameter, plus ZeRO-1 over `data`."""
+    param_paths = {
+        param_path(kp): tuple(x.shape) for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
 
-  def one(kp, x):
-    shape = tuple(getattr(x, "shape", ()))
-    path = _param_path_of(param_path(kp), param_paths)
-    spec = spec_for(path, shape, mesh) if path and param_paths[path] == shape else P()
-    return NamedSharding(mesh, zero1_spec(spec, shape, mesh) if zero1 else spec)
+    def one(kp, x):
+        shape = tuple(getattr(x, "shape", ()))
+        path = _param_path_of(param_path(kp), param_paths)
+        spec = spec_for(path, shape, mesh) if path and param_paths[path] == shape else P()
+        return NamedSharding(mesh, zero1_spec(spec, shape, mesh) if zero1 else spec)
 
-  return jax.tree_util.tree_map_with_path(one, opt_state)
+    return jax.tree_util.tree_map_with_path(one, opt_state)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """[B, ...] batches: rows split over every mesh axis."""
-  return NamedSharding(mesh, P(BATCH_AXES))
+    """[B, ...] batches: rows split over every mesh axis."""
+    return NamedSharding(mesh, P(BATCH_AXES))
 
 
 def shard_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-  """This process' rows of the global batch -> global arrays sharded by `batch_sharding`."""
-  sharding = batch_sharding(mesh)
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local_batch.items()}
+    """This process' rows of the global batch -> global arrays sharded by `batch_sharding`."""
+    sharding = batch_sharding(mesh)
+    return {
+        k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local_batch.items()
+    }
 
 
 def per_device_bytes(tree: Any, device: jax.Device | None = None) -> int:
-  """Bytes of `tree` resident on `device` (default: this process' first device)."""
-  device = device or jax.local_devices()[0]
-  total = 0
-  for x in jax.tree.leaves(tree):
-    for shard in x.addressable_shards:
-      if shard.device == device:
-        total += shard.data.nbytes
-  return total
+    """Bytes of `tree` resident on `device` (default: this process' first device)."""
+    device = device or jax.local_devices()[0]
+    total = 0
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            if shard.device == device:
+                total += shard.data.nbytes
+    return total
 
 
 def global_bytes(tree: Any) -> int:
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
