@@ -24,205 +24,282 @@ from test_train import ROOT, SMALL, run_train, train_losses
 
 
 def _state(step):
-  return {"w": jnp.arange(64, dtype=jnp.float32) * step, "b": jnp.full((4, 4), float(step))}
+    return {"w": jnp.arange(64, dtype=jnp.float32) * step, "b": jnp.full((4, 4), float(step))}
 
 
 def _save_steps(workdir, steps, **kw):
-  ck = Checkpointer(str(workdir), **kw)
-  for s in steps:
-    ck.save(s, _state(s), {"pos": s}, {"seed": 0})
-  ck.wait()
-  return ck
+    ck = Checkpointer(str(workdir), **kw)
+    for s in steps:
+        ck.save(s, _state(s), {"pos": s}, {"seed": 0})
+    ck.wait()
+    return ck
 
 
 def _corrupt(workdir, step):
-  """Truncates every array data file of the checkpoint's `state` item."""
-  files = [f for f in glob.glob(os.path.join(workdir, "checkpoints", str(step), "state", "**", "d", "*"),
-                                recursive=True) if os.path.isfile(f)]
-  assert files
-  for f in files:
-    with open(f, "r+b") as fh:
-      fh.truncate(max(os.path.getsize(f) // 3, 1))
+    """Truncates every array data file of the checkpoint's `state` item."""
+    files = [
+        f
+        for f in glob.glob(
+            os.path.join(workdir, "checkpoints", str(step), "state", "**", "d", "*"), recursive=True
+        )
+        if os.path.isfile(f)
+    ]
+    assert files
+    for f in files:
+        with open(f, "r+b") as fh:
+            fh.truncate(max(os.path.getsize(f) // 3, 1))
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, capsys):
-  ck = _save_steps(tmp_path, [1, 2, 3])
-  _corrupt(tmp_path, 3)
-  seen = []
-  step, state, data, config = ck.restore_latest(abstract_like(_state(0)), on_corrupt=lambda s, m: seen.append(s))
-  assert step == 2 and data == {"pos": 2} and config == {"seed": 0}
-  np.testing.assert_array_equal(state["w"], _state(2)["w"])
-  assert seen == [3]
-  assert "WARNING: checkpoint" in capsys.readouterr().out
-  # The unreadable one is moved aside, so the run can save step 3 again.
-  assert ck.all_steps() == [1, 2] and os.listdir(tmp_path / "checkpoints.corrupt")
-  ck.save(3, _state(3), {"pos": 3}, {"seed": 0})
-  ck.wait()
-  assert ck.restore_latest(abstract_like(_state(0)))[0] == 3
-  ck.close()
+    ck = _save_steps(tmp_path, [1, 2, 3])
+    _corrupt(tmp_path, 3)
+    seen = []
+    step, state, data, config = ck.restore_latest(
+        abstract_like(_state(0)), on_corrupt=lambda s, m: seen.append(s)
+    )
+    assert step == 2 and data == {"pos": 2} and config == {"seed": 0}
+    np.testing.assert_array_equal(state["w"], _state(2)["w"])
+    assert seen == [3]
+    assert "WARNING: checkpoint" in capsys.readouterr().out
+    # The unreadable one is moved aside, so the run can save step 3 again.
+    assert ck.all_steps() == [1, 2] and os.listdir(tmp_path / "checkpoints.corrupt")
+    ck.save(3, _state(3), {"pos": 3}, {"seed": 0})
+    ck.wait()
+    assert ck.restore_latest(abstract_like(_state(0)))[0] == 3
+    ck.close()
 
 
 def test_all_checkpoints_corrupt_is_a_clear_error(tmp_path):
-  ck = _save_steps(tmp_path, [1, 2])
-  for s in (1, 2):
-    _corrupt(tmp_path, s)
-  with pytest.raises(CheckpointError, match="no readable checkpoint in .*checkpoints"):
-    ck.restore_latest(abstract_like(_state(0)))
-  ck.close()
-  assert Checkpointer(str(tmp_path / "empty")).restore_latest(abstract_like(_state(0))) is None
+    ck = _save_steps(tmp_path, [1, 2])
+    for s in (1, 2):
+        _corrupt(tmp_path, s)
+    with pytest.raises(CheckpointError, match="no readable checkpoint in .*checkpoints"):
+        ck.restore_latest(abstract_like(_state(0)))
+    ck.close()
+    assert Checkpointer(str(tmp_path / "empty")).restore_latest(abstract_like(_state(0))) is None
 
 
 def test_retention_keep_and_keep_period(tmp_path):
-  ck = _save_steps(tmp_path, range(1, 11), keep=2, keep_period=4)
-  assert ck.all_steps() == [4, 8, 9, 10]
-  ck.close()
+    ck = _save_steps(tmp_path, range(1, 11), keep=2, keep_period=4)
+    assert ck.all_steps() == [4, 8, 9, 10]
+    ck.close()
 
 
 def test_time_based_saves():
-  ck = Checkpointer.__new__(Checkpointer)
-  ck.every_steps, ck.every_minutes, ck._last_save_time = 0, 0.5, 100.0
-  assert not ck.due(7, now=120.0) and ck.due(7, now=131.0)
-  ck.every_steps = 5
-  assert ck.due(10, now=101.0)
-  ck.every_minutes = 0
-  assert not ck.due(7, now=1e9)
+    ck = Checkpointer.__new__(Checkpointer)
+    ck.every_steps, ck.every_minutes, ck._last_save_time = 0, 0.5, 100.0
+    assert not ck.due(7, now=120.0) and ck.due(7, now=131.0)
+    ck.every_steps = 5
+    assert ck.due(10, now=101.0)
+    ck.every_minutes = 0
+    assert not ck.due(7, now=1e9)
 
 
 def test_checkpoint_workdir():
-  assert checkpoint_workdir("/a/run") == ("/a/run", None)
-  assert checkpoint_workdir("/a/run/checkpoints/") == ("/a/run", None)
-  assert checkpoint_workdir("/a/run/checkpoints/12") == ("/a/run", 12)
+    assert checkpoint_workdir("/a/run") == ("/a/run", None)
+    assert checkpoint_workdir("/a/run/checkpoints/") == ("/a/run", None)
+    assert checkpoint_workdir("/a/run/checkpoints/12") == ("/a/run", 12)
 
 
 def test_spike_detector_and_events(tmp_path):
-  d = SpikeDetector(zscore=4.0, window=5)
-  assert all(d.check(x) is None for x in [3.0, 2.9, 3.1, 3.0, 2.95, 3.05])
-  assert d.check(6.0) is not None and d.check(3.02) is None
-  assert SpikeDetector(zscore=0.0, window=5).check(1e9) is None
-  log = EventLog(str(tmp_path))
-  log.write(3, "spike", loss=float("nan"))
-  (e,) = read_events(str(tmp_path))
-  assert e["step"] == 3 and e["kind"] == "spike" and np.isnan(e["details"]["loss"])
+    d = SpikeDetector(zscore=4.0, window=5)
+    assert all(d.check(x) is None for x in [3.0, 2.9, 3.1, 3.0, 2.95, 3.05])
+    assert d.check(6.0) is not None and d.check(3.02) is None
+    assert SpikeDetector(zscore=0.0, window=5).check(1e9) is None
+    log = EventLog(str(tmp_path))
+    log.write(3, "spike", loss=float("nan"))
+    (e,) = read_events(str(tmp_path))
+    assert e["step"] == 3 and e["kind"] == "spike" and np.isnan(e["details"]["loss"])
 
 
 def test_watchdog_fires_only_on_a_slow_step():
-  fired = []
-  wd = StepWatchdog(0.2, on_timeout=lambda step, elapsed: fired.append((step, elapsed)))
-  wd.start(1)
-  time.sleep(0.05)
-  wd.stop()
-  time.sleep(0.3)
-  assert not fired
-  wd.start(2)
-  time.sleep(0.6)
-  wd.close()
-  assert fired and fired[0][0] == 2 and fired[0][1] > 0.2
+    fired = []
+    wd = StepWatchdog(0.2, on_timeout=lambda step, elapsed: fired.append((step, elapsed)))
+    wd.start(1)
+    time.sleep(0.05)
+    wd.stop()
+    time.sleep(0.3)
+    assert not fired
+    wd.start(2)
+    time.sleep(0.6)
+    wd.close()
+    assert fired and fired[0][0] == 2 and fired[0][1] > 0.2
 
 
 def test_watchdog_dumps_stacks_and_exits_3(tmp_path):
-  code = ("import time; from zaya_jax.train import StepWatchdog\n"
-          "wd = StepWatchdog(0.3); wd.start(7); time.sleep(30)\n")
-  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
-  assert proc.returncode == 3
-  assert "WATCHDOG: step 7" in proc.stderr and "Thread" in proc.stderr
+    code = (
+        "import time; from zaya_jax.train import StepWatchdog\n"
+        "wd = StepWatchdog(0.3); wd.start(7); time.sleep(30)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 3
+    assert "WATCHDOG: step 7" in proc.stderr and "Thread" in proc.stderr
 
 
 def _final_params(workdir):
-  """(latest step, its saved TrainState as a pytree of arrays), read without a target structure."""
-  ck = Checkpointer(str(workdir), read_only=True)
-  step = ck.latest_step()
-  state = ck._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
-  ck.close()
-  return step, state
+    """(latest step, its saved TrainState as a pytree of arrays), read without a target structure."""
+    ck = Checkpointer(str(workdir), read_only=True)
+    step = ck.latest_step()
+    state = ck._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
+    ck.close()
+    return step, state
 
 
 FAULT_ARGS = ["--config.train.steps=10", "--config.checkpoint.every_steps=2", "--config.eval.every_steps=0"]
 
 
 def _cmd(workdir, *extra):
-  return [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, "configs/tiny.py"),
-          "--workdir", str(workdir), *SMALL, *FAULT_ARGS, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "zaya_jax.train",
+        "--config",
+        os.path.join(ROOT, "configs/tiny.py"),
+        "--workdir",
+        str(workdir),
+        *SMALL,
+        *FAULT_ARGS,
+        *extra,
+    ]
 
 
 def _env():
-  return {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    return {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
 
 
 def _wait_for_step(proc, workdir, step, timeout=300):
-  t0 = time.time()
-  while time.time() - t0 < timeout:
-    assert proc.poll() is None, proc.communicate()[1][-3000:]
-    try:
-      if any(r["step"] >= step for r in read_metrics(str(workdir), split="train")):
-        return
-    except FileNotFoundError:
-      pass
-    time.sleep(0.05)
-  raise AssertionError("timed out")
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        try:
+            if any(r["step"] >= step for r in read_metrics(str(workdir), split="train")):
+                return
+        except FileNotFoundError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("timed out")
 
 
 @pytest.mark.slow
 def test_kill_9_and_restart_matches_an_uninterrupted_run(tmp_path):
-  ref = tmp_path / "ref"
-  run_train(ref, *FAULT_ARGS)
-  killed = tmp_path / "killed"
-  proc = subprocess.Popen(_cmd(killed, "--config.fault.spike_zscore=0"), cwd=ROOT, env=_env(),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-  _wait_for_step(proc, killed, 5)
-  proc.kill()
-  proc.wait()
-  ck = Checkpointer(str(killed), read_only=True)
-  resumed_from = ck.latest_step()
-  ck.close()
-  assert resumed_from is not None and resumed_from < 10
-  run_train(killed, *FAULT_ARGS)
-  resume = [e for e in read_events(str(killed), "resume")]
-  assert resume and resume[-1]["step"] == resumed_from
-  ref_losses, got = train_losses(ref), train_losses(killed)
-  assert sorted(got) == list(range(1, 11))
-  for s in range(resumed_from + 1, 11):
-    assert got[s] == ref_losses[s], (s, got[s], ref_losses[s])
-  (sa, a), (sb, b) = _final_params(ref), _final_params(killed)
-  assert sa == sb == 10
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    ref = tmp_path / "ref"
+    run_train(ref, *FAULT_ARGS)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        _cmd(killed, "--config.fault.spike_zscore=0"),
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for_step(proc, killed, 5)
+    proc.kill()
+    proc.wait()
+    ck = Checkpointer(str(killed), read_only=True)
+    resumed_from = ck.latest_step()
+    ck.close()
+    assert resumed_from is not None and resumed_from < 10
+    run_train(killed, *FAULT_ARGS)
+    resume = [e for e in read_events(str(killed), "resume")]
+    assert resume and resume[-1]["step"] == resumed_from
+    ref_losses, got = train_losses(ref), train_losses(killed)
+    assert sorted(got) == list(range(1, 11))
+    for s in range(resumed_from + 1, 11):
+        assert got[s] == ref_losses[s], (s, got[s], ref_losses[s])
+    (sa, a), (sb, b) = _final_params(ref), _final_params(killed)
+    assert sa == sb == 10
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 @pytest.mark.slow
 def test_sigterm_saves_at_the_next_step_and_exits_0(tmp_path):
-  w = tmp_path / "w"
-  proc = subprocess.Popen(_cmd(w, "--config.train.steps=200", "--config.checkpoint.every_steps=0"),
-                          cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  _wait_for_step(proc, w, 3)
-  proc.send_signal(signal.SIGTERM)
-  sent_at = max(train_losses(w))
-  out, err = proc.communicate(timeout=120)
-  assert proc.returncode == 0, err[-3000:]
-  (ev,) = read_events(str(w), "sigterm")
-  assert sent_at <= ev["step"] <= sent_at + 2  # the step in flight (+ the one the signal raced)
-  ck = Checkpointer(str(w), read_only=True)
-  assert ck.latest_step() == ev["step"]
-  ck.close()
-  proc = run_train(w, "--config.train.steps=200", "--config.checkpoint.every_steps=0",
-                   f"--config.train.steps={ev['step'] + 2}")
-  assert read_events(str(w), "resume")[-1]["step"] == ev["step"]
-  assert sorted(train_losses(w)) == list(range(1, ev["step"] + 3))
+    w = tmp_path / "w"
+    proc = subprocess.Popen(
+        _cmd(w, "--config.train.steps=200", "--config.checkpoint.every_steps=0"),
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for_step(proc, w, 3)
+    proc.send_signal(signal.SIGTERM)
+    sent_at = max(train_losses(w))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    (ev,) = read_events(str(w), "sigterm")
+    assert sent_at <= ev["step"] <= sent_at + 2  # the step in flight (+ the one the signal raced)
+    ck = Checkpointer(str(w), read_only=True)
+    assert ck.latest_step() == ev["step"]
+    ck.close()
+    proc = run_train(
+        w,
+        "--config.train.steps=200",
+        "--config.checkpoint.every_steps=0",
+        f"--config.train.steps={ev['step'] + 2}",
+    )
+    assert read_events(str(w), "resume")[-1]["step"] == ev["step"]
+    assert sorted(train_losses(w)) == list(range(1, ev["step"] + 3))
 
 
 @pytest.mark.slow
 def test_nan_is_skipped_and_a_spike_rolls_back(tmp_path):
-  w = tmp_path / "w"
-  proc = run_train(w, *FAULT_ARGS, "--config.train.steps=12", "--config.fault.inject_nan_at_steps=(3,)",
-                   "--config.fault.inject_spike_at_steps=(9,)", "--config.fault.spike_window=4",
-                   "--config.fault.spike_zscore=3.0")
-  summary = json.loads(proc.stdout.strip().splitlines()[-1])["summary"]
-  assert summary["final_step"] == 12 and summary["rollbacks"] == 1 and summary["skipped_updates"] == 1
-  (skip,) = read_events(str(w), "skipped_update")
-  assert skip["step"] == 3 and np.isnan(skip["details"]["loss"])
-  (spike,) = read_events(str(w), "spike")
-  (rb,) = read_events(str(w), "rollback")
-  assert spike["step"] == rb["step"] == 9
-  assert rb["details"]["to_step"] == 8 and rb["details"]["skipped_batches"] == [9]
-  losses = train_losses(w)
-  assert sorted(losses) == list(range(1, 13)) and np.isnan(losses[3])
-  assert all(np.isfinite(losses[s]) and losses[s] < losses[2] for s in range(9, 13))
+    w = tmp_path / "w"
+    proc = run_train(
+        w,
+        *FAULT_ARGS,
+        "--config.train.steps=12",
+        "--config.fault.inject_nan_at_steps=(3,)",
+        "--config.fault.inject_spike_at_steps=(9,)",
+        "--config.fault.spike_window=4",
+        "--config.fault.spike_zscore=3.0",
+    )
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])["summary"]
+    assert summary["final_step"] == 12 and summary["rollbacks"] == 1 and summary["skipped_updates"] == 1
+    (skip,) = read_events(str(w), "skipped_update")
+    assert skip["step"] == 3 and np.isnan(skip["details"]["loss"])
+    (spike,) = read_events(str(w), "spike")
+    (rb,) = read_events(str(w), "rollback")
+    assert spike["step"] == rb["step"] == 9
+    assert rb["details"]["to_step"] == 8 and rb["details"]["skipped_batches"] == [9]
+    losses = train_losses(w)
+    assert sorted(losses) == list(range(1, 13)) and np.isnan(losses[3])
+    assert all(np.isfinite(losses[s]) and losses[s] < losses[2] for s in range(9, 13))
+
+
+@pytest.mark.slow
+def test_checkpoint_io_benchmark_runs(tmp_path):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.checkpoint_io",
+            "--out",
+            str(tmp_path),
+            "--repeats",
+            "1",
+            "--steps",
+            "2",
+            "--dir",
+            str(tmp_path / "scratch"),
+            "--set",
+            "train.batch_size=2",
+            "--set",
+            "train.seq_len=32",
+            "--set",
+            "model.num_hidden_layers=2",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "checkpoint_io.json").read_text())
+    assert r["save"]["MBps"] > 0 and r["restore"]["MBps"] > 0 and r["disk"]["write_MBps"] > 0
+    assert r["async_save"]["stall_s"] >= 0 and r["export"]["bfloat16"]["peak_rss_MB"] > 0
+    assert "orbax save" in proc.stdout and not (tmp_path / "scratch").exists()

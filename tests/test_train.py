@@ -10,102 +10,166 @@ import pytest
 from zaya_jax.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--config.model.hidden_size=64", "--config.model.num_hidden_layers=2",
-         "--config.model.num_experts=4", "--config.model.moe_intermediate_size=64",
-         "--config.train.batch_size=8", "--config.train.seq_len=32", "--config.optim.warmup_steps=2",
-         "--config.eval.every_steps=3", "--config.eval.batches=2", "--config.eval.batch_size=8",
-         "--config.checkpoint.every_steps=3", "--config.logging.every_steps=1",
-         "--config.logging.tensorboard=False"]
+SMALL = [
+    "--config.model.hidden_size=64",
+    "--config.model.num_hidden_layers=2",
+    "--config.model.num_experts=4",
+    "--config.model.moe_intermediate_size=64",
+    "--config.train.batch_size=8",
+    "--config.train.seq_len=32",
+    "--config.optim.warmup_steps=2",
+    "--config.eval.every_steps=3",
+    "--config.eval.batches=2",
+    "--config.eval.batch_size=8",
+    "--config.checkpoint.every_steps=3",
+    "--config.logging.every_steps=1",
+    "--config.logging.tensorboard=False",
+]
 
 
 def run_train(workdir, *extra, check=True, devices=1, env=None):
-  """Runs the CLI on `devices` simulated CPU devices (the default mesh takes them all)."""
-  cmd = [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, "configs/tiny.py"),
-         "--workdir", str(workdir), *SMALL, *extra]
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
-  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
-  if check and proc.returncode != 0:
-    raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-  return proc
+    """Runs the CLI on `devices` simulated CPU devices (the default mesh takes them all)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "zaya_jax.train",
+        "--config",
+        os.path.join(ROOT, "configs/tiny.py"),
+        "--workdir",
+        str(workdir),
+        *SMALL,
+        *extra,
+    ]
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc
 
 
 def train_losses(workdir):
-  return {r["step"]: r["loss"] for r in read_metrics(str(workdir), split="train")}
+    return {r["step"]: r["loss"] for r in read_metrics(str(workdir), split="train")}
 
 
 def summary_of(proc):
-  return json.loads(proc.stdout.strip().splitlines()[-1])["summary"]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["summary"]
 
 
 @pytest.mark.slow
 def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
-  a = tmp_path / "a"
-  run_train(a, "--config.train.steps=6")
-  records = read_metrics(str(a))
-  train = [r for r in records if r["split"] == "train"]
-  evals = [r for r in records if r["split"] == "eval"]
-  assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
-  assert all({"loss", "grad_norm", "lr", "tokens_per_second", "expert_load_max_over_mean"} <= set(r)
-             for r in train)
-  assert [r["step"] for r in evals] == [3, 6] and all(r["eval_loss"] > 0 for r in evals)
-  assert sorted(os.listdir(a / "checkpoints")) >= ["3", "6"]
+    a = tmp_path / "a"
+    run_train(a, "--config.train.steps=6")
+    records = read_metrics(str(a))
+    train = [r for r in records if r["split"] == "train"]
+    evals = [r for r in records if r["split"] == "eval"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    assert all(
+        {"loss", "grad_norm", "lr", "tokens_per_second", "expert_load_max_over_mean"} <= set(r) for r in train
+    )
+    assert [r["step"] for r in evals] == [3, 6] and all(r["eval_loss"] > 0 for r in evals)
+    assert sorted(os.listdir(a / "checkpoints")) >= ["3", "6"]
 
-  # An existing workdir resumes from its latest checkpoint and continues the step count.
-  out = run_train(a, "--config.train.steps=8")
-  summary = summary_of(out)
-  assert summary["start_step"] == 6 and summary["final_step"] == 8
-  assert sorted(train_losses(a)) == list(range(1, 9))
+    # An existing workdir resumes from its latest checkpoint and continues the step count.
+    out = run_train(a, "--config.train.steps=8")
+    summary = summary_of(out)
+    assert summary["start_step"] == 6 and summary["final_step"] == 8
+    assert sorted(train_losses(a)) == list(range(1, 9))
 
 
 @pytest.mark.slow
 def test_train_on_prepared_text_file(tmp_path):
-  text = tmp_path / "mine.txt"
-  text.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(300)))
-  data = tmp_path / "data"
-  subprocess.run([sys.executable, "-m", "zaya_jax.data.prepare", "--input", str(text), "--out", str(data),
-                  "--doc-separator", "blank-line", "--eval-fraction", "0.05"], check=True, cwd=ROOT,
-                 capture_output=True)
-  run_train(tmp_path / "w", "--config.train.steps=3", f"--config.data.path={data}")
-  assert sorted(train_losses(tmp_path / "w")) == [1, 2, 3]
+    text = tmp_path / "mine.txt"
+    text.write_text(
+        "\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(300))
+    )
+    data = tmp_path / "data"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zaya_jax.data.prepare",
+            "--input",
+            str(text),
+            "--out",
+            str(data),
+            "--doc-separator",
+            "blank-line",
+            "--eval-fraction",
+            "0.05",
+        ],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+    )
+    run_train(tmp_path / "w", "--config.train.steps=3", f"--config.data.path={data}")
+    assert sorted(train_losses(tmp_path / "w")) == [1, 2, 3]
 
 
 def test_bad_config_fails_with_a_clear_message(tmp_path):
-  proc = run_train(tmp_path / "w", "--config.train.grad_accum=3", check=False)
-  assert proc.returncode != 0
-  assert "config.train.grad_accum: batch_size=8 is not divisible by grad_accum=3" in proc.stderr
-  assert not (tmp_path / "w" / "checkpoints").exists()
+    proc = run_train(tmp_path / "w", "--config.train.grad_accum=3", check=False)
+    assert proc.returncode != 0
+    assert "config.train.grad_accum: batch_size=8 is not divisible by grad_accum=3" in proc.stderr
+    assert not (tmp_path / "w" / "checkpoints").exists()
 
 
 def _free_port():
-  import socket
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.slow
 def test_two_processes_match_one_eight_device_process(tmp_path):
-  """2 processes x 4 CPU devices (jax.distributed on localhost) on a data=2 x expert=4 mesh train
-  with the same losses as one process with 8 devices."""
-  mesh = ["--config.mesh.data=2", "--config.mesh.expert=4", "--config.train.steps=4",
-          "--config.eval.every_steps=0", "--config.checkpoint.every_steps=0"]
-  single = tmp_path / "single"
-  run_train(single, *mesh, devices=8)
-  port = _free_port()
-  multi = tmp_path / "multi"
-  cmd = [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, "configs/tiny.py"),
-         "--workdir", str(multi), *SMALL, *mesh]
-  procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={
-      **os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-      "ZAYA_COORDINATOR": f"127.0.0.1:{port}", "ZAYA_NUM_PROCESSES": "2", "ZAYA_PROCESS_ID": str(i)})
-      for i in range(2)]
-  outs = [p.communicate(timeout=600) for p in procs]
-  for p, (out, err) in zip(procs, outs):
-    assert p.returncode == 0, err[-3000:]
-  summaries = [json.loads(out.strip().splitlines()[-1])["summary"] for out, _ in outs]
-  assert all(s["mesh"] == {"data": 2, "fsdp": 1, "expert": 4} for s in summaries)
-  ref = train_losses(single)
-  got0, got1 = train_losses(multi), train_losses(multi / "process_1")
-  assert sorted(ref) == sorted(got0) == sorted(got1) == [1, 2, 3, 4]
-  for step in ref:
-    assert abs(got0[step] - ref[step]) < 1e-5 and got0[step] == got1[step]
+    """2 processes x 4 CPU devices (jax.distributed on localhost) on a data=2 x expert=4 mesh train
+    with the same losses as one process with 8 devices."""
+    mesh = [
+        "--config.mesh.data=2",
+        "--config.mesh.expert=4",
+        "--config.train.steps=4",
+        "--config.eval.every_steps=0",
+        "--config.checkpoint.every_steps=0",
+    ]
+    single = tmp_path / "single"
+    run_train(single, *mesh, devices=8)
+    port = _free_port()
+    multi = tmp_path / "multi"
+    cmd = [
+        sys.executable,
+        "-m",
+        "zaya_jax.train",
+        "--config",
+        os.path.join(ROOT, "configs/tiny.py"),
+        "--workdir",
+        str(multi),
+        *SMALL,
+        *mesh,
+    ]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+                "ZAYA_COORDINATOR": f"127.0.0.1:{port}",
+                "ZAYA_NUM_PROCESSES": "2",
+                "ZAYA_PROCESS_ID": str(i),
+            },
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    summaries = [json.loads(out.strip().splitlines()[-1])["summary"] for out, _ in outs]
+    assert all(s["mesh"] == {"data": 2, "fsdp": 1, "expert": 4} for s in summaries)
+    ref = train_losses(single)
+    got0, got1 = train_losses(multi), train_losses(multi / "process_1")
+    assert sorted(ref) == sorted(got0) == sorted(got1) == [1, 2, 3, 4]
+    for step in ref:
+        assert abs(got0[step] - ref[step]) < 1e-5 and got0[step] == got1[step]

@@ -28,121 +28,165 @@ from absl import logging
 
 
 class CheckpointError(RuntimeError):
-  """Checkpoints exist but none of them can be restored."""
+    """Checkpoints exist but none of them can be restored."""
 
 
 class Checkpointer:
-  """A thin, typed wrapper over `ocp.CheckpointManager` for our three items."""
+    """A thin, typed wrapper over `ocp.CheckpointManager` for our three items."""
 
-  def __init__(self, workdir: str, *, keep: int = 3, keep_period: int = 0, every_steps: int = 0,
-               every_minutes: float = 0.0, async_save: bool = True, read_only: bool = False):
-    self.workdir = os.path.abspath(workdir)
-    self.directory = os.path.join(self.workdir, "checkpoints")
-    self.every_steps = every_steps
-    self.every_minutes = every_minutes
-    self._last_save_time = time.monotonic()
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep or None, keep_period=keep_period or None,
-                                           create=not read_only, read_only=read_only,
-                                           enable_async_checkpointing=async_save)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        keep: int = 3,
+        keep_period: int = 0,
+        every_steps: int = 0,
+        every_minutes: float = 0.0,
+        async_save: bool = True,
+        read_only: bool = False,
+    ):
+        self.workdir = os.path.abspath(workdir)
+        self.directory = os.path.join(self.workdir, "checkpoints")
+        self.every_steps = every_steps
+        self.every_minutes = every_minutes
+        self._last_save_time = time.monotonic()
+        if read_only:  # Orbax warns about each retention option a read-only manager ignores
+            options = ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False)
+        else:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=keep or None,
+                keep_period=keep_period or None,
+                create=True,
+                enable_async_checkpointing=async_save,
+            )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
 
-  def latest_step(self) -> int | None:
-    return self._manager.latest_step()
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
 
-  def all_steps(self) -> list[int]:
-    return sorted(self._manager.all_steps())
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
 
-  def due(self, step: int, *, now: float | None = None) -> bool:
-    """Whether `step` (optimizer steps done) should be saved by the step or time policy."""
-    if self.every_steps and step % self.every_steps == 0:
-      return True
-    now = time.monotonic() if now is None else now
-    return bool(self.every_minutes) and now - self._last_save_time >= 60.0 * self.every_minutes
+    def due(self, step: int, *, now: float | None = None) -> bool:
+        """Whether `step` (optimizer steps done) should be saved by the step or time policy."""
+        if self.every_steps and step % self.every_steps == 0:
+            return True
+        now = time.monotonic() if now is None else now
+        return bool(self.every_minutes) and now - self._last_save_time >= 60.0 * self.every_minutes
 
-  def save(self, step: int, state: Any, data_state: dict | None, config: dict) -> None:
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state or {}),
-        config=ocp.args.JsonSave(config)), force=True)
-    self._last_save_time = time.monotonic()
+    def save(self, step: int, state: Any, data_state: dict | None, config: dict) -> None:
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave(data_state or {}),
+                config=ocp.args.JsonSave(config),
+            ),
+            force=True,
+        )
+        self._last_save_time = time.monotonic()
 
-  def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
-    """Restores into `abstract_state` (a pytree of jax.ShapeDtypeStruct with shardings)."""
-    out = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
-        config=ocp.args.JsonRestore()))
-    return out.state, out.data, out.config
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
+        """Restores into `abstract_state` (a pytree of jax.ShapeDtypeStruct with shardings)."""
+        out = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state),
+                data=ocp.args.JsonRestore(),
+                config=ocp.args.JsonRestore(),
+            ),
+        )
+        return out.state, out.data, out.config
 
-  def restore_latest(self, abstract_state: Any, *, max_step: int | None = None,
-                     on_corrupt: Callable[[int, str], None] | None = None
-                     ) -> tuple[int, Any, dict, dict] | None:
-    """(step, state, data_state, config) of the newest readable checkpoint (<= max_step), or None if
-    there is no checkpoint at all. Unreadable ones are skipped with a warning and moved aside."""
-    steps = [s for s in self.all_steps() if max_step is None or s <= max_step]
-    if not steps:
-      return None
-    errors = []
-    for step in reversed(steps):
-      try:
-        state, data, config = self.restore(step, abstract_state)
-        return step, state, data, config
-      except Exception as e:  # noqa: BLE001 -- any failure to read means: try the previous one
-        msg = f"{type(e).__name__}: {str(e)[:500]}"
-        errors.append(f"step {step}: {msg}")
-        logging.warning("checkpoint %s/%d cannot be restored (%s); trying the previous one",
-                        self.directory, step, msg)
-        print(f"WARNING: checkpoint {self.directory}/{step} cannot be restored ({msg}); "
-              "trying the previous one", flush=True)
-        if on_corrupt is not None:
-          on_corrupt(step, msg)
-        self._quarantine(step)
-    raise CheckpointError(f"no readable checkpoint in {self.directory}: all of steps {steps} failed to "
-                          "restore:\n  " + "\n  ".join(errors))
+    def restore_latest(
+        self,
+        abstract_state: Any,
+        *,
+        max_step: int | None = None,
+        on_corrupt: Callable[[int, str], None] | None = None,
+    ) -> tuple[int, Any, dict, dict] | None:
+        """(step, state, data_state, config) of the newest readable checkpoint (<= max_step), or None if
+        there is no checkpoint at all. Unreadable ones are skipped with a warning and moved aside."""
+        steps = [s for s in self.all_steps() if max_step is None or s <= max_step]
+        if not steps:
+            return None
+        errors = []
+        for step in reversed(steps):
+            try:
+                state, data, config = self.restore(step, abstract_state)
+                return step, state, data, config
+            except Exception as e:  # noqa: BLE001 -- any failure to read means: try the previous one
+                msg = f"{type(e).__name__}: {str(e)[:500]}"
+                errors.append(f"step {step}: {msg}")
+                logging.warning(
+                    "checkpoint %s/%d cannot be restored (%s); trying the previous one",
+                    self.directory,
+                    step,
+                    msg,
+                )
+                print(
+                    f"WARNING: checkpoint {self.directory}/{step} cannot be restored ({msg}); "
+                    "trying the previous one",
+                    flush=True,
+                )
+                if on_corrupt is not None:
+                    on_corrupt(step, msg)
+                self._quarantine(step)
+        raise CheckpointError(
+            f"no readable checkpoint in {self.directory}: all of steps {steps} failed to "
+            "restore:\n  " + "\n  ".join(errors)
+        )
 
-  def restore_config(self, step: int | None = None) -> dict:
-    """The training config (JSON) saved with `step` (default: the latest)."""
-    step = self.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    return self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+    def restore_config(self, step: int | None = None) -> dict:
+        """The training config (JSON) saved with `step` (default: the latest)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        return self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
 
-  def restore_params(self, step: int, abstract: dict[str, Any]) -> dict[str, Any]:
-    """Only some top-level fields of the saved TrainState (e.g. {"params": ..., "balancing": ...}),
-    without building (or reading) the optimizer state."""
-    restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
-    out = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=abstract, restore_args=restore_args, partial_restore=True)))
-    return out.state
+    def restore_params(self, step: int, abstract: dict[str, Any]) -> dict[str, Any]:
+        """Only some top-level fields of the saved TrainState (e.g. {"params": ..., "balancing": ...}),
+        without building (or reading) the optimizer state."""
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+        out = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args, partial_restore=True)
+            ),
+        )
+        return out.state
 
-  def _quarantine(self, step: int) -> None:
-    """Moves an unreadable checkpoint out of the way so later saves can reuse its step."""
-    if jax.process_index() != 0:
-      return
-    src = os.path.join(self.directory, str(step))
-    if os.path.exists(src):
-      dst_dir = self.directory + ".corrupt"
-      os.makedirs(dst_dir, exist_ok=True)
-      shutil.move(src, os.path.join(dst_dir, f"{step}-{int(time.time())}"))
-    self._manager.reload()
+    def _quarantine(self, step: int) -> None:
+        """Moves an unreadable checkpoint out of the way so later saves can reuse its step."""
+        if jax.process_index() != 0:
+            return
+        src = os.path.join(self.directory, str(step))
+        if os.path.exists(src):
+            dst_dir = self.directory + ".corrupt"
+            os.makedirs(dst_dir, exist_ok=True)
+            shutil.move(src, os.path.join(dst_dir, f"{step}-{int(time.time())}"))
+        self._manager.reload()
 
-  def wait(self) -> None:
-    self._manager.wait_until_finished()
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
 
-  def close(self) -> None:
-    self._manager.close()
+    def close(self) -> None:
+        self._manager.close()
 
 
 def abstract_like(tree: Any) -> Any:
-  """ShapeDtypeStructs (with shardings) of a concrete pytree: the restore target."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-                      tree)
+    """ShapeDtypeStructs (with shardings) of a concrete pytree: the restore target."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
+    )
 
 
 def checkpoint_workdir(path: str) -> tuple[str, int | None]:
-  """WORKDIR, WORKDIR/checkpoints or WORKDIR/checkpoints/<step> -> (WORKDIR, step or None = latest)."""
-  path = os.path.abspath(path.rstrip("/"))
-  base = os.path.basename(path)
-  if base.isdigit() and os.path.basename(os.path.dirname(path)) == "checkpoints":
-    return os.path.dirname(os.path.dirname(path)), int(base)
-  if base == "checkpoints":
-    return os.path.dirname(path), None
-  return path, None
+    """WORKDIR, WORKDIR/checkpoints or WORKDIR/checkpoints/<step> -> (WORKDIR, step or None = latest)."""
+    path = os.path.abspath(path.rstrip("/"))
+    base = os.path.basename(path)
+    if base.isdigit() and os.path.basename(os.path.dirname(path)) == "checkpoints":
+        return os.path.dirname(os.path.dirname(path)), int(base)
+    if base == "checkpoints":
+        return os.path.dirname(path), None
+    return path, None

@@ -43,169 +43,216 @@ from zaya_jax.optim.chain import default_optim_config
 
 
 def base_config() -> ml_collections.ConfigDict:
-  """Every key with its default; config files override, nothing adds keys."""
-  c = ml_collections.ConfigDict()
-  c.seed = 0
-  c.model = ml_collections.ConfigDict(_model_fields(ZayaConfig.tiny()))
+    """Every key with its default; config files override, nothing adds keys."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.model = ml_collections.ConfigDict(_model_fields(ZayaConfig.tiny()))
 
-  c.data = ml_collections.ConfigDict()
-  c.data.path = config_dict.placeholder(str)
-  c.data.num_threads = 2
-  c.data.prefetch = 4
+    c.data = ml_collections.ConfigDict()
+    c.data.path = config_dict.placeholder(str)
+    c.data.num_threads = 2
+    c.data.prefetch = 4
 
-  c.train = ml_collections.ConfigDict()
-  c.train.steps = 1000
-  c.train.batch_size = 16
-  c.train.seq_len = 256
-  c.train.grad_accum = 1
-  c.train.init_from = config_dict.placeholder(str)
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 1000
+    c.train.batch_size = 16
+    c.train.seq_len = 256
+    c.train.grad_accum = 1
+    c.train.init_from = config_dict.placeholder(str)
 
-  c.optim = default_optim_config()
+    c.optim = default_optim_config()
 
-  c.balancing = ml_collections.ConfigDict()
-  c.balancing.enabled = True
-  c.balancing.lr = 1e-3
-  c.balancing.b1 = 0.9
-  c.balancing.b2 = 0.999
-  c.balancing.eps = 1e-8
-  c.balancing.weight_decay = 0.0
-  c.balancing.update_skip = False
-  c.balancing.fraction_of = "all"
+    c.balancing = ml_collections.ConfigDict()
+    c.balancing.enabled = True
+    c.balancing.lr = 1e-3
+    c.balancing.b1 = 0.9
+    c.balancing.b2 = 0.999
+    c.balancing.eps = 1e-8
+    c.balancing.weight_decay = 0.0
+    c.balancing.update_skip = False
+    c.balancing.fraction_of = "all"
 
-  c.mesh = ml_collections.ConfigDict()
-  c.mesh.data = -1
-  c.mesh.fsdp = 1
-  c.mesh.expert = 1
-  c.mesh.zero1 = True  # optimizer state split over the data axis
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1
+    c.mesh.fsdp = 1
+    c.mesh.expert = 1
+    c.mesh.zero1 = True  # optimizer state split over the data axis
 
-  c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.every_steps = 500
-  c.checkpoint.keep = 3
-  c.checkpoint.keep_period = 0
-  c.checkpoint.every_minutes = 0.0
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 500
+    c.checkpoint.keep = 3
+    c.checkpoint.keep_period = 0
+    c.checkpoint.every_minutes = 0.0
 
-  c.fault = ml_collections.ConfigDict()
-  c.fault.step_timeout_s = 0.0
-  c.fault.spike_zscore = 6.0
-  c.fault.spike_window = 50
-  c.fault.max_bad_steps = 5
-  c.fault.inject_nan_at_steps = ()
-  c.fault.inject_spike_at_steps = ()
+    c.fault = ml_collections.ConfigDict()
+    c.fault.step_timeout_s = 0.0
+    c.fault.spike_zscore = 6.0
+    c.fault.spike_window = 50
+    c.fault.max_bad_steps = 5
+    c.fault.inject_nan_at_steps = ()
+    c.fault.inject_spike_at_steps = ()
 
-  c.eval = ml_collections.ConfigDict()
-  c.eval.every_steps = 200
-  c.eval.batches = 0
-  c.eval.batch_size = 16
+    c.eval = ml_collections.ConfigDict()
+    c.eval.every_steps = 200
+    c.eval.batches = 0
+    c.eval.batch_size = 16
 
-  c.logging = ml_collections.ConfigDict()
-  c.logging.every_steps = 10
-  c.logging.tensorboard = True
-  c.logging.console = True
-  return c
+    c.logging = ml_collections.ConfigDict()
+    c.logging.every_steps = 10
+    c.logging.tensorboard = True
+    c.logging.console = True
+    return c
 
 
 def _model_fields(cfg: ZayaConfig) -> dict[str, Any]:
-  d = cfg.to_dict()
-  # ConfigDict cannot hold None for a typed field without a placeholder; keep the types explicit.
-  for name, typ in (("layer_types", list), ("sliding_window", int), ("pad_token_id", int),
-                    ("bos_token_id", int), ("eos_token_id", int)):
-    d[name] = config_dict.placeholder(typ) if d[name] is None else d[name]
-  return d
+    d = cfg.to_dict()
+    # ConfigDict cannot hold None for a typed field without a placeholder; keep the types explicit.
+    for name, typ in (
+        ("layer_types", list),
+        ("sliding_window", int),
+        ("pad_token_id", int),
+        ("bos_token_id", int),
+        ("eos_token_id", int),
+    ):
+        d[name] = config_dict.placeholder(typ) if d[name] is None else d[name]
+    return d
 
 
 def model_config(c: ml_collections.ConfigDict) -> ZayaConfig:
-  """The validated ZayaConfig of a training config (ValueError names the bad `model.` key)."""
-  d = c.model.to_dict()
-  try:
-    return ZayaConfig.from_dict(d)
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"config.model: {e}") from None
+    """The validated ZayaConfig of a training config (ValueError names the bad `model.` key)."""
+    d = c.model.to_dict()
+    try:
+        return ZayaConfig.from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config.model: {e}") from None
 
 
 def _check(cond: bool, key: str, message: str) -> None:
-  if not cond:
-    raise ValueError(f"config.{key}: {message}")
+    if not cond:
+        raise ValueError(f"config.{key}: {message}")
 
 
 def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
-  """Checks the whole config once, before anything is built. Returns the model config."""
-  base = base_config()
-  unknown = _unknown_keys(c, base)
-  _check(not unknown, unknown[0] if unknown else "", "unknown key (typo?)")
-  cfg = model_config(c)
-  t = c.train
-  for key in ("steps", "batch_size", "seq_len", "grad_accum"):
-    value = t[key]
-    _check(isinstance(value, int) and value > 0, f"train.{key}", f"must be a positive int, got {value!r}")
-  _check(t.batch_size % t.grad_accum == 0, "train.grad_accum",
-         f"batch_size={t.batch_size} is not divisible by grad_accum={t.grad_accum}")
-  _check(t.seq_len <= cfg.max_position_embeddings, "train.seq_len",
-         f"{t.seq_len} exceeds model.max_position_embeddings={cfg.max_position_embeddings}")
-  _check(c.optim.lr > 0, "optim.lr", f"must be > 0, got {c.optim.lr}")
-  _check(0 <= c.optim.warmup_steps <= t.steps, "optim.warmup_steps",
-         f"must be in [0, train.steps={t.steps}], got {c.optim.warmup_steps}")
-  for key in ("data", "fsdp", "expert"):
-    value = c.mesh[key]
-    _check(isinstance(value, int) and (value > 0 or value == -1), f"mesh.{key}",
-           f"must be a positive int or -1, got {value!r}")
-  _check([c.mesh.data, c.mesh.fsdp, c.mesh.expert].count(-1) <= 1, "mesh",
-         "at most one of data/fsdp/expert may be -1")
-  for key in ("checkpoint.every_steps", "checkpoint.keep", "checkpoint.keep_period",
-              "fault.spike_window", "fault.max_bad_steps", "eval.every_steps", "eval.batches",
-              "eval.batch_size", "logging.every_steps", "data.num_threads", "data.prefetch"):
-    section, name = key.split(".")
-    value = c[section][name]
-    _check(isinstance(value, int) and value >= 0, key, f"must be an int >= 0, got {value!r}")
-  for key in ("checkpoint.every_minutes", "fault.step_timeout_s", "fault.spike_zscore"):
-    section, name = key.split(".")
-    value = c[section][name]
-    _check(isinstance(value, (int, float)) and value >= 0, key, f"must be a number >= 0, got {value!r}")
-  _check(c.fault.spike_zscore == 0 or c.fault.spike_window >= 2, "fault.spike_window",
-         f"must be >= 2 when spike detection is on, got {c.fault.spike_window}")
-  for key in ("inject_nan_at_steps", "inject_spike_at_steps"):
-    value = c.fault[key]
-    _check(isinstance(value, (tuple, list)) and all(isinstance(v, int) and v > 0 for v in value),
-           f"fault.{key}", f"must be a list of positive ints, got {value!r}")
-  _check(c.logging.every_steps > 0, "logging.every_steps", "must be > 0")
-  _check(c.balancing.lr > 0, "balancing.lr", "must be > 0 (set balancing.enabled=False to turn it off)")
-  return cfg
+    """Checks the whole config once, before anything is built. Returns the model config."""
+    base = base_config()
+    unknown = _unknown_keys(c, base)
+    _check(not unknown, unknown[0] if unknown else "", "unknown key (typo?)")
+    cfg = model_config(c)
+    _check(
+        c.optim.muon.ns_impl in ("xla", "pallas", "auto"),
+        "optim.muon.ns_impl",
+        f"{c.optim.muon.ns_impl!r}; expected 'xla', 'pallas' or 'auto'",
+    )
+    # A Pallas choice on a backend without the Triton lowering fails here, not inside jit.
+    from zaya_jax.kernels import check_backend
+
+    check_backend(cfg.attention_impl, cfg.moe_impl, c.optim.muon.ns_impl)
+    t = c.train
+    for key in ("steps", "batch_size", "seq_len", "grad_accum"):
+        value = t[key]
+        _check(isinstance(value, int) and value > 0, f"train.{key}", f"must be a positive int, got {value!r}")
+    _check(
+        t.batch_size % t.grad_accum == 0,
+        "train.grad_accum",
+        f"batch_size={t.batch_size} is not divisible by grad_accum={t.grad_accum}",
+    )
+    _check(
+        t.seq_len <= cfg.max_position_embeddings,
+        "train.seq_len",
+        f"{t.seq_len} exceeds model.max_position_embeddings={cfg.max_position_embeddings}",
+    )
+    _check(c.optim.lr > 0, "optim.lr", f"must be > 0, got {c.optim.lr}")
+    _check(
+        0 <= c.optim.warmup_steps <= t.steps,
+        "optim.warmup_steps",
+        f"must be in [0, train.steps={t.steps}], got {c.optim.warmup_steps}",
+    )
+    for key in ("data", "fsdp", "expert"):
+        value = c.mesh[key]
+        _check(
+            isinstance(value, int) and (value > 0 or value == -1),
+            f"mesh.{key}",
+            f"must be a positive int or -1, got {value!r}",
+        )
+    _check(
+        [c.mesh.data, c.mesh.fsdp, c.mesh.expert].count(-1) <= 1,
+        "mesh",
+        "at most one of data/fsdp/expert may be -1",
+    )
+    for key in (
+        "checkpoint.every_steps",
+        "checkpoint.keep",
+        "checkpoint.keep_period",
+        "fault.spike_window",
+        "fault.max_bad_steps",
+        "eval.every_steps",
+        "eval.batches",
+        "eval.batch_size",
+        "logging.every_steps",
+        "data.num_threads",
+        "data.prefetch",
+    ):
+        section, name = key.split(".")
+        value = c[section][name]
+        _check(isinstance(value, int) and value >= 0, key, f"must be an int >= 0, got {value!r}")
+    for key in ("checkpoint.every_minutes", "fault.step_timeout_s", "fault.spike_zscore"):
+        section, name = key.split(".")
+        value = c[section][name]
+        _check(isinstance(value, (int, float)) and value >= 0, key, f"must be a number >= 0, got {value!r}")
+    _check(
+        c.fault.spike_zscore == 0 or c.fault.spike_window >= 2,
+        "fault.spike_window",
+        f"must be >= 2 when spike detection is on, got {c.fault.spike_window}",
+    )
+    for key in ("inject_nan_at_steps", "inject_spike_at_steps"):
+        value = c.fault[key]
+        _check(
+            isinstance(value, (tuple, list)) and all(isinstance(v, int) and v > 0 for v in value),
+            f"fault.{key}",
+            f"must be a list of positive ints, got {value!r}",
+        )
+    _check(c.logging.every_steps > 0, "logging.every_steps", "must be > 0")
+    _check(c.balancing.lr > 0, "balancing.lr", "must be > 0 (set balancing.enabled=False to turn it off)")
+    return cfg
 
 
 def _unknown_keys(c: Any, base: Any, prefix: str = "") -> list[str]:
-  out = []
-  for key in c.keys():
-    path = f"{prefix}{key}"
-    if key not in base:
-      out.append(path)
-    elif isinstance(c[key], ml_collections.ConfigDict) and isinstance(base[key], ml_collections.ConfigDict):
-      out += _unknown_keys(c[key], base[key], path + ".")
-  return out
+    out = []
+    for key in c.keys():
+        path = f"{prefix}{key}"
+        if key not in base:
+            out.append(path)
+        elif isinstance(c[key], ml_collections.ConfigDict) and isinstance(
+            base[key], ml_collections.ConfigDict
+        ):
+            out += _unknown_keys(c[key], base[key], path + ".")
+    return out
 
 
 def set_model(c: ml_collections.ConfigDict, cfg: ZayaConfig) -> None:
-  """Writes a ZayaConfig into `c.model` (config files use this with the ZayaConfig presets)."""
-  fields = _model_fields(cfg)
-  for f in dataclasses.fields(ZayaConfig):
-    c.model[f.name] = fields[f.name]
+    """Writes a ZayaConfig into `c.model` (config files use this with the ZayaConfig presets)."""
+    fields = _model_fields(cfg)
+    for f in dataclasses.fields(ZayaConfig):
+        c.model[f.name] = fields[f.name]
 
 
 def from_json(d: dict[str, Any]) -> ml_collections.ConfigDict:
-  """Rebuilds a training config from its JSON form (the `config` item saved with every checkpoint):
-  base_config() with every saved key applied (lists back to tuples where the schema has tuples)."""
-  c = base_config()
-  _apply(c, d, "")
-  return c
+    """Rebuilds a training config from its JSON form (the `config` item saved with every checkpoint):
+    base_config() with every saved key applied (lists back to tuples where the schema has tuples)."""
+    c = base_config()
+    _apply(c, d, "")
+    return c
 
 
 def _apply(c: ml_collections.ConfigDict, d: dict[str, Any], prefix: str) -> None:
-  for key, value in d.items():
-    if key not in c:
-      raise ValueError(f"saved config: unknown key {prefix}{key}")
-    if isinstance(c[key], ml_collections.ConfigDict):
-      _apply(c[key], value, f"{prefix}{key}.")
-      continue
-    if isinstance(c[key], tuple) and isinstance(value, list):
-      value = tuple(value)
-    if isinstance(c[key], float) and isinstance(value, int):
-      value = float(value)
-    c[key] = value
+    for key, value in d.items():
+        if key not in c:
+            raise ValueError(f"saved config: unknown key {prefix}{key}")
+        if isinstance(c[key], ml_collections.ConfigDict):
+            _apply(c[key], value, f"{prefix}{key}.")
+            continue
+        if isinstance(c[key], tuple) and isinstance(value, list):
+            value = tuple(value)
+        if isinstance(c[key], float) and isinstance(value, int):
+            value = float(value)
+        c[key] = value

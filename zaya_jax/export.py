@@ -26,48 +26,67 @@ from zaya_jax.tokenizer import load_tokenizer
 
 
 def load_checkpoint_variables(path: str):
-  """(training ConfigDict, ZayaConfig, {"params", "balancing"}, step) of a checkpoint on one device."""
-  workdir, step = checkpoint_workdir(path)
-  ck = Checkpointer(workdir, read_only=True)
-  step = ck.latest_step() if step is None else step
-  if step is None:
-    raise FileNotFoundError(f"no checkpoint under {os.path.join(workdir, 'checkpoints')}")
-  c = config_lib.from_json(ck.restore_config(step))
-  cfg = config_lib.model_config(c)
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  shapes = jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0)))
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)
-  variables = ck.restore_params(step, abstract)
-  ck.close()
-  return c, cfg, variables, step
+    """(training ConfigDict, ZayaConfig, {"params", "balancing"}, step) of a checkpoint on one device."""
+    workdir, step = checkpoint_workdir(path)
+    ck = Checkpointer(workdir, read_only=True)
+    step = ck.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint under {os.path.join(workdir, 'checkpoints')}")
+    c = config_lib.from_json(ck.restore_config(step))
+    cfg = config_lib.model_config(c)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shapes = jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0)))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)
+    variables = ck.restore_params(step, abstract)
+    ck.close()
+    return c, cfg, variables, step
 
 
-def export(checkpoint: str, out: str, *, dtype: str = "bfloat16", tokenizer: str | None = None,
-           max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES) -> dict:
-  c, cfg, variables, step = load_checkpoint_variables(checkpoint)
-  hf.save_pretrained(cfg, variables, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
-  if tokenizer is None:
-    from zaya_jax.data.pipeline import source_tokenizer
-    tok = source_tokenizer(c.data.path)
-  else:
-    tok = load_tokenizer(tokenizer)
-  tok.save(out)
-  return {"step": step, "out": os.path.abspath(out), "dtype": dtype, "tokenizer": tok.name,
-          "files": sorted(os.listdir(out))}
+def export(
+    checkpoint: str,
+    out: str,
+    *,
+    dtype: str = "bfloat16",
+    tokenizer: str | None = None,
+    max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES,
+) -> dict:
+    c, cfg, variables, step = load_checkpoint_variables(checkpoint)
+    hf.save_pretrained(cfg, variables, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    if tokenizer is None:
+        from zaya_jax.data.pipeline import source_tokenizer
+
+        tok = source_tokenizer(c.data.path)
+    else:
+        tok = load_tokenizer(tokenizer)
+    tok.save(out)
+    return {
+        "step": step,
+        "out": os.path.abspath(out),
+        "dtype": dtype,
+        "tokenizer": tok.name,
+        "files": sorted(os.listdir(out)),
+    }
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--checkpoint", required=True, help="WORKDIR (latest step), WORKDIR/checkpoints or .../<step>")
-  p.add_argument("--out", required=True, help="the HF directory to write")
-  p.add_argument("--dtype", default="bfloat16", choices=sorted(hf.EXPORT_DTYPES))
-  p.add_argument("--tokenizer", default=None, help="byte, a tokenizer.json or a saved tokenizer dir")
-  p.add_argument("--max-shard-bytes", type=int, default=hf.DEFAULT_MAX_SHARD_BYTES)
-  a = p.parse_args(argv)
-  logging.set_verbosity(logging.WARNING)
-  print(json.dumps(export(a.checkpoint, a.out, dtype=a.dtype, tokenizer=a.tokenizer,
-                          max_shard_bytes=a.max_shard_bytes)))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--checkpoint", required=True, help="WORKDIR (latest step), WORKDIR/checkpoints or .../<step>"
+    )
+    p.add_argument("--out", required=True, help="the HF directory to write")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(hf.EXPORT_DTYPES))
+    p.add_argument("--tokenizer", default=None, help="byte, a tokenizer.json or a saved tokenizer dir")
+    p.add_argument("--max-shard-bytes", type=int, default=hf.DEFAULT_MAX_SHARD_BYTES)
+    a = p.parse_args(argv)
+    logging.set_verbosity(logging.WARNING)
+    print(
+        json.dumps(
+            export(
+                a.checkpoint, a.out, dtype=a.dtype, tokenizer=a.tokenizer, max_shard_bytes=a.max_shard_bytes
+            )
+        )
+    )
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -30,55 +30,60 @@ from zaya_jax.train_state import create_train_state, state_shardings
 
 
 def import_hf(hf_dir: str, out: str, c=None) -> dict:
-  hf_cfg, variables = hf.load_pretrained(hf_dir)
-  if c is None:
-    c = config_lib.base_config()
-    config_lib.set_model(c, hf_cfg)
-  cfg = config_lib.validate(c)
-  want = jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0)))
-  got_shapes = jax.tree.map(lambda x: tuple(x.shape), variables)
-  want_shapes = jax.tree.map(lambda x: tuple(x.shape), want)
-  if got_shapes != want_shapes:
-    raise ValueError(f"{hf_dir}: its tensors do not match config.model (compare config.json with the --config)")
-  mesh = mesh_from_config(c)
-  tx = make_optimizer(c, total_steps=c.train.steps)
-  bal_cfg = balancing_config(c) or bal.BalancingConfig()
-  create = lambda: create_train_state(cfg, tx, bal_cfg, jax.random.key(c.seed))
-  shardings = state_shardings(jax.eval_shape(create), mesh, zero1=c.mesh.zero1)
-  state = jax.jit(create, out_shardings=shardings)()
-  cast = lambda new, old, s: jax.device_put(jnp.asarray(new, old.dtype), s)
-  state = dataclasses.replace(
-      state, params=jax.tree.map(cast, variables["params"], state.params, shardings.params),
-      balancing=jax.tree.map(cast, variables["balancing"], state.balancing, shardings.balancing))
-  ck = Checkpointer(out, keep=0, async_save=False)
-  if ck.latest_step() is not None:
-    raise FileExistsError(f"{ck.directory} already holds checkpoints")
-  ck.save(0, state, {}, json.loads(c.to_json_best_effort()))
-  ck.wait()
-  ck.close()
-  return {"out": os.path.abspath(out), "step": 0, "checkpoint": os.path.join(ck.directory, "0")}
+    hf_cfg, variables = hf.load_pretrained(hf_dir)
+    if c is None:
+        c = config_lib.base_config()
+        config_lib.set_model(c, hf_cfg)
+    cfg = config_lib.validate(c)
+    want = jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0)))
+    got_shapes = jax.tree.map(lambda x: tuple(x.shape), variables)
+    want_shapes = jax.tree.map(lambda x: tuple(x.shape), want)
+    if got_shapes != want_shapes:
+        raise ValueError(
+            f"{hf_dir}: its tensors do not match config.model (compare config.json with the --config)"
+        )
+    mesh = mesh_from_config(c)
+    tx = make_optimizer(c, total_steps=c.train.steps)
+    bal_cfg = balancing_config(c) or bal.BalancingConfig()
+    create = lambda: create_train_state(cfg, tx, bal_cfg, jax.random.key(c.seed))
+    shardings = state_shardings(jax.eval_shape(create), mesh, zero1=c.mesh.zero1)
+    state = jax.jit(create, out_shardings=shardings)()
+    cast = lambda new, old, s: jax.device_put(jnp.asarray(new, old.dtype), s)
+    state = dataclasses.replace(
+        state,
+        params=jax.tree.map(cast, variables["params"], state.params, shardings.params),
+        balancing=jax.tree.map(cast, variables["balancing"], state.balancing, shardings.balancing),
+    )
+    ck = Checkpointer(out, keep=0, async_save=False)
+    if ck.latest_step() is not None:
+        raise FileExistsError(f"{ck.directory} already holds checkpoints")
+    ck.save(0, state, {}, json.loads(c.to_json_best_effort()))
+    ck.wait()
+    ck.close()
+    return {"out": os.path.abspath(out), "step": 0, "checkpoint": os.path.join(ck.directory, "0")}
 
 
 FLAGS = flags.FLAGS
 
 
 def _define_flags() -> None:
-  """CLI flags, defined only when run as a program (zaya_jax.train owns --config when imported)."""
-  config_flags.DEFINE_config_file("config", None, "Training config file whose model section matches.",
-                                  lock_config=True)
-  flags.DEFINE_string("hf", None, "transformers ZayaForCausalLM directory")
-  flags.DEFINE_string("out", None, "the new checkpoint WORKDIR")
+    """CLI flags, defined only when run as a program (zaya_jax.train owns --config when imported)."""
+    config_flags.DEFINE_config_file(
+        "config", None, "Training config file whose model section matches.", lock_config=True
+    )
+    flags.DEFINE_string("hf", None, "transformers ZayaForCausalLM directory")
+    flags.DEFINE_string("out", None, "the new checkpoint WORKDIR")
 
 
 def main(argv):
-  logging.set_verbosity(logging.WARNING)
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  if not FLAGS.hf or not FLAGS.out:
-    raise app.UsageError("--hf and --out are required")
-  print(json.dumps(import_hf(FLAGS.hf, FLAGS.out, FLAGS.config)))
+    logging.set_verbosity(logging.WARNING)
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if not FLAGS.hf or not FLAGS.out:
+        raise app.UsageError("--hf and --out are required")
+    print(json.dumps(import_hf(FLAGS.hf, FLAGS.out, FLAGS.config)))
 
 
 if __name__ == "__main__":
-  _define_flags()
-  app.run(main)
+    _define_flags()
+    app.run(main)

@@ -28,7 +28,6 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import app, flags, logging
@@ -41,328 +40,399 @@ from zaya_jax.checkpoint import Checkpointer, abstract_like, checkpoint_workdir
 from zaya_jax.events import EventLog
 from zaya_jax.data.pipeline import make_dataset, make_eval_dataset, source_tokenizer
 from zaya_jax.metrics import MetricsLogger
-from zaya_jax.model import ZayaConfig
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
 from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.parallel.sharding import shard_batch
-from zaya_jax.train_state import (TrainState, create_train_state, make_eval_step, make_train_step,
-                                  state_shardings)
+from zaya_jax.train_state import (
+    TrainState,
+    create_train_state,
+    make_eval_step,
+    make_train_step,
+    state_shardings,
+)
 
 
 def balancing_config(c: ml_collections.ConfigDict) -> bal.BalancingConfig | None:
-  if not c.balancing.enabled:
-    return None
-  fields = {f.name for f in dataclasses.fields(bal.BalancingConfig)}
-  return bal.BalancingConfig(**{k: v for k, v in c.balancing.items() if k in fields}).validate()
+    if not c.balancing.enabled:
+        return None
+    fields = {f.name for f in dataclasses.fields(bal.BalancingConfig)}
+    return bal.BalancingConfig(**{k: v for k, v in c.balancing.items() if k in fields}).validate()
 
 
 def _to_python(metrics: dict[str, Any]) -> dict[str, Any]:
-  out = {}
-  for k, v in jax.device_get(metrics).items():
-    v = np.asarray(v)
-    out[k] = v.tolist() if v.ndim else v.item()
-  return out
+    out = {}
+    for k, v in jax.device_get(metrics).items():
+        v = np.asarray(v)
+        out[k] = v.tolist() if v.ndim else v.item()
+    return out
 
 
 def evaluate(eval_step, variables, c: ml_collections.ConfigDict, mesh) -> dict[str, float]:
-  """Held-out loss over `eval.batches` batches (0 = the whole split); token-weighted mean."""
-  ds = make_eval_dataset(c.data.path, seq_len=c.train.seq_len, global_batch_size=c.eval.batch_size,
-                         process_index=jax.process_index(), process_count=jax.process_count(),
-                         num_threads=c.data.num_threads)
-  loss_sum, weight = 0.0, 0.0
-  for i, batch in enumerate(ds):
-    if c.eval.batches and i >= c.eval.batches:
-      break
-    out = jax.device_get(eval_step(variables, shard_batch(batch, mesh)))
-    loss_sum += float(out["loss_sum"])
-    weight += float(out["weight"])
-  loss = loss_sum / max(weight, 1.0)
-  return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0)), "eval_tokens": weight}
+    """Held-out loss over `eval.batches` batches (0 = the whole split); token-weighted mean."""
+    ds = make_eval_dataset(
+        c.data.path,
+        seq_len=c.train.seq_len,
+        global_batch_size=c.eval.batch_size,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        num_threads=c.data.num_threads,
+    )
+    loss_sum, weight = 0.0, 0.0
+    for i, batch in enumerate(ds):
+        if c.eval.batches and i >= c.eval.batches:
+            break
+        out = jax.device_get(eval_step(variables, shard_batch(batch, mesh)))
+        loss_sum += float(out["loss_sum"])
+        weight += float(out["weight"])
+    loss = loss_sum / max(weight, 1.0)
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0)), "eval_tokens": weight}
 
 
 class SpikeDetector:
-  """A loss spike: z-score of the new loss against the last `window` accepted losses > `zscore`.
-  Needs a full window before it judges; spikes are not added to the history."""
+    """A loss spike: z-score of the new loss against the last `window` accepted losses > `zscore`.
+    Needs a full window before it judges; spikes are not added to the history."""
 
-  def __init__(self, zscore: float, window: int):
-    self.zscore, self.window = zscore, window
-    self.history: collections.deque = collections.deque(maxlen=max(window, 1))
+    def __init__(self, zscore: float, window: int):
+        self.zscore, self.window = zscore, window
+        self.history: collections.deque = collections.deque(maxlen=max(window, 1))
 
-  def check(self, loss: float) -> float | None:
-    """Returns the z-score if `loss` is a spike, else None (and records it)."""
-    if not self.zscore:
-      return None
-    if len(self.history) >= self.window:
-      h = np.asarray(self.history, np.float64)
-      z = (loss - h.mean()) / max(h.std(), 1e-6 * max(abs(h.mean()), 1.0))
-      if z > self.zscore:
-        return float(z)
-    self.history.append(loss)
-    return None
+    def check(self, loss: float) -> float | None:
+        """Returns the z-score if `loss` is a spike, else None (and records it)."""
+        if not self.zscore:
+            return None
+        if len(self.history) >= self.window:
+            h = np.asarray(self.history, np.float64)
+            z = (loss - h.mean()) / max(h.std(), 1e-6 * max(abs(h.mean()), 1.0))
+            if z > self.zscore:
+                return float(z)
+        self.history.append(loss)
+        return None
 
 
 class StepWatchdog:
-  """A daemon thread: a step running longer than `timeout_s` dumps every thread's stack to stderr
-  and ends the process with exit code 3 (`os._exit`: no cleanup can hang), so the scheduler
-  restarts the job, which resumes from its last checkpoint."""
+    """A daemon thread: a step running longer than `timeout_s` dumps every thread's stack to stderr
+    and ends the process with exit code 3 (`os._exit`: no cleanup can hang), so the scheduler
+    restarts the job, which resumes from its last checkpoint."""
 
-  def __init__(self, timeout_s: float, on_timeout: Callable[[int, float], None] | None = None):
-    self.timeout_s = timeout_s
-    self._on_timeout = on_timeout or self._exit
-    self._lock = threading.Lock()
-    self._step, self._since = None, None
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._run, name="zaya-step-watchdog", daemon=True)
-    self._thread.start()
+    def __init__(self, timeout_s: float, on_timeout: Callable[[int, float], None] | None = None):
+        self.timeout_s = timeout_s
+        self._on_timeout = on_timeout or self._exit
+        self._lock = threading.Lock()
+        self._step, self._since = None, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="zaya-step-watchdog", daemon=True)
+        self._thread.start()
 
-  def start(self, step: int) -> None:
-    with self._lock:
-      self._step, self._since = step, time.monotonic()
+    def start(self, step: int) -> None:
+        with self._lock:
+            self._step, self._since = step, time.monotonic()
 
-  def stop(self) -> None:
-    with self._lock:
-      self._step, self._since = None, None
+    def stop(self) -> None:
+        with self._lock:
+            self._step, self._since = None, None
 
-  def close(self) -> None:
-    self._stop.set()
-    self._thread.join(timeout=5)
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
-  def _run(self) -> None:
-    period = min(max(self.timeout_s / 10, 0.05), 1.0)
-    while not self._stop.wait(period):
-      with self._lock:
-        step, since = self._step, self._since
-      if since is not None and time.monotonic() - since > self.timeout_s:
-        self._on_timeout(step, time.monotonic() - since)
-        self.stop()
+    def _run(self) -> None:
+        period = min(max(self.timeout_s / 10, 0.05), 1.0)
+        while not self._stop.wait(period):
+            with self._lock:
+                step, since = self._step, self._since
+            if since is not None and time.monotonic() - since > self.timeout_s:
+                self._on_timeout(step, time.monotonic() - since)
+                self.stop()
 
-  @staticmethod
-  def _exit(step: int, elapsed: float) -> None:
-    sys.stderr.write(f"\nWATCHDOG: step {step} has run {elapsed:.1f}s > fault.step_timeout_s; "
-                     "thread stacks follow, then exit 3\n")
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    sys.stderr.flush()
-    os._exit(3)
+    @staticmethod
+    def _exit(step: int, elapsed: float) -> None:
+        sys.stderr.write(
+            f"\nWATCHDOG: step {step} has run {elapsed:.1f}s > fault.step_timeout_s; "
+            "thread stacks follow, then exit 3\n"
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(3)
 
 
 class _StopSignals:
-  """SIGTERM / SIGINT set a flag; the trainer saves at the next step boundary and exits 0."""
+    """SIGTERM / SIGINT set a flag; the trainer saves at the next step boundary and exits 0."""
 
-  def __init__(self):
-    self.signum: int | None = None
-    self._previous = {}
-    if threading.current_thread() is threading.main_thread():
-      for sig in (signal.SIGTERM, signal.SIGINT):
-        self._previous[sig] = signal.signal(sig, self._handle)
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
 
-  def _handle(self, signum, frame):
-    del frame
-    self.signum = signum
+    def _handle(self, signum, frame):
+        del frame
+        self.signum = signum
 
-  def restore(self) -> None:
-    for sig, handler in self._previous.items():
-      signal.signal(sig, handler)
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def _poison(batch: dict[str, np.ndarray], kind: str, vocab_size: int) -> dict[str, np.ndarray]:
-  """Test hooks: a NaN loss (loss_mask * NaN) or a large finite one (every target the unused last id)."""
-  batch = dict(batch)
-  if kind == "nan":
-    batch["loss_mask"] = np.asarray(batch["loss_mask"]) * np.float32("nan")
-  else:
-    batch["targets"] = np.full_like(np.asarray(batch["targets"]), vocab_size - 1)
-  return batch
+    """Test hooks: a NaN loss (loss_mask * NaN) or a large finite one (every target the unused last id)."""
+    batch = dict(batch)
+    if kind == "nan":
+        batch["loss_mask"] = np.asarray(batch["loss_mask"]) * np.float32("nan")
+    else:
+        batch["targets"] = np.full_like(np.asarray(batch["targets"]), vocab_size - 1)
+    return batch
 
 
 def _agree(flags_: list[bool]) -> list[bool]:
-  """Every process takes the same decision (OR over processes); a no-op with one process."""
-  if jax.process_count() == 1:
-    return flags_
-  from jax.experimental import multihost_utils
-  got = multihost_utils.process_allgather(np.asarray(flags_, np.int32))
-  return [bool(v) for v in np.asarray(got).reshape(-1, len(flags_)).any(axis=0)]
+    """Every process takes the same decision (OR over processes); a no-op with one process."""
+    if jax.process_count() == 1:
+        return flags_
+    from jax.experimental import multihost_utils
+
+    got = multihost_utils.process_allgather(np.asarray(flags_, np.int32))
+    return [bool(v) for v in np.asarray(got).reshape(-1, len(flags_)).any(axis=0)]
 
 
 def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Runs (or resumes) the training described by `c` in `workdir`. Returns a summary dict."""
-  cfg = config_lib.validate(c)
-  os.makedirs(workdir, exist_ok=True)
-  tokenizer = source_tokenizer(c.data.path)
-  if tokenizer.vocab_size > cfg.vocab_size:
-    raise ValueError(f"config.model.vocab_size={cfg.vocab_size} is smaller than the data's tokenizer "
-                     f"vocabulary ({tokenizer.vocab_size}, {tokenizer.name})")
-  steps, seq_len, batch_size = c.train.steps, c.train.seq_len, c.train.batch_size
-  primary = jax.process_index() == 0
-  events = EventLog(workdir, enabled=primary)
+    """Runs (or resumes) the training described by `c` in `workdir`. Returns a summary dict."""
+    cfg = config_lib.validate(c)
+    os.makedirs(workdir, exist_ok=True)
+    tokenizer = source_tokenizer(c.data.path)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(
+            f"config.model.vocab_size={cfg.vocab_size} is smaller than the data's tokenizer "
+            f"vocabulary ({tokenizer.vocab_size}, {tokenizer.name})"
+        )
+    steps, seq_len, batch_size = c.train.steps, c.train.seq_len, c.train.batch_size
+    primary = jax.process_index() == 0
+    events = EventLog(workdir, enabled=primary)
 
-  mesh = mesh_from_config(c)
-  if batch_size % mesh.size or (batch_size // c.train.grad_accum) % mesh.size:
-    raise ValueError(f"config.train.batch_size={batch_size} (per microbatch "
-                     f"{batch_size // c.train.grad_accum}) must be divisible by the {mesh.size} devices")
-  tx = make_optimizer(c, total_steps=steps)
-  schedule = lr_schedule(c, total_steps=steps)
-  bal_cfg = balancing_config(c)
-  create = lambda: create_train_state(cfg, tx, bal_cfg or bal.BalancingConfig(), jax.random.key(c.seed))
-  shardings = state_shardings(jax.eval_shape(create), mesh, zero1=c.mesh.zero1)
-  state = jax.jit(create, out_shardings=shardings)()
-  abstract_state = abstract_like(state)
+    mesh = mesh_from_config(c)
+    if batch_size % mesh.size or (batch_size // c.train.grad_accum) % mesh.size:
+        raise ValueError(
+            f"config.train.batch_size={batch_size} (per microbatch "
+            f"{batch_size // c.train.grad_accum}) must be divisible by the {mesh.size} devices"
+        )
+    tx = make_optimizer(c, total_steps=steps)
+    schedule = lr_schedule(c, total_steps=steps)
+    bal_cfg = balancing_config(c)
+    create = lambda: create_train_state(cfg, tx, bal_cfg or bal.BalancingConfig(), jax.random.key(c.seed))
+    shardings = state_shardings(jax.eval_shape(create), mesh, zero1=c.mesh.zero1)
+    state = jax.jit(create, out_shardings=shardings)()
+    abstract_state = abstract_like(state)
 
-  train_ds = make_dataset(c.data.path, seq_len=seq_len, global_batch_size=batch_size, seed=c.seed,
-                          process_index=jax.process_index(), process_count=jax.process_count(),
-                          num_threads=c.data.num_threads, prefetch_buffer_size=c.data.prefetch)
-  data_iter = iter(train_ds)
+    train_ds = make_dataset(
+        c.data.path,
+        seq_len=seq_len,
+        global_batch_size=batch_size,
+        seed=c.seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        num_threads=c.data.num_threads,
+        prefetch_buffer_size=c.data.prefetch,
+    )
+    data_iter = iter(train_ds)
 
-  ckpt = Checkpointer(workdir, keep=c.checkpoint.keep, keep_period=c.checkpoint.keep_period,
-                      every_steps=c.checkpoint.every_steps, every_minutes=c.checkpoint.every_minutes)
-  on_corrupt = lambda step, msg: events.write(step, "corrupt_checkpoint", error=msg)
-  restored = ckpt.restore_latest(abstract_state, on_corrupt=on_corrupt)
-  if restored is not None:
-    _, state, data_state, _ = restored
-    data_iter.set_state(data_state)
-    events.write(int(state.step), "resume", checkpoint=os.path.join(ckpt.directory, str(restored[0])))
-  elif c.train.init_from:
-    state = _init_from(state, c.train.init_from)
-  start = int(state.step)
+    ckpt = Checkpointer(
+        workdir,
+        keep=c.checkpoint.keep,
+        keep_period=c.checkpoint.keep_period,
+        every_steps=c.checkpoint.every_steps,
+        every_minutes=c.checkpoint.every_minutes,
+    )
+    on_corrupt = lambda step, msg: events.write(step, "corrupt_checkpoint", error=msg)
+    restored = ckpt.restore_latest(abstract_state, on_corrupt=on_corrupt)
+    if restored is not None:
+        _, state, data_state, _ = restored
+        data_iter.set_state(data_state)
+        events.write(int(state.step), "resume", checkpoint=os.path.join(ckpt.directory, str(restored[0])))
+    elif c.train.init_from:
+        state = _init_from(state, c.train.init_from)
+    start = int(state.step)
 
-  train_step = jax.jit(make_train_step(cfg, tx, bal_cfg, schedule, c.train.grad_accum, mesh),
-                       in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
-  eval_step = jax.jit(make_eval_step(cfg, mesh))
-  peak = sizing.peak_flops_per_device()
-  config_json = json.loads(c.to_json_best_effort())
+    train_step = jax.jit(
+        make_train_step(cfg, tx, bal_cfg, schedule, c.train.grad_accum, mesh),
+        in_shardings=(shardings, None),
+        out_shardings=(shardings, None),
+        donate_argnums=0,
+    )
+    eval_step = jax.jit(make_eval_step(cfg, mesh))
+    peak = sizing.peak_flops_per_device()
+    config_json = json.loads(c.to_json_best_effort())
 
-  f = c.fault
-  inject = {**{s: "spike" for s in f.inject_spike_at_steps}, **{s: "nan" for s in f.inject_nan_at_steps}}
-  spikes = SpikeDetector(f.spike_zscore, f.spike_window)
-  watchdog = StepWatchdog(f.step_timeout_s) if f.step_timeout_s else None
-  stop = _StopSignals()
+    f = c.fault
+    inject = {**{s: "spike" for s in f.inject_spike_at_steps}, **{s: "nan" for s in f.inject_nan_at_steps}}
+    spikes = SpikeDetector(f.spike_zscore, f.spike_window)
 
-  summary: dict[str, Any] = {"start_step": start, "mesh": dict(mesh.shape), "rollbacks": 0,
-                             "skipped_updates": 0}
-  # Process 0 owns WORKDIR/metrics.jsonl and TensorBoard; the others keep their own record.
-  log_dir = workdir if primary else os.path.join(workdir, f"process_{jax.process_index()}")
-  try:
-    with MetricsLogger(log_dir, total_steps=steps, tensorboard=c.logging.tensorboard and primary,
-                       console=c.logging.console, resume_step=start) as logger:
-      t_last, tokens_since = time.perf_counter(), 0
-      step, bad_steps, first = start, 0, True
-      while step < steps:
-        done = step + 1
-        host_batch = next(data_iter)
-        if done in inject:  # test hooks; each fires once
-          host_batch = _poison(host_batch, inject.pop(done), cfg.vocab_size)
-        batch = shard_batch(host_batch, mesh)
-        if watchdog is not None and not first:  # the first step compiles
-          watchdog.start(done)
-        state, metrics = train_step(state, batch)
-        loss, skipped = jax.device_get((metrics["loss"], metrics["update_skipped"]))
-        loss, skipped = float(loss), bool(skipped)
-        if watchdog is not None:
-          watchdog.stop()
-        first = False
-        tokens_since += batch_size * seq_len
+    def on_hang(step: int, elapsed: float) -> None:
+        events.write(step, "watchdog", elapsed_s=elapsed, timeout_s=f.step_timeout_s)
+        StepWatchdog._exit(step, elapsed)
 
-        rollback_reason = None
-        if skipped:
-          bad_steps += 1
-          summary["skipped_updates"] += 1
-          events.write(done, "skipped_update", loss=loss, consecutive=bad_steps)
-          if f.max_bad_steps and bad_steps >= f.max_bad_steps:
-            rollback_reason = f"{bad_steps} consecutive non-finite steps"
-        else:
-          bad_steps = 0
-          z = spikes.check(loss)
-          if z is not None:
-            events.write(done, "spike", loss=loss, zscore=z, window=list(spikes.history))
-            rollback_reason = f"loss spike {loss:.4f} (z={z:.1f})"
-        if rollback_reason is not None:
-          ckpt.wait()
-          back = ckpt.restore_latest(abstract_state, max_step=done - 1, on_corrupt=on_corrupt)
-          if back is None:
-            events.write(done, "rollback_impossible", reason=rollback_reason)
-            logging.warning("%s at step %d but no checkpoint to roll back to; continuing", rollback_reason, done)
-          else:
-            to, state, data_state, _ = back
-            data_iter.set_state(data_state)
-            for _ in range(done - to):  # skip the batches of steps to+1..done, the offending one included
-              next(data_iter)
-            events.write(done, "rollback", reason=rollback_reason, to_step=to,
-                         skipped_batches=list(range(to + 1, done + 1)))
-            print(f"ROLLBACK at step {done}: {rollback_reason}; restored step {to}, skipped the batches of "
-                  f"steps {to + 1}..{done}", flush=True)
-            summary["rollbacks"] += 1
-            logger.truncate_after(to)
-            step, bad_steps = to, 0
+    watchdog = StepWatchdog(f.step_timeout_s, on_timeout=on_hang) if f.step_timeout_s else None
+    stop = _StopSignals()
+
+    summary: dict[str, Any] = {
+        "start_step": start,
+        "mesh": dict(mesh.shape),
+        "rollbacks": 0,
+        "skipped_updates": 0,
+    }
+    # Process 0 owns WORKDIR/metrics.jsonl and TensorBoard; the others keep their own record.
+    log_dir = workdir if primary else os.path.join(workdir, f"process_{jax.process_index()}")
+    try:
+        with MetricsLogger(
+            log_dir,
+            total_steps=steps,
+            tensorboard=c.logging.tensorboard and primary,
+            console=c.logging.console,
+            resume_step=start,
+        ) as logger:
             t_last, tokens_since = time.perf_counter(), 0
-            continue
+            step, bad_steps, first = start, 0, True
+            while step < steps:
+                done = step + 1
+                host_batch = next(data_iter)
+                if done in inject:  # test hooks; each fires once
+                    host_batch = _poison(host_batch, inject.pop(done), cfg.vocab_size)
+                batch = shard_batch(host_batch, mesh)
+                if watchdog is not None and not first:  # the first step compiles
+                    watchdog.start(done)
+                state, metrics = train_step(state, batch)
+                loss, skipped = jax.device_get((metrics["loss"], metrics["update_skipped"]))
+                loss, skipped = float(loss), bool(skipped)
+                if watchdog is not None:
+                    watchdog.stop()
+                first = False
+                tokens_since += batch_size * seq_len
 
-        if done % c.logging.every_steps == 0 or done == steps:
-          m = _to_python(metrics)
-          now = time.perf_counter()
-          m["tokens_per_second"] = tokens_since / max(now - t_last, 1e-9)
-          m["skipped_steps"] = int(state.skipped_steps)
-          util = sizing.mfu(m["tokens_per_second"], cfg, seq_len, mesh.size, peak)
-          if util is not None:
-            m["mfu"] = util
-          logger.log_train(done, m)
-          t_last, tokens_since = now, 0
-          summary["loss"] = m["loss"]
-        if (c.eval.every_steps and done % c.eval.every_steps == 0) or done == steps:
-          ev = evaluate(eval_step, state.variables, c, mesh)
-          logger.log_eval(done, ev)
-          summary.update(ev)
-          t_last = time.perf_counter()  # evaluation time is not training throughput
-        stopping, due = _agree([stop.signum is not None, ckpt.due(done)])
-        if due or done == steps or stopping:
-          ckpt.save(done, state, data_iter.get_state(), config_json)
-          events.write(done, "save", reason="signal" if stopping else ("final" if done == steps else "periodic"))
-        step = done
-        if stopping:
-          ckpt.wait()
-          events.write(done, "sigterm", signal=stop.signum)
-          print(f"signal {stop.signum}: saved step {done}, exiting", flush=True)
-          summary["stopped_by_signal"] = stop.signum
-          break
-  finally:
-    stop.restore()
-    if watchdog is not None:
-      watchdog.close()
-  ckpt.wait()
-  ckpt.close()
-  summary["final_step"] = int(state.step)
-  return summary
+                rollback_reason = None
+                if skipped:
+                    bad_steps += 1
+                    summary["skipped_updates"] += 1
+                    events.write(done, "skipped_update", loss=loss, consecutive=bad_steps)
+                    if f.max_bad_steps and bad_steps >= f.max_bad_steps:
+                        rollback_reason = f"{bad_steps} consecutive non-finite steps"
+                else:
+                    bad_steps = 0
+                    z = spikes.check(loss)
+                    if z is not None:
+                        events.write(done, "spike", loss=loss, zscore=z, window=list(spikes.history))
+                        rollback_reason = f"loss spike {loss:.4f} (z={z:.1f})"
+                if rollback_reason is not None:
+                    ckpt.wait()
+                    back = ckpt.restore_latest(abstract_state, max_step=done - 1, on_corrupt=on_corrupt)
+                    if back is None:
+                        events.write(done, "rollback_impossible", reason=rollback_reason)
+                        logging.warning(
+                            "%s at step %d but no checkpoint to roll back to; continuing",
+                            rollback_reason,
+                            done,
+                        )
+                    else:
+                        to, state, data_state, _ = back
+                        data_iter.set_state(data_state)
+                        for _ in range(
+                            done - to
+                        ):  # skip the batches of steps to+1..done, the offending one included
+                            next(data_iter)
+                        events.write(
+                            done,
+                            "rollback",
+                            reason=rollback_reason,
+                            to_step=to,
+                            skipped_batches=list(range(to + 1, done + 1)),
+                        )
+                        print(
+                            f"ROLLBACK at step {done}: {rollback_reason}; restored step {to}, skipped the batches of "
+                            f"steps {to + 1}..{done}",
+                            flush=True,
+                        )
+                        summary["rollbacks"] += 1
+                        logger.truncate_after(to)
+                        step, bad_steps = to, 0
+                        t_last, tokens_since = time.perf_counter(), 0
+                        continue
+
+                if done % c.logging.every_steps == 0 or done == steps:
+                    m = _to_python(metrics)
+                    now = time.perf_counter()
+                    m["tokens_per_second"] = tokens_since / max(now - t_last, 1e-9)
+                    m["skipped_steps"] = int(state.skipped_steps)
+                    util = sizing.mfu(m["tokens_per_second"], cfg, seq_len, mesh.size, peak)
+                    if util is not None:
+                        m["mfu"] = util
+                    logger.log_train(done, m)
+                    t_last, tokens_since = now, 0
+                    summary["loss"] = m["loss"]
+                if (c.eval.every_steps and done % c.eval.every_steps == 0) or done == steps:
+                    ev = evaluate(eval_step, state.variables, c, mesh)
+                    logger.log_eval(done, ev)
+                    summary.update(ev)
+                    t_last = time.perf_counter()  # evaluation time is not training throughput
+                stopping, due = _agree([stop.signum is not None, ckpt.due(done)])
+                if due or done == steps or stopping:
+                    ckpt.save(done, state, data_iter.get_state(), config_json)
+                    events.write(
+                        done,
+                        "save",
+                        reason="signal" if stopping else ("final" if done == steps else "periodic"),
+                    )
+                step = done
+                if stopping:
+                    ckpt.wait()
+                    events.write(done, "sigterm", signal=stop.signum)
+                    print(f"signal {stop.signum}: saved step {done}, exiting", flush=True)
+                    summary["stopped_by_signal"] = stop.signum
+                    break
+    finally:
+        stop.restore()
+        if watchdog is not None:
+            watchdog.close()
+    ckpt.wait()
+    ckpt.close()
+    summary["final_step"] = int(state.step)
+    return summary
 
 
 def _init_from(state: TrainState, directory: str) -> TrainState:
-  """Phase chaining: params and balancing biases from another run's latest checkpoint; optimizer
-  state and step start fresh (a new phase has its own schedule). Only those two fields are read,
-  so the source run may have used a different optimizer."""
-  workdir, step = checkpoint_workdir(directory)
-  src = Checkpointer(workdir, read_only=True)
-  step = src.latest_step() if step is None else step
-  if step is None:
-    raise FileNotFoundError(f"config.train.init_from={directory!r}: no complete checkpoint there")
-  part = src.restore_params(step, abstract_like({"params": state.params, "balancing": state.balancing}))
-  src.close()
-  return dataclasses.replace(state, params=part["params"], balancing=part["balancing"])
+    """Phase chaining: params and balancing biases from another run's latest checkpoint; optimizer
+    state and step start fresh (a new phase has its own schedule). Only those two fields are read,
+    so the source run may have used a different optimizer."""
+    workdir, step = checkpoint_workdir(directory)
+    src = Checkpointer(workdir, read_only=True)
+    step = src.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"config.train.init_from={directory!r}: no complete checkpoint there")
+    part = src.restore_params(step, abstract_like({"params": state.params, "balancing": state.balancing}))
+    src.close()
+    return dataclasses.replace(state, params=part["params"], balancing=part["balancing"])
 
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Training config file (configs/<name>.py[:arg]).",
-                                lock_config=True)
-flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, TensorBoard.")
+
+
+def _define_flags() -> None:
+    """CLI flags, defined only when run as a program, so that other CLIs (export, import_hf,
+    reshard) can import this module and define their own --config."""
+    config_flags.DEFINE_config_file(
+        "config", None, "Training config file (configs/<name>.py[:arg]).", lock_config=True
+    )
+    flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, TensorBoard.")
 
 
 def main(argv):
-  logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
-  initialize_from_env()
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  if FLAGS.config is None or not FLAGS.workdir:
-    raise app.UsageError("--config and --workdir are required")
-  summary = train(FLAGS.config, FLAGS.workdir)
-  print(json.dumps({"summary": summary}))
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
+    initialize_from_env()
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if FLAGS.config is None or not FLAGS.workdir:
+        raise app.UsageError("--config and --workdir are required")
+    summary = train(FLAGS.config, FLAGS.workdir)
+    print(json.dumps({"summary": summary}))
 
 
 if __name__ == "__main__":
-  app.run(main)
+    _define_flags()
+    app.run(main)

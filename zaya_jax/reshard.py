@@ -1,0 +1,101 @@
+"""`python -m zaya_jax.reshard --src CKPT --dst CKPT2 [--step N] --config.mesh.data=4 --config.mesh.expert=2`
+
+Restores a training checkpoint (WORKDIR, WORKDIR/checkpoints or .../<step>) onto a different device
+mesh and saves it under DST (same step, same data position; the saved config gets the new mesh).
+Orbax reads each array straight into the shards of the new layout: the restore target is the
+abstract TrainState carrying `train_state.state_shardings(..., new_mesh)`. Mesh keys not given keep
+the source's values. `--config.mesh.zero1` may be changed too. A run on the new mesh then
+resumes from DST (`python -m zaya_jax.train --workdir DST ...` with the same config and new mesh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import ml_collections
+from absl import app, flags, logging
+from ml_collections import config_dict, config_flags
+
+from zaya_jax import balancing as bal
+from zaya_jax import config as config_lib
+from zaya_jax.checkpoint import Checkpointer, checkpoint_workdir
+from zaya_jax.optim.chain import make_optimizer
+from zaya_jax.parallel.mesh import mesh_from_config
+from zaya_jax.train import balancing_config
+from zaya_jax.train_state import create_train_state, state_shardings
+
+MESH_KEYS = ("data", "fsdp", "expert", "zero1")
+
+
+def abstract_state(c: ml_collections.ConfigDict):
+    """(mesh, abstract TrainState with that mesh's shardings) of a training config."""
+    cfg = config_lib.validate(c)
+    mesh = mesh_from_config(c)
+    tx = make_optimizer(c, total_steps=c.train.steps)
+    bal_cfg = balancing_config(c) or bal.BalancingConfig()
+    shapes = jax.eval_shape(lambda: create_train_state(cfg, tx, bal_cfg, jax.random.key(c.seed)))
+    shardings = state_shardings(shapes, mesh, zero1=c.mesh.zero1)
+    return mesh, jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings
+    )
+
+
+def reshard(src: str, dst: str, mesh: dict[str, Any], *, step: int | None = None) -> dict[str, Any]:
+    workdir, path_step = checkpoint_workdir(src)
+    ck = Checkpointer(workdir, read_only=True)
+    step = step if step is not None else path_step if path_step is not None else ck.latest_step()
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint under {ck.directory}")
+    c = config_lib.from_json(ck.restore_config(step))
+    old_mesh = {k: c.mesh[k] for k in MESH_KEYS}
+    for k, v in mesh.items():
+        if v is not None:
+            c.mesh[k] = v
+    new_mesh, target = abstract_state(c)
+    state, data_state, _ = ck.restore(step, target)
+    ck.close()
+    out = Checkpointer(dst, keep=0, async_save=False)
+    if step in out.all_steps():
+        raise FileExistsError(f"{out.directory}/{step} already exists")
+    out.save(step, state, data_state, json.loads(c.to_json_best_effort()))
+    out.wait()
+    out.close()
+    return {
+        "step": step,
+        "src": os.path.join(ck.directory, str(step)),
+        "dst": os.path.join(out.directory, str(step)),
+        "from_mesh": old_mesh,
+        "to_mesh": dict(new_mesh.shape),
+        "zero1": c.mesh.zero1,
+    }
+
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags() -> None:
+    overrides = ml_collections.ConfigDict()
+    overrides.mesh = ml_collections.ConfigDict(
+        {k: config_dict.placeholder(bool if k == "zero1" else int) for k in MESH_KEYS}
+    )
+    config_flags.DEFINE_config_dict("config", overrides, "Only config.mesh.* (the new mesh).")
+    flags.DEFINE_string("src", None, "source checkpoint")
+    flags.DEFINE_string("dst", None, "destination WORKDIR")
+    flags.DEFINE_integer("step", None, "source step (default: from --src, else the latest)")
+
+
+def main(argv):
+    logging.set_verbosity(logging.WARNING)
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if not FLAGS.src or not FLAGS.dst:
+        raise app.UsageError("--src and --dst are required")
+    print(json.dumps(reshard(FLAGS.src, FLAGS.dst, FLAGS.config.mesh.to_dict(), step=FLAGS.step)))
+
+
+if __name__ == "__main__":
+    _define_flags()
+    app.run(main)
