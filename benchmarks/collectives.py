@@ -36,12 +36,13 @@ the table, JSON and plots. Outputs: a printed table, DIR/collectives.json, DIR/<
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from typing import Any, Callable, Sequence
+
+from benchmarks.common import simulate_cpu_devices, write_report
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
@@ -116,12 +117,7 @@ def human_bytes(b: float) -> str:
 # ------------------------------------------------------------------------------------ benchmark
 def _setup_environment(args: argparse.Namespace) -> None:
     """Before jax is imported: simulated CPU devices on request."""
-    if args.cpu_devices:
-        flag = f"--xla_force_host_platform_device_count={args.cpu_devices}"
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = (flags + " " + flag).strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    simulate_cpu_devices(args.cpu_devices)
 
 
 def launched_multi_process(environ: dict[str, str] | None = None) -> bool:
@@ -403,9 +399,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             os.makedirs(args.out, exist_ok=True)
             if not args.no_plot and rows:
                 result["plots"] = plot(rows, args.out, device_kind)
-            with open(os.path.join(args.out, "collectives.json"), "w") as f:
-                json.dump(result, f, indent=1)
-            print(f"wrote {os.path.join(args.out, 'collectives.json')}")
+            write_report(result, args.out, "collectives")
     return result
 
 

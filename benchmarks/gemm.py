@@ -20,11 +20,11 @@ loss-chunk rows, 4 sequences x 512 positions; 0 leaves the head out). Writes DIR
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 from typing import Any, Sequence
+
+from benchmarks.common import simulate_cpu_devices, write_report
 
 DTYPES = ("float32", "bfloat16")
 
@@ -140,13 +140,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.cpu_devices:
-        if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-            os.environ["XLA_FLAGS"] = (
-                os.environ.get("XLA_FLAGS", "")
-                + f" --xla_force_host_platform_device_count={args.cpu_devices}"
-            ).strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    simulate_cpu_devices(args.cpu_devices)
     import jax
 
     from zaya_jax.sizing import peak_flops_per_device
@@ -179,10 +173,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     print(format_table(rows))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gemm.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {os.path.join(args.out, 'gemm.json')}")
+        write_report(result, args.out, "gemm")
     return result
 
 

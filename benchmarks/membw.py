@@ -20,13 +20,13 @@ Writes DIR/membw.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import time
 from typing import Any, Sequence
 
-import sys
+from benchmarks.common import simulate_cpu_devices, write_report
 
 if __package__ in (None, ""):  # `python benchmarks/membw.py`: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -126,13 +126,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.cpu_devices:
-        if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-            os.environ["XLA_FLAGS"] = (
-                os.environ.get("XLA_FLAGS", "")
-                + f" --xla_force_host_platform_device_count={args.cpu_devices}"
-            ).strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    simulate_cpu_devices(args.cpu_devices)
     import jax
     import jax.numpy as jnp
 
@@ -163,10 +157,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     print(format_table(rows))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "membw.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {os.path.join(args.out, 'membw.json')}")
+        write_report(result, args.out, "membw")
     return result
 
 
