@@ -118,6 +118,26 @@ def l2_qk_norm(q_bsnh: jax.Array, k_bskh: jax.Array, temp_k: jax.Array) -> tuple
     return normalize(q_bsnh), normalize(k_bskh) * temp_k.astype(jnp.float32)[:, None]
 
 
+class LayerCache(NamedTuple):
+    """One block's decoding cache (stacked [L, ...] in the model): k, v [B, T, Nkv, hd] preallocated;
+    conv [B, P, C] and v_delayed [B, Nkv*hd/2] as in CCAState."""
+
+    k: jax.Array
+    v: jax.Array
+    conv: jax.Array
+    v_delayed: jax.Array
+
+
+class KVContext(NamedTuple):
+    """A block's cache plus what all blocks share: the write index (scalar int32) and the key
+    positions / key mask of the whole cache [B, T], already updated with the new tokens."""
+
+    layer: LayerCache
+    index: jax.Array
+    kv_pos_bt: jax.Array
+    kv_mask_bt: jax.Array
+
+
 class CCAttention(nn.Module):
     """x [B, S, d] (normed) -> attention output [B, S, d] in the compute dtype, and the new CCAState."""
 
@@ -183,8 +203,13 @@ class CCAttention(nn.Module):
         sliding_window: jax.Array | int | None = None,
         segment_ids_bs: jax.Array | None = None,
         state: CCAState | None = None,
-    ) -> tuple[jax.Array, CCAState]:
+        kv_cache: "KVContext | None" = None,
+    ) -> tuple[jax.Array, CCAState] | tuple[jax.Array, LayerCache]:
+        """With `kv_cache` (decoding): new tokens at positions_bs are written into the layer's cache
+        at kv_cache.index, attend over the whole cache, and the updated LayerCache is returned."""
         cfg = self.cfg
+        if kv_cache is not None:
+            return self._cached(x_bsd, positions_bs, padding_mask_bs, rope_theta, sliding_window, kv_cache)
         if padding_mask_bs is not None:
             # Pad tokens must not leak into the conv or the value shift (SPEC 2.1.8).
             x_bsd = x_bsd * padding_mask_bs[..., None].astype(x_bsd.dtype)
@@ -219,3 +244,31 @@ class CCAttention(nn.Module):
             o = xla_attention(q, k, v, allowed, scale=cfg.head_dim**-0.5)
         b, s = x_bsd.shape[:2]
         return self.o_proj(o.reshape(b, s, -1)), new_state
+
+    def _cached(self, x_bsd, positions_bs, padding_mask_bs, rope_theta, sliding_window, ctx: KVContext):
+        cfg = self.cfg
+        if padding_mask_bs is not None:
+            x_bsd = x_bsd * padding_mask_bs[..., None].astype(x_bsd.dtype)
+        b = x_bsd.shape[0]
+        lc = ctx.layer
+        # At index 0 the previous delayed value is the projection of a zero vector (sequence start).
+        zero_prev = self.v_proj_delayed(jnp.zeros((b, x_bsd.shape[-1]), x_bsd.dtype))
+        prev = jnp.where(ctx.index == 0, zero_prev.astype(lc.v_delayed.dtype), lc.v_delayed)
+        q, k, v, st = self.qkv(x_bsd, CCAState(lc.conv, prev))
+        q, k = l2_qk_norm(q, k, self.temp)
+        cos, sin = rope_cos_sin(positions_bs, cfg.rotary_dim, rope_theta)
+        q = apply_rope(q, cos, sin).astype(cfg.compute_dtype)
+        k = apply_rope(k, cos, sin).astype(cfg.compute_dtype)
+        zero = jnp.zeros((), jnp.int32)
+        idx = jnp.asarray(ctx.index, jnp.int32)
+        k_all = jax.lax.dynamic_update_slice(lc.k, k.astype(lc.k.dtype), (zero, idx, zero, zero))
+        v_all = jax.lax.dynamic_update_slice(lc.v, v.astype(lc.v.dtype), (zero, idx, zero, zero))
+        allowed = attention_allowed(
+            positions_bs, ctx.kv_pos_bt, key_mask_bt=ctx.kv_mask_bt, sliding_window=sliding_window
+        )
+        o = xla_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), allowed, scale=cfg.head_dim**-0.5)
+        s = x_bsd.shape[1]
+        new = LayerCache(
+            k_all, v_all, st.conv_bpc.astype(lc.conv.dtype), st.v_delayed_bv.astype(lc.v_delayed.dtype)
+        )
+        return self.o_proj(o.reshape(b, s, -1)), new

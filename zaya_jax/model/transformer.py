@@ -12,7 +12,7 @@ so it is exactly HF's EDA-less first router. It gets zero gradient and is not ex
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax
 import flax.linen as nn
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from zaya_jax.model.cca import CCAttention
+from zaya_jax.model.cca import CCAttention, KVContext, LayerCache
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.model.moe import ZayaExperts
 from zaya_jax.model.norm import RMSNorm
@@ -40,6 +40,30 @@ class ZayaOutput:
     expert_counts: jax.Array
     router_probs: jax.Array
     dropped_tokens: jax.Array
+    cache: Any = None  # the updated KVCache when called with one (decoding)
+
+
+class KVCache(NamedTuple):
+    """Decoding cache. layers: LayerCache with a leading [L] axis (k, v [L,B,T,Nkv,hd], conv
+    [L,B,P,C], v_delayed [L,B,Nkv*hd/2]); kv_pos [B,T] int32 key positions; kv_mask [B,T] bool
+    (False = padding or not yet written)."""
+
+    layers: LayerCache
+    kv_pos: jax.Array
+    kv_mask: jax.Array
+
+
+def init_cache(cfg: ZayaConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+    """An empty cache for `batch` sequences of up to `max_len` tokens (default: compute dtype)."""
+    dt = cfg.compute_dtype if dtype is None else dtype
+    L, nkv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    layers = LayerCache(
+        k=jnp.zeros((L, batch, max_len, nkv, hd), dt),
+        v=jnp.zeros((L, batch, max_len, nkv, hd), dt),
+        conv=jnp.zeros((L, batch, cfg.conv_state_len, cfg.conv_channels), dt),
+        v_delayed=jnp.zeros((L, batch, nkv * hd // 2), dt),
+    )
+    return KVCache(layers, jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((batch, max_len), bool))
 
 
 class SparseMoeBlock(nn.Module):
@@ -70,20 +94,24 @@ class ZayaBlock(nn.Module):
     mesh: Mesh | None = None
 
     @nn.compact
-    def __call__(self, carry, layer_xs, positions_bs, padding_mask_bs, segment_ids_bs):
+    def __call__(self, carry, layer_xs, positions_bs, padding_mask_bs, segment_ids_bs, kv_shared=None):
         cfg = self.cfg
         h, router_state = carry
-        rope_theta, sliding_window = layer_xs
+        rope_theta, sliding_window, layer_cache = layer_xs
+        kv_ctx = None if layer_cache is None else KVContext(layer_cache, *kv_shared)
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype, name=name)
 
-        a, _ = CCAttention(cfg, self.mesh, name="self_attn")(
+        a, new_layer_cache = CCAttention(cfg, self.mesh, name="self_attn")(
             norm("input_layernorm")(h),
             positions_bs=positions_bs,
             padding_mask_bs=padding_mask_bs,
             rope_theta=rope_theta,
             sliding_window=sliding_window,
             segment_ids_bs=segment_ids_bs,
+            kv_cache=kv_ctx,
         )
+        if kv_ctx is None:
+            new_layer_cache = None
         h = ResidualScaling(cfg.params_dtype, name="post_attention_residual_scale")(a, h)
 
         y, routing, dropped = SparseMoeBlock(cfg, self.mesh, name="mlp")(
@@ -97,7 +125,7 @@ class ZayaBlock(nn.Module):
             else padding_mask_bs.astype(jnp.float32)
         )
         counts = jnp.zeros((cfg.num_router_classes,), jnp.float32).at[routing.expert_bs].add(token_weight)
-        return (h, routing.next_state_bsr), (counts, routing.probs_bse, dropped)
+        return (h, routing.next_state_bsr), (counts, routing.probs_bse, dropped, new_layer_cache)
 
 
 REMAT_POLICIES = {
@@ -137,7 +165,7 @@ class ZayaForCausalLM(nn.Module):
             block,
             variable_axes={"params": 0, BALANCING: 0},
             split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_hidden_layers,
         )(cfg, self.mesh)
         self.norm = RMSNorm(cfg.rms_norm_eps, jnp.float32, cfg.params_dtype)
@@ -159,26 +187,48 @@ class ZayaForCausalLM(nn.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         return_logits: bool = True,
+        cache: KVCache | None = None,
+        cache_index: jax.Array | int | None = None,
     ) -> ZayaOutput:
         """input_ids [B, S]; attention_mask [B, S] (1 = token, 0 = padding); positions [B, S] default
         arange(S) (as transformers, padding does not shift positions); segment_ids [B, S] restrict
-        attention to tokens of the same packed document."""
+        attention to tokens of the same packed document.
+
+        Decoding: with `cache` (init_cache) the S new tokens are written at cache slots
+        cache_index..cache_index+S-1 and attend over the cache; positions default to
+        cache_index + arange(S); the output carries the updated cache. No segment ids there."""
         cfg = self.cfg
         b, s = input_ids.shape
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+            start = 0 if cache is None else jnp.asarray(cache_index, jnp.int32)
+            positions = jnp.broadcast_to(start + jnp.arange(s, dtype=jnp.int32), (b, s))
+        kv_shared, layer_caches = None, None
+        if cache is not None:
+            idx = jnp.asarray(cache_index, jnp.int32)
+            zero = jnp.zeros((), jnp.int32)
+            new_mask = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
+            kv_pos = jax.lax.dynamic_update_slice(cache.kv_pos, positions.astype(jnp.int32), (zero, idx))
+            kv_mask = jax.lax.dynamic_update_slice(cache.kv_mask, new_mask, (zero, idx))
+            kv_shared = (idx, kv_pos, kv_mask)
+            layer_caches = cache.layers
         x = self.embed_tokens(input_ids).astype(jnp.float32)
         h = (x + self.input_hidden_states_bias.astype(jnp.float32)) * self.input_hidden_states_scale.astype(
             jnp.float32
         )
         carry = (h, jnp.zeros((b, s, cfg.router_hidden_size), jnp.float32))
-        (h, _), (counts, probs, dropped) = self.layers(
-            carry, self.per_layer_inputs(), positions, attention_mask, segment_ids
+        (h, _), (counts, probs, dropped, new_layers) = self.layers(
+            carry, (*self.per_layer_inputs(), layer_caches), positions, attention_mask, segment_ids, kv_shared
         )
+        new_cache = None if cache is None else KVCache(new_layers, kv_shared[1], kv_shared[2])
         hidden = self.norm(h)
         logits = self.lm_head(hidden, self.embed_tokens.embedding) if return_logits else None
         return ZayaOutput(
-            logits=logits, hidden=hidden, expert_counts=counts, router_probs=probs, dropped_tokens=dropped
+            logits=logits,
+            hidden=hidden,
+            expert_counts=counts,
+            router_probs=probs,
+            dropped_tokens=dropped,
+            cache=new_cache,
         )
 
     def logits_from_hidden(self, hidden_bsd: jax.Array) -> jax.Array:

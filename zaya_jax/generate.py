@@ -1,0 +1,155 @@
+"""Autoregressive generation with a per-layer cache (K/V, CCA conv state, delayed value).
+
+    cache = init_cache(cfg, batch, max_len)
+    logits, cache = prefill(cfg, variables, ids, attention_mask, cache)          # [B, V] last logits
+    logits, cache = decode_step(cfg, variables, token_b, positions_b, index, cache)
+    tokens = generate(cfg, variables, prompts, max_new_tokens, temperature=0.0, top_p=1.0, seed=0, eos_id=None)
+
+Prompts of different lengths are left padded: pad tokens are zeroed before the CCA projections and
+hidden as keys; positions count real tokens only (cumsum(mask) - 1, as transformers' generate).
+
+    python -m zaya_jax.generate --checkpoint HF_DIR --prompt "..." [--max-new-tokens N]
+        [--temperature T] [--top-p P] [--seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zaya_jax.model.config import ZayaConfig
+from zaya_jax.model.transformer import KVCache, ZayaForCausalLM, init_cache
+
+__all__ = ["init_cache", "prefill", "decode_step", "sample", "generate", "KVCache"]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def prefill(cfg: ZayaConfig, variables: Any, ids_bs: jax.Array, attention_mask_bs: jax.Array, cache: KVCache):
+    """Runs the (left-padded) prompts [B, S] into an empty cache at slots 0..S-1.
+    Returns (fp32 logits of the last slot [B, V], cache)."""
+    mask = attention_mask_bs.astype(jnp.int32)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0) * mask
+    out = ZayaForCausalLM(cfg).apply(
+        variables, ids_bs, mask, positions=positions, cache=cache, cache_index=0, return_logits=False
+    )
+    logits = ZayaForCausalLM(cfg).apply(variables, out.hidden[:, -1], method="logits_from_hidden")
+    return logits, out.cache
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=5)
+def decode_step(
+    cfg: ZayaConfig,
+    variables: Any,
+    token_b: jax.Array,
+    position_b: jax.Array,
+    index: jax.Array,
+    cache: KVCache,
+):
+    """One token per sequence at position position_b [B], written at cache slot `index`.
+    Returns (fp32 logits [B, V], cache)."""
+    out = ZayaForCausalLM(cfg).apply(
+        variables, token_b[:, None], None, positions=position_b[:, None], cache=cache, cache_index=index
+    )
+    return out.logits[:, 0], out.cache
+
+
+def sample(logits_bv: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
+    """Greedy with temperature <= 0, else nucleus sampling (top_p) at `temperature`."""
+    if temperature <= 0:
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    logits = logits_bv / temperature
+    if top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        cum = jnp.cumsum(probs, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (the top token always survives)
+        keep = (cum - probs) < top_p
+        threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits >= threshold, logits, -jnp.inf)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def generate(
+    cfg: ZayaConfig,
+    variables: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+) -> list[list[int]]:
+    """Continues each prompt by up to max_new_tokens tokens (stopping after eos_id); returns the
+    new tokens per prompt (eos included when produced)."""
+    b = len(prompts)
+    s = max(len(p) for p in prompts)
+    if min(len(p) for p in prompts) < 1:
+        raise ValueError("empty prompt")
+    ids = np.full((b, s), pad_id, np.int32)
+    mask = np.zeros((b, s), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, s - len(p) :] = p
+        mask[i, s - len(p) :] = 1
+    cache = init_cache(cfg, b, s + max_new_tokens)
+    logits, cache = prefill(cfg, variables, jnp.asarray(ids), jnp.asarray(mask), cache)
+    position = jnp.asarray(mask.sum(-1), jnp.int32)  # the next token's position per row
+    key = jax.random.PRNGKey(seed)
+    out: list[list[int]] = [[] for _ in range(b)]
+    done = np.zeros(b, bool)
+    for step in range(max_new_tokens):
+        key, sub = jax.random.split(key)
+        token = sample(logits, sub, temperature, top_p)
+        tok = np.asarray(token)
+        for i in range(b):
+            if not done[i]:
+                out[i].append(int(tok[i]))
+                done[i] = eos_id is not None and int(tok[i]) == eos_id
+        if done.all() or step == max_new_tokens - 1:
+            break
+        logits, cache = decode_step(cfg, variables, token, position, jnp.asarray(s + step, jnp.int32), cache)
+        position = position + 1
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True, help="a Hugging Face ZAYA1 checkpoint directory")
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    from zaya_jax import hf
+    from zaya_jax.tokenizer import load_tokenizer
+
+    tok_json = os.path.join(args.checkpoint, "tokenizer.json")
+    tokenizer = load_tokenizer(tok_json if os.path.exists(tok_json) else "byte")
+    cfg, variables = hf.load_pretrained(args.checkpoint)
+    prompt = tokenizer.encode(args.prompt)
+    if getattr(tokenizer, "bos_id", None) is not None and os.path.exists(tok_json):
+        prompt = [tokenizer.bos_id, *prompt]
+    new = generate(
+        cfg,
+        variables,
+        [prompt],
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_id=tokenizer.eos_id,
+    )[0]
+    print(args.prompt + tokenizer.decode(new))
+
+
+if __name__ == "__main__":
+    main()
