@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_lowering import lowered_triton_kernels
 
 from zaya_jax.kernels import flash_attention, reference_attention, reference_mask
 from zaya_jax.model.attention import attention_allowed
@@ -222,24 +223,6 @@ def test_rejects_bad_arguments():
         flash_attention(q, k, v, scale=1.0, block_q=24, interpret=True)
     with pytest.raises(ValueError, match="segment"):
         flash_attention(q, k, v, scale=1.0, q_segment_ids=jnp.zeros((1, 8), jnp.int32), interpret=True)
-
-
-def lowered_triton_kernels(monkeypatch, fn, *avals, platform):
-    """Lower jit(fn) for a GPU platform without a GPU; returns the names of the pallas_calls that
-    went through the Pallas *Triton* lowering, each Triton module checked by the MLIR verifier."""
-    from jax._src.pallas.triton import pallas_call_registration as reg
-
-    seen, lower = [], reg.lowering.lower_jaxpr_to_triton_module
-
-    def spy(jaxpr, *args, **kwargs):
-        result = lower(jaxpr, *args, **kwargs)
-        assert result.module.operation.verify()
-        seen.append(jaxpr.debug_info.func_name)
-        return result
-
-    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", spy)
-    jax.jit(fn).trace(*avals).lower(lowering_platforms=(platform,))
-    return seen
 
 
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])

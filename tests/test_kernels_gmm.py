@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_lowering import lowered_triton_kernels
 
 from zaya_jax.kernels import grouped_matmul, reference_grouped_matmul, swiglu_grouped_pallas, tgmm
 from zaya_jax.kernels.grouped_matmul import make_tiles, num_tiles
@@ -167,22 +168,6 @@ def test_swiglu_grouped_pallas_matches_model(dtype):
 
 
 # ------------------------------------------------------------------------------------- lowering
-def lowered_triton_kernels(monkeypatch, fn, *avals, platform):
-    """Lower jit(fn) for a GPU platform without a GPU; names of the pallas_calls that went through
-    the Pallas Triton lowering, each Triton module checked by the MLIR verifier."""
-    from jax._src.pallas.triton import pallas_call_registration as reg
-
-    seen, lower = [], reg.lowering.lower_jaxpr_to_triton_module
-
-    def spy(jaxpr, *args, **kwargs):
-        result = lower(jaxpr, *args, **kwargs)
-        assert result.module.operation.verify()
-        seen.append(jaxpr.debug_info.func_name)
-        return result
-
-    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", spy)
-    jax.jit(fn).trace(*avals).lower(lowering_platforms=(platform,))
-    return seen
 
 
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])

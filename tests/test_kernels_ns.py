@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_lowering import lowered_triton_kernels
 
 from zaya_jax.kernels import newton_schulz, reference_newton_schulz
 from zaya_jax.optim.muon import orthogonalize
@@ -105,24 +106,6 @@ def test_rejects_bad_arguments():
         newton_schulz(jnp.ones((4,)), interpret=True)
     with pytest.raises(ValueError, match="triple"):
         newton_schulz(jnp.ones((4, 4)), ns_coeffs=(1.0, 2.0), interpret=True)
-
-
-def lowered_triton_kernels(monkeypatch, fn, *avals, platform):
-    """Lower jit(fn) for a GPU platform without a GPU; names of the pallas_calls that went through
-    the Pallas Triton lowering, each Triton module checked by the MLIR verifier."""
-    from jax._src.pallas.triton import pallas_call_registration as reg
-
-    seen, lower = [], reg.lowering.lower_jaxpr_to_triton_module
-
-    def spy(jaxpr, *args, **kwargs):
-        result = lower(jaxpr, *args, **kwargs)
-        assert result.module.operation.verify()
-        seen.append(jaxpr.debug_info.func_name)
-        return result
-
-    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", spy)
-    jax.jit(fn).trace(*avals).lower(lowering_platforms=(platform,))
-    return seen
 
 
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])
