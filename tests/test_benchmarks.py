@@ -117,3 +117,80 @@ def test_train_step_cli_as_script_and_bad_override(tmp_path):
     )
     assert proc.returncode != 0 and "no_such_key" in proc.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+# ------------------------------------------------------------------------------- benchmarks.evaluate
+EVAL_SIDE_KEYS = {
+    "pass_s",
+    "pass_times_s",
+    "requests_per_s",
+    "tokens_per_s",
+    "first_pass_s",
+    "compile_s",
+    "compilations",
+    "recompiled_while_timed",
+    "buckets",
+    "batch_size",
+    "batches",
+    "computed_tokens",
+    "padding_fraction",
+    "max_abs_diff_vs_bucketed",
+    "greedy_mismatches_vs_bucketed",
+}
+
+
+def test_evaluate_benchmark_writes_report(tmp_path):
+    out = tmp_path / "sub" / "evaluate.json"
+    args = ["--requests", "20", "--max-len", "32", "--batch-size", "4", "--min-bucket", "8"]
+    args += ["--set", "num_hidden_layers=1", "--iters", "2", "--warmup", "1", "--out", str(out)]
+    proc = _run(["-m", "benchmarks.evaluate", *args])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "bucketed/unbucketed requests/s =" in proc.stdout and "bucketed/torch =" in proc.stdout
+    assert "max |d loglik|" in proc.stdout, proc.stdout
+
+    report = json.loads(out.read_text())
+    assert set(report) == {"benchmark", "config", "device", "results", "agreement", "ratios", "timestamp"}
+    cfg = report["config"]
+    assert (cfg["requests"], cfg["max_len"], cfg["batch_size"], cfg["iters"]) == (20, 32, 4, 2)
+    assert cfg["model"]["num_hidden_layers"] == 1 and cfg["model"]["vocab_size"] == 259
+    assert (
+        8 <= cfg["length_min"] <= cfg["length_max"] <= 32 and 0 < cfg["scored_tokens"] < cfg["request_tokens"]
+    )
+    assert report["device"]["jax_backend"] == "cpu" and report["device"]["torch_device"] == "cpu"
+    datetime.datetime.fromisoformat(report["timestamp"])
+
+    res = report["results"]
+    assert set(res) == {"bucketed", "unbucketed", "torch"}
+    for name, r in res.items():
+        assert set(r) == EVAL_SIDE_KEYS, name
+        for key in ("pass_s", "requests_per_s", "tokens_per_s", "first_pass_s"):
+            assert _positive_finite(r[key]), (name, key, r[key])
+        assert len(r["pass_times_s"]) == 2 and all(_positive_finite(t) for t in r["pass_times_s"])
+        assert r["batches"] == 5 and r["batch_size"] == 4
+        assert r["computed_tokens"] >= cfg["request_tokens"]
+        assert r["tokens_per_s"] == pytest.approx(cfg["request_tokens"] / r["pass_s"])
+    b, u, t = res["bucketed"], res["unbucketed"], res["torch"]
+    # ours: every compilation in the first pass, at most one per bucket; unbucketed pads all to max_len
+    assert b["buckets"] == [8, 16, 32] and 1 <= b["compilations"] <= 3 and not b["recompiled_while_timed"]
+    assert u["buckets"] == [32] and u["compilations"] == 1 and not u["recompiled_while_timed"]
+    assert u["computed_tokens"] == 5 * 4 * 32 and b["computed_tokens"] <= u["computed_tokens"]
+    assert _positive_finite(b["compile_s"]) and _positive_finite(u["compile_s"])
+    assert t["compile_s"] is None and t["compilations"] is None and t["buckets"] is None
+
+    # the same weights and requests: the log-likelihoods agree (fp32)
+    agr = report["agreement"]
+    assert agr["max_abs_diff_torch_vs_bucketed"] < 1e-4, agr
+    assert agr["max_abs_diff_unbucketed_vs_bucketed"] < 1e-4, agr
+    assert agr["greedy_mismatches_torch_vs_bucketed"] == 0 and agr["max_abs_loglik"] > 1.0
+    for key in ("bucketed_over_unbucketed", "bucketed_over_torch", "unbucketed_over_torch"):
+        assert _positive_finite(report["ratios"][key]), key
+    assert report["ratios"]["bucketed_over_torch"] == pytest.approx(b["requests_per_s"] / t["requests_per_s"])
+
+
+def test_evaluate_benchmark_cli_as_script_and_bad_override(tmp_path):
+    proc = _run(["benchmarks/evaluate.py", "--help"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "--torch-batching" in proc.stdout and "--min-bucket" in proc.stdout
+    proc = _run(["benchmarks/evaluate.py", "--set", "no_such_field=1", "--out", str(tmp_path / "x.json")])
+    assert proc.returncode != 0 and "no_such_field" in proc.stderr
+    assert not (tmp_path / "x.json").exists()

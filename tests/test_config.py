@@ -56,6 +56,9 @@ def test_zaya1_phases_follow_the_recipe():
         ("mesh.data", 0, "config.mesh.data"),
         ("model.num_key_value_heads", 3, "config.model: .*divisible by num_key_value_heads"),
         ("model.moe_impl", "loop", "config.model: .*moe_impl"),
+        ("eval.tasks", ("no/such/task.jsonl",), r"config.eval.tasks\[0\]: .*does not exist"),
+        ("eval.tasks", (3,), "config.eval.tasks: must be a list of data specs"),
+        ("eval.task_limit", -1, "config.eval.task_limit: must be an int >= 0"),
     ],
 )
 def test_validation_names_the_bad_key(key, value, message):

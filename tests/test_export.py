@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from zaya_jax import model
-from zaya_jax.export import export, load_checkpoint_variables
+from zaya_jax.export import export
+from zaya_jax.pretrained import load_checkpoint_variables
 from zaya_jax.import_hf import import_hf
 from zaya_jax.tokenizer import ByteTokenizer, load_tokenizer
 from zaya_jax.train import train

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from hf_reference import Case, random_hf_model
 from zaya_jax import hf
-from zaya_jax.generate import decode_step, generate, init_cache, prefill
+from zaya_jax.generate import decode_step, generate, init_cache, prefill, sample
 from zaya_jax.model import ZayaForCausalLM
 
 CASE = Case(
@@ -91,3 +92,29 @@ def test_top_p_sampling_runs(hf_pair):
     a = generate(cfg, variables, [[5, 6, 7]], max_new_tokens=4, temperature=0.8, top_p=0.9, seed=1)
     b = generate(cfg, variables, [[5, 6, 7]], max_new_tokens=4, temperature=0.8, top_p=0.9, seed=1)
     assert a == b and len(a[0]) == 4 and all(0 <= t < CASE.vocab for t in a[0])
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+    keys = jax.random.split(jax.random.key(0), 200)
+    tiny_p = {int(sample(logits, k, 1.0, 1e-6)[0]) for k in keys}
+    assert tiny_p == {0}  # the top token always survives
+    nucleus = {int(sample(logits, k, 1.0, 0.75)[0]) for k in keys}
+    assert nucleus == {0, 1}  # 0.5 < 0.75 <= 0.5 + 0.3
+
+
+def test_cli_from_orbax_and_hf_checkpoints_agree(tmp_path, capsys):
+    from eval_models import orbax_from_hf, save_byte_hf_model
+    from zaya_jax.generate import main
+    from zaya_jax.tokenizer import ByteTokenizer
+
+    save_byte_hf_model(str(tmp_path / "hf"))
+    ckpt = orbax_from_hf(str(tmp_path / "hf"), str(tmp_path / "run"))
+    args = ["--prompt", "Call me", "--max-new-tokens", "6"]
+    from_hf = main(["--checkpoint", str(tmp_path / "hf"), *args])
+    from_orbax = main(["--checkpoint", ckpt, *args])
+    assert from_hf == from_orbax and capsys.readouterr().out.count("Call me") == 2
+    tok = ByteTokenizer()
+    cfg, variables = hf.load_pretrained(str(tmp_path / "hf"))
+    new = generate(cfg, variables, [[tok.eos_id, *tok.encode("Call me")]], 6, eos_id=tok.eos_id)[0]
+    assert from_hf == "Call me" + tok.decode(new)

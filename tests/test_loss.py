@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zaya_jax.loss import chunked_cross_entropy, token_cross_entropy
+from zaya_jax.loss import chunked_cross_entropy, chunked_token_logprobs, token_cross_entropy
 
 
 @pytest.mark.parametrize("s, chunk", [(16, 4), (13, 5), (7, 64)])
@@ -34,3 +34,19 @@ def test_token_cross_entropy_matches_log_softmax():
     np.testing.assert_allclose(
         token_cross_entropy(logits, jnp.array([[2]])), -jax.nn.log_softmax(logits)[..., 2], rtol=1e-6
     )
+
+
+@pytest.mark.parametrize("s, chunk", [(16, 4), (13, 5), (3, 64)])
+def test_chunked_token_logprobs_equal_log_softmax(s, chunk):
+    r = np.random.default_rng(s)
+    b, d, v = 3, 8, 11
+    hidden = jnp.asarray(r.normal(size=(b, s, d)), jnp.float32)
+    w = jnp.asarray(r.normal(size=(d, v)), jnp.float32)
+    logits = hidden @ w
+    targets = r.integers(0, v, size=(b, s))
+    targets[0] = np.argmax(np.asarray(logits[0]), -1)  # one row of greedy targets
+    logp, greedy = chunked_token_logprobs(hidden, jnp.asarray(targets, jnp.int32), lambda h: h @ w, chunk)
+    want = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), targets[..., None], -1)[..., 0]
+    np.testing.assert_allclose(logp, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(greedy, targets == np.argmax(np.asarray(logits), -1))
+    assert bool(greedy[0].all()) and logp.shape == greedy.shape == (b, s)

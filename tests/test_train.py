@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from eval_models import write_task
+from zaya_jax.evaluate import evaluate
 from zaya_jax.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,8 +103,24 @@ def test_train_on_prepared_text_file(tmp_path):
         cwd=ROOT,
         capture_output=True,
     )
-    run_train(tmp_path / "w", "--config.train.steps=3", f"--config.data.path={data}")
+    task = write_task(str(tmp_path / "task.jsonl"))
+    run_train(
+        tmp_path / "w",
+        "--config.train.steps=3",
+        f"--config.data.path={data}",
+        f"--config.eval.tasks=('{task}', '{text}')",
+        "--config.eval.task_limit=20",
+    )
     assert sorted(train_losses(tmp_path / "w")) == [1, 2, 3]
+    # downstream tasks at every evaluation, scored as the standalone evaluator scores the checkpoint
+    last = [r for r in read_metrics(str(tmp_path / "w")) if r["split"] == "eval"][-1]
+    assert last["step"] == 3
+    standalone = evaluate(str(tmp_path / "w"), [task, str(text)], max_len=32, separator="none", limit=20)
+    assert standalone["step"] == 3
+    assert last["eval_task/acc"] == standalone["results"]["task"]["acc"]
+    assert last["eval_task/acc_norm"] == standalone["results"]["task"]["acc_norm"]
+    for key in ("bits_per_byte", "loss"):
+        assert last[f"eval_mine/{key}"] == pytest.approx(standalone["results"]["mine"][key], rel=1e-5)
 
 
 def test_bad_config_fails_with_a_clear_message(tmp_path):

@@ -27,6 +27,10 @@ overrides any key (`--config.train.steps=100`). Sections:
   fault.inject_nan_at_steps, fault.inject_spike_at_steps   test hooks: poison the batch of those
                             steps (1-based) once (NaN loss / a large finite loss)
   eval.every_steps, eval.batches, eval.batch_size   held-out evaluation (0 batches = the whole split)
+  eval.tasks                downstream tasks scored at every evaluation: data specs of
+                            `python -m zaya_jax.evaluate` (multiple-choice JSONL, text files, token data)
+  eval.task_limit, eval.task_max_len   examples/documents per task (0 = all); tokens per scored
+                            row (0 = train.seq_len)
   logging.every_steps, logging.tensorboard, logging.console
 """
 
@@ -96,6 +100,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval.every_steps = 200
     c.eval.batches = 0
     c.eval.batch_size = 16
+    c.eval.tasks = ()
+    c.eval.task_limit = 0
+    c.eval.task_max_len = 0
 
     c.logging = ml_collections.ConfigDict()
     c.logging.every_steps = 10
@@ -188,6 +195,8 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
         "eval.every_steps",
         "eval.batches",
         "eval.batch_size",
+        "eval.task_limit",
+        "eval.task_max_len",
         "logging.every_steps",
         "data.num_threads",
         "data.prefetch",
@@ -211,6 +220,18 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
             f"fault.{key}",
             f"must be a list of positive ints, got {value!r}",
         )
+    _check(
+        isinstance(c.eval.tasks, (tuple, list)) and all(isinstance(t, str) for t in c.eval.tasks),
+        "eval.tasks",
+        f"must be a list of data specs (strings), got {c.eval.tasks!r}",
+    )
+    from zaya_jax.evaluate import parse_data_spec  # deferred: evaluate imports this module's users
+
+    for i, spec in enumerate(c.eval.tasks):
+        try:
+            parse_data_spec(spec)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"config.eval.tasks[{i}]: {e}") from None
     _check(c.logging.every_steps > 0, "logging.every_steps", "must be > 0")
     _check(c.balancing.lr > 0, "balancing.lr", "must be > 0 (set balancing.enabled=False to turn it off)")
     return cfg

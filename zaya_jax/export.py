@@ -15,31 +15,11 @@ import argparse
 import json
 import os
 
-import jax
 from absl import logging
 
-from zaya_jax import config as config_lib
 from zaya_jax import hf
-from zaya_jax.checkpoint import Checkpointer, checkpoint_workdir
-from zaya_jax.model import init_variables
+from zaya_jax.pretrained import load_checkpoint_variables
 from zaya_jax.tokenizer import load_tokenizer
-
-
-def load_checkpoint_variables(path: str):
-    """(training ConfigDict, ZayaConfig, {"params", "balancing"}, step) of a checkpoint on one device."""
-    workdir, step = checkpoint_workdir(path)
-    ck = Checkpointer(workdir, read_only=True)
-    step = ck.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint under {os.path.join(workdir, 'checkpoints')}")
-    c = config_lib.from_json(ck.restore_config(step))
-    cfg = config_lib.model_config(c)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shapes = jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0)))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)
-    variables = ck.restore_params(step, abstract)
-    ck.close()
-    return c, cfg, variables, step
 
 
 def export(

@@ -8,15 +8,17 @@
 Prompts of different lengths are left padded: pad tokens are zeroed before the CCA projections and
 hidden as keys; positions count real tokens only (cumsum(mask) - 1, as transformers' generate).
 
-    python -m zaya_jax.generate --checkpoint HF_DIR --prompt "..." [--max-new-tokens N]
-        [--temperature T] [--top-p P] [--seed S]
+    python -m zaya_jax.generate --checkpoint CKPT_OR_HF_DIR --prompt "..." [--max-new-tokens N]
+        [--temperature T] [--top-p P] [--seed S] [--tokenizer T] [--prefix auto|bos|eos|ID|none]
+
+The checkpoint is an Orbax training checkpoint or an HF directory (zaya_jax.pretrained.load_model);
+the prompt is encoded after the model's prefix token (the document boundary it was trained with).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -119,36 +121,43 @@ def generate(
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True, help="a Hugging Face ZAYA1 checkpoint directory")
+    ap.add_argument(
+        "--checkpoint", required=True, help="Orbax WORKDIR[/checkpoints[/STEP]] or an HF directory"
+    )
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", default=None, help="override: byte, a tokenizer.json or a saved dir")
+    ap.add_argument("--prefix", default="auto", help="auto | bos | eos | ID | none: token before the prompt")
     args = ap.parse_args(argv)
 
-    from zaya_jax import hf
-    from zaya_jax.tokenizer import load_tokenizer
+    from absl import logging
 
-    tok_json = os.path.join(args.checkpoint, "tokenizer.json")
-    tokenizer = load_tokenizer(tok_json if os.path.exists(tok_json) else "byte")
-    cfg, variables = hf.load_pretrained(args.checkpoint)
-    prompt = tokenizer.encode(args.prompt)
-    if getattr(tokenizer, "bos_id", None) is not None and os.path.exists(tok_json):
-        prompt = [tokenizer.bos_id, *prompt]
+    from zaya_jax.pretrained import load_model
+
+    logging.set_verbosity(logging.WARNING)
+    prefix = "auto" if args.prefix == "none" else args.prefix
+    m = load_model(args.checkpoint, tokenizer=args.tokenizer, prefix=prefix)
+    prompt = m.tokenizer.encode(args.prompt)
+    if args.prefix != "none":
+        prompt = [m.prefix_id, *prompt]
     new = generate(
-        cfg,
-        variables,
+        m.cfg,
+        m.variables,
         [prompt],
         args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
-        eos_id=tokenizer.eos_id,
+        eos_id=m.tokenizer.eos_id,
     )[0]
-    print(args.prompt + tokenizer.decode(new))
+    text = args.prompt + m.tokenizer.decode(new)
+    print(text)
+    return text
 
 
 if __name__ == "__main__":

@@ -89,6 +89,41 @@ def evaluate(eval_step, variables, c: ml_collections.ConfigDict, mesh) -> dict[s
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0)), "eval_tokens": weight}
 
 
+# the metrics of each downstream task kind logged at every evaluation
+TASK_METRICS = {
+    "mc": ("acc", "acc_norm"),
+    "text": ("bits_per_byte", "loss"),
+    "tokens": ("bits_per_byte", "loss"),
+}
+
+
+def downstream_tasks(c: ml_collections.ConfigDict, cfg, tokenizer, mesh) -> Callable[[Any], dict] | None:
+    """eval.tasks read and tokenised once -> fn(variables) -> {task: {metric: value}} (None if none).
+
+    Scored like `python -m zaya_jax.evaluate` (zaya_jax/evaluate), on the training mesh, from the
+    document boundary the packer uses (EOS)."""
+    if not c.eval.tasks:
+        return None
+    from zaya_jax.evaluate import Scorer, TaskSuite, parse_data_spec
+
+    max_len = c.eval.task_max_len or c.train.seq_len
+    suite = TaskSuite(
+        [parse_data_spec(s) for s in c.eval.tasks],
+        tokenizer,
+        tokenizer.eos_id,
+        max_len,
+        limit=c.eval.task_limit or None,
+    )
+    batch = -(-c.eval.batch_size // mesh.size) * mesh.size
+    scorer = Scorer(cfg, mesh=mesh, batch_size=batch, max_len=max_len, min_bucket=min(64, max_len))
+
+    def run(variables) -> dict:
+        results, _ = suite.run(scorer, variables)
+        return {name: {k: r[k] for k in TASK_METRICS[r["kind"]]} for name, r in results.items()}
+
+    return run
+
+
 class SpikeDetector:
     """A loss spike: z-score of the new loss against the last `window` accepted losses > `zscore`.
     Needs a full window before it judges; spikes are not added to the history."""
@@ -259,6 +294,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         donate_argnums=0,
     )
     eval_step = jax.jit(make_eval_step(cfg, mesh))
+    downstream = downstream_tasks(c, cfg, tokenizer, mesh)
     peak = sizing.peak_flops_per_device()
     config_json = json.loads(c.to_json_best_effort())
 
@@ -368,6 +404,8 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                     summary["loss"] = m["loss"]
                 if (c.eval.every_steps and done % c.eval.every_steps == 0) or done == steps:
                     ev = evaluate(eval_step, state.variables, c, mesh)
+                    if downstream is not None:
+                        ev.update(downstream(state.variables))
                     logger.log_eval(done, ev)
                     summary.update(ev)
                     t_last = time.perf_counter()  # evaluation time is not training throughput

@@ -166,7 +166,7 @@ def load_split(data_dir: str | os.PathLike, split: str) -> TokenDocuments:
 _SEPARATORS = {"blank-line": re.compile(r"\n[ \t]*\n+"), "form-feed": "\f"}
 
 
-def _parse_separator(spec: str | None) -> str | re.Pattern | None:
+def parse_separator(spec: str | None) -> str | re.Pattern | None:
     if spec is None or spec == "none":
         return None
     if spec in _SEPARATORS:
@@ -290,7 +290,7 @@ def prepare_dataset(
     if shard_tokens <= 0:
         raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
     is_eval_document(0, eval_fraction, split_seed)  # validates eval_fraction
-    separator = _parse_separator(doc_separator)
+    separator = parse_separator(doc_separator)
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:

@@ -1,0 +1,586 @@
+"""Evaluation throughput, side by side: our bucketed Scorer vs the same Scorer unbucketed vs transformers.
+
+    python -m benchmarks.evaluate [--requests 256] [--max-len 256] [--batch-size 8] [--min-bucket 64]
+        [--lengths loguniform|uniform] [--iters 3] [--warmup 1] [--set KEY=VALUE ...]
+        [--torch-batching padded|single] [--skip-torch] [--mesh none|auto|data=N,...]
+        [--out results/evaluate.json] [--cpu-devices N]
+
+(`python benchmarks/evaluate.py ...` works too.) One random tiny model (`ZayaConfig.tiny(vocab_size=259)`,
+the byte tokenizer's vocabulary, `--set` to change it) is built as transformers' ZayaForCausalLM with
+every weight randomised (norms, scales, biases and balancing biases too), saved as an HF directory and
+loaded back by `zaya_jax.hf.load_pretrained`, so both frameworks hold the same fp32 weights. The
+requests are multiple-choice-like: random ASCII contexts with 4 short choices each, turned into
+`Request`s by `zaya_jax.evaluate.multiple_choice.choice_requests`; example lengths are drawn from
+[8, --max-len] (log-uniform by default: most tasks are short next to max_len). Three sides score the
+same requests:
+
+  bucketed    Scorer(batch_size, max_len, min_bucket): sorted by length, every batch padded to the
+              smallest power-of-two bucket that fits; one compilation per bucket used
+  unbucketed  Scorer(..., min_bucket=max_len): every batch padded to max_len; one compilation
+  torch       transformers' ZayaForCausalLM (eval, inference_mode), the same length-sorted batches of
+              --batch-size right-padded to their longest row (or one unpadded request at a time with
+              --torch-batching single); log_softmax + gather over the scored targets
+
+Every side first runs one untimed pass (ours: all compilations happen there; the trace + lower +
+XLA compile time is summed from jax.monitoring events), then --warmup - 1 more untimed passes, then
+--iters timed passes, interleaved across the sides (order reversed every iteration); a pass is one
+`score(requests)` call end to end (host-side batching and the device round trip included) and the
+reported time is the median. The per-request log-likelihoods of the sides are compared (max abs
+difference in nats). See benchmarks/README.md for the columns and the JSON.
+"""
+
+from __future__ import annotations
+
+import os
+
+# As in train_step.py: passive OpenMP waiting keeps torch's CPU timings sane on a busy small machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import argparse  # noqa: E402
+import ast  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+if __package__ in (None, ""):  # `python benchmarks/evaluate.py`: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.common import simulate_cpu_devices, write_report  # noqa: E402
+
+BUCKETED, UNBUCKETED, TORCH = "bucketed", "unbucketed", "torch"
+CHOICES_PER_EXAMPLE = 4
+MAX_CHOICE_TOKENS = 16  # " " + up to 15 characters
+COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz     "))  # ~1 space in 6 characters
+
+
+# ---------------------------------------------------------------------------------------- requests
+def make_examples(num_requests: int, max_len: int, lengths: str, seed: int):
+    """Multiple-choice examples of random ASCII text (1 byte = 1 token), enough for `num_requests`
+    choices. Each example draws a length L in [8, max_len]; its choices are 2..16 tokens (with the
+    delimiter) and its context fills L up to the longest choice (at least 8 tokens with the shortest),
+    so requests are 8..max(L, 22) tokens; choice_requests cuts longer contexts to max_len."""
+    from zaya_jax.evaluate.multiple_choice import Example
+
+    rng = np.random.default_rng(seed)
+
+    def text(n: int) -> str:
+        s = "".join(rng.choice(LETTERS, size=n))
+        return s[:-1] + "x" if s.endswith(" ") else s  # trailing spaces would move to the choices
+
+    examples = []
+    for e in range(-(-num_requests // CHOICES_PER_EXAMPLE)):
+        if lengths == "uniform":
+            L = int(rng.integers(8, max_len + 1))
+        else:
+            L = round(math.exp(rng.uniform(math.log(8), math.log(max_len))))
+        k = rng.integers(2, min(MAX_CHOICE_TOKENS, L) + 1, size=CHOICES_PER_EXAMPLE)
+        choices = tuple(text(int(n) - 1).replace(" ", "y") for n in k)  # the delimiter is the 1st token
+        context = max(L - int(k.max()), 8 - int(k.min()))  # every request 8..max(L, 22) tokens
+        examples.append(Example(text(context), choices, 0, id=e))
+    return examples
+
+
+def make_requests(num_requests: int, max_len: int, lengths: str, seed: int):
+    from zaya_jax.evaluate.multiple_choice import choice_requests
+    from zaya_jax.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    examples = make_examples(num_requests, max_len, lengths, seed)
+    flat = [r for e in examples for r in choice_requests(e, tok, tok.eos_id, max_len)]
+    return flat[:num_requests]
+
+
+# ------------------------------------------------------------------------------------------- model
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """--set KEY=VALUE for ZayaConfig.tiny; values parsed as Python literals, else kept as strings."""
+    from zaya_jax.model import ZayaConfig
+
+    fields = {f.name for f in dataclasses.fields(ZayaConfig)}
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        if key not in fields:
+            raise KeyError(f"--set {key}: not a ZayaConfig field")
+        try:
+            out[key] = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            out[key] = raw.strip()
+    return out
+
+
+def tiny_config(overrides: dict[str, Any]):
+    from zaya_jax.model import ZayaConfig
+
+    # initializer_range 0.2 (as tests/hf_reference.py): peaked logits and decisive routing, a sharper
+    # agreement check than the near-uniform predictions of the 0.02 default
+    return ZayaConfig.tiny(**{"vocab_size": 259, "dtype": "float32", "initializer_range": 0.2, **overrides})
+
+
+def hf_native_config(cfg):
+    """transformers' ZayaConfig for our config (fp32)."""
+    import inspect
+
+    from transformers import ZayaConfig as HFZayaConfig
+
+    from zaya_jax.hf.config import to_native
+
+    params = inspect.signature(HFZayaConfig.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    d = {
+        k: v for k, v in to_native(cfg, "float32").items() if k != "model_type" and (takes_any or k in params)
+    }
+    return HFZayaConfig(**d)
+
+
+def random_torch_model(cfg, seed: int, device: str):
+    """transformers' ZayaForCausalLM with every parameter random, also those HF sets to constants
+    (as tests/hf_reference.py), so a term one side dropped would show in the agreement check."""
+    import torch
+    from transformers import ZayaForCausalLM as HFZayaForCausalLM
+
+    torch.manual_seed(seed)
+    model = HFZayaForCausalLM(hf_native_config(cfg)).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(s in name for s in ("scale", "bias", "temp", "norm")):
+                base = 1.0 if ("scale" in name or "norm" in name or "temp" in name) else 0.0
+                p.copy_(base + 0.3 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("balancing_biases"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+    return model.to(device)
+
+
+# ------------------------------------------------------------------------------------------- sides
+@dataclasses.dataclass
+class Scores:
+    logprob: np.ndarray  # [requests] float64
+    greedy: np.ndarray  # [requests] bool
+
+
+class OursSide:
+    """One `zaya_jax.evaluate.Scorer`."""
+
+    def __init__(self, name: str, cfg, variables, mesh, batch_size: int, max_len: int, min_bucket: int):
+        from zaya_jax.evaluate.scoring import Scorer
+
+        self.name, self.variables = name, variables
+        self.scorer = Scorer(cfg, mesh=mesh, batch_size=batch_size, max_len=max_len, min_bucket=min_bucket)
+
+    def score(self, requests) -> Scores:
+        out = self.scorer.score(self.variables, requests)
+        return Scores(np.array([s.logprob for s in out]), np.array([s.greedy for s in out]))
+
+    def computed_tokens(self, requests) -> tuple[int, int]:
+        """(batches, padded positions the model computes), as Scorer.score batches them."""
+        lengths = sorted((len(r.inputs) for r in requests), reverse=True)
+        b = self.scorer.batch_size
+        batches = [lengths[i : i + b] for i in range(0, len(lengths), b)]
+        return len(batches), sum(b * self.scorer.bucket_for(rows[0]) for rows in batches)
+
+
+class TorchSide:
+    """transformers' ZayaForCausalLM, length-sorted right-padded batches (or one request at a time)."""
+
+    name = TORCH
+
+    def __init__(self, model, batch_size: int, device: str):
+        import torch
+
+        self.torch, self.model, self.batch_size, self.device = torch, model, batch_size, torch.device(device)
+
+    def _batches(self, requests) -> list[list[int]]:
+        order = sorted(range(len(requests)), key=lambda i: -len(requests[i].inputs))
+        return [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+
+    def computed_tokens(self, requests) -> tuple[int, int]:
+        batches = self._batches(requests)
+        return len(batches), sum(len(rows) * len(requests[rows[0]].inputs) for rows in batches)
+
+    def score(self, requests) -> Scores:
+        torch = self.torch
+        logprob = np.zeros(len(requests))
+        greedy = np.zeros(len(requests), bool)
+        with torch.inference_mode():
+            for rows in self._batches(requests):
+                s = len(requests[rows[0]].inputs)
+                ids = np.zeros((len(rows), s), np.int64)
+                targets = np.zeros((len(rows), s), np.int64)
+                attention = np.zeros((len(rows), s), np.int64)
+                scored = np.zeros((len(rows), s), bool)
+                for j, i in enumerate(rows):
+                    r = requests[i]
+                    n = len(r.inputs)
+                    ids[j, :n], targets[j, :n], attention[j, :n] = r.inputs, r.targets, 1
+                    scored[j, r.score_from : n] = True
+                as_t = lambda x: torch.as_tensor(x, device=self.device)
+                logits = self.model(
+                    input_ids=as_t(ids), attention_mask=as_t(attention), use_cache=False
+                ).logits.float()
+                t, m = as_t(targets), as_t(scored)
+                logp = torch.log_softmax(logits, dim=-1).gather(-1, t[..., None])[..., 0]
+                lp = torch.where(m, logp, 0.0).sum(-1).double().cpu().numpy()
+                gr = ((logits.argmax(-1) == t) | ~m).all(-1).cpu().numpy()
+                logprob[rows], greedy[rows] = lp, gr
+        return Scores(logprob, greedy)
+
+
+class CompileClock:
+    """Sums jax's trace / lower / XLA-compile durations while installed."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def __call__(self, event: str, duration: float, **_) -> None:
+        if event in COMPILE_EVENTS:
+            self.seconds += duration
+
+    def __enter__(self):
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc):
+        import jax.monitoring
+
+        jax.monitoring.unregister_event_duration_listener(self)
+
+
+# --------------------------------------------------------------------------------------- benchmark
+def _max_abs(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b))) if len(a) else 0.0
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    import jax
+
+    from zaya_jax.evaluate import parse_mesh
+    from zaya_jax.hf import load_pretrained
+    from zaya_jax.hf.config import to_native
+    from zaya_jax.model import init_variables
+    from zaya_jax.sizing import param_counts
+
+    cfg = tiny_config(parse_overrides(args.set or []))
+    requests = make_requests(args.requests, args.max_len, args.lengths, args.seed)
+    lengths = np.array([len(r.inputs) for r in requests])
+    scored = np.array([len(r.targets) - r.score_from for r in requests])
+    mesh = parse_mesh(args.mesh)
+    device: dict[str, Any] = {
+        "jax_backend": jax.default_backend(),
+        "jax_device_kind": jax.devices()[0].device_kind,
+        "jax_device_count": jax.device_count(),
+        "mesh": None if mesh is None else dict(mesh.shape),
+        "jax_version": jax.__version__,
+        "jax_compilation_cache_dir": os.environ.get("JAX_COMPILATION_CACHE_DIR"),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+    torch_side = None
+    if args.skip_torch:
+        variables = init_variables(cfg, jax.random.key(args.seed))
+    else:
+        import torch
+        import transformers
+
+        torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
+        torch_device = args.torch_device
+        if torch_device == "auto":
+            torch_device = "cuda" if torch.cuda.is_available() else "cpu"
+        print(f"building the random transformers model on {torch_device}...", file=sys.stderr, flush=True)
+        transformers.utils.logging.disable_progress_bar()
+        model = random_torch_model(cfg, args.seed, torch_device)
+        with tempfile.TemporaryDirectory(prefix="zaya_eval_bench_") as hf_dir:
+            model.save_pretrained(hf_dir)  # fp32 safetensors
+            loaded_cfg, variables = load_pretrained(hf_dir)
+        # config.json round trip: the same architecture (our compute-only fields stay cfg's)
+        if to_native(loaded_cfg, "float32") != to_native(cfg, "float32"):
+            raise RuntimeError(f"config changed through the HF directory: {cfg} -> {loaded_cfg}")
+        batch = 1 if args.torch_batching == "single" else args.batch_size
+        torch_side = TorchSide(model, batch, torch_device)
+        device.update(
+            torch_device=torch_device,
+            torch_version=torch.__version__,
+            transformers_version=transformers.__version__,
+            torch_num_threads=torch.get_num_threads(),
+            omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+            torch_attn_implementation=getattr(model.config, "_attn_implementation", None),
+        )
+
+    if mesh is not None:  # laid out once, so that score() does not move them on every pass
+        from zaya_jax.pretrained import variable_shardings
+
+        variables = jax.device_put(variables, variable_shardings(variables, mesh))
+    sides: list[Any] = [
+        OursSide(BUCKETED, cfg, variables, mesh, args.batch_size, args.max_len, args.min_bucket),
+        OursSide(UNBUCKETED, cfg, variables, mesh, args.batch_size, args.max_len, args.max_len),
+    ]
+    if torch_side is not None:
+        sides.append(torch_side)
+
+    # First (untimed) pass of every side: our compilations happen here.
+    first: dict[str, dict[str, Any]] = {}
+    scores: dict[str, Scores] = {}
+    for side in sides:
+        print(f"first pass: {side.name}...", file=sys.stderr, flush=True)
+        with CompileClock() as clock:
+            t0 = time.perf_counter()
+            scores[side.name] = side.score(requests)
+            first[side.name] = {"first_pass_s": time.perf_counter() - t0, "compile_s": clock.seconds}
+        for _ in range(args.warmup - 1):
+            side.score(requests)
+    traces_after_warmup = {s.name: s.scorer.num_traces for s in sides if isinstance(s, OursSide)}
+
+    times: dict[str, list[float]] = {s.name: [] for s in sides}
+    for it in range(args.iters):
+        for side in sides if it % 2 == 0 else sides[::-1]:
+            t0 = time.perf_counter()
+            side.score(requests)
+            times[side.name].append(time.perf_counter() - t0)
+        print(
+            f"  iter {it + 1}/{args.iters}: " + ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items()),
+            file=sys.stderr,
+            flush=True,
+        )
+
+    num_tokens = int(lengths.sum())
+    results: dict[str, Any] = {BUCKETED: None, UNBUCKETED: None, TORCH: None}
+    for side in sides:
+        pass_s = statistics.median(times[side.name])
+        batches, computed = side.computed_tokens(requests)
+        ours = isinstance(side, OursSide)
+        results[side.name] = {
+            "pass_s": pass_s,
+            "pass_times_s": times[side.name],
+            "requests_per_s": len(requests) / pass_s,
+            "tokens_per_s": num_tokens / pass_s,
+            "first_pass_s": first[side.name]["first_pass_s"],
+            "compile_s": first[side.name]["compile_s"] if ours else None,
+            "compilations": side.scorer.num_traces if ours else None,
+            "recompiled_while_timed": (side.scorer.num_traces != traces_after_warmup[side.name])
+            if ours
+            else None,
+            "buckets": list(side.scorer.buckets) if ours else None,
+            "batch_size": side.scorer.batch_size if ours else side.batch_size,
+            "batches": batches,
+            "computed_tokens": computed,
+            "padding_fraction": 1.0 - num_tokens / computed,
+            "max_abs_diff_vs_bucketed": _max_abs(scores[side.name].logprob, scores[BUCKETED].logprob),
+            "greedy_mismatches_vs_bucketed": int(np.sum(scores[side.name].greedy != scores[BUCKETED].greedy)),
+        }
+    ratio = lambda a, b: (
+        results[a]["requests_per_s"] / results[b]["requests_per_s"] if results[a] and results[b] else None
+    )
+    tor = results[TORCH]
+    counts = param_counts(cfg)
+    return {
+        "benchmark": "evaluate",
+        "config": {
+            "requests": len(requests),
+            "max_len": args.max_len,
+            "batch_size": args.batch_size,
+            "min_bucket": args.min_bucket,
+            "lengths": args.lengths,
+            "iters": args.iters,
+            "warmup": args.warmup,
+            "seed": args.seed,
+            "torch_batching": None if tor is None else args.torch_batching,
+            "overrides": list(args.set or []),
+            "request_tokens": num_tokens,
+            "scored_tokens": int(scored.sum()),
+            "length_min": int(lengths.min()),
+            "length_mean": float(lengths.mean()),
+            "length_max": int(lengths.max()),
+            "params_total": counts.total,
+            "params_active": counts.active,
+            "model": {
+                k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()
+            },
+        },
+        "device": device,
+        "results": results,
+        "agreement": {
+            "max_abs_diff_unbucketed_vs_bucketed": results[UNBUCKETED]["max_abs_diff_vs_bucketed"],
+            "max_abs_diff_torch_vs_bucketed": None if tor is None else tor["max_abs_diff_vs_bucketed"],
+            "greedy_mismatches_torch_vs_bucketed": None
+            if tor is None
+            else tor["greedy_mismatches_vs_bucketed"],
+            "max_abs_loglik": float(np.max(np.abs(scores[BUCKETED].logprob))),
+        },
+        "ratios": {
+            "bucketed_over_unbucketed": ratio(BUCKETED, UNBUCKETED),
+            "bucketed_over_torch": ratio(BUCKETED, TORCH),
+            "unbucketed_over_torch": ratio(UNBUCKETED, TORCH),
+        },
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+# ------------------------------------------------------------------------------------------ report
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    header = (
+        "side",
+        "batches",
+        "pad %",
+        "compiles",
+        "compile s",
+        "1st pass s",
+        "pass ms",
+        "requests/s",
+        "tokens/s",
+        "vs bucketed",
+        "max |d loglik|",
+    )
+    base = report["results"][BUCKETED]["requests_per_s"]
+    rows = [header]
+    for name, r in report["results"].items():
+        if r is None:
+            continue
+        rows.append(
+            (
+                name,
+                str(r["batches"]),
+                _fmt(100 * r["padding_fraction"], ".1f"),
+                _fmt(r["compilations"], "d"),
+                _fmt(r["compile_s"], ".2f"),
+                _fmt(r["first_pass_s"], ".2f"),
+                _fmt(1e3 * r["pass_s"], ".1f"),
+                _fmt(r["requests_per_s"], ",.0f"),
+                _fmt(r["tokens_per_s"], ",.0f"),
+                _fmt(r["requests_per_s"] / base, ".2f") + "x",
+                "-" if name == BUCKETED else f"{r['max_abs_diff_vs_bucketed']:.1e}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    c, rat, agr = report["config"], report["ratios"], report["agreement"]
+    where = (
+        f"{c['requests']} requests, {c['lengths']} lengths {c['length_min']}-{c['length_max']} "
+        f"(mean {c['length_mean']:.0f}), B={c['batch_size']}, max_len={c['max_len']}, "
+        f"{report['device']['jax_backend']}"
+    )
+    line = f"evaluate: bucketed/unbucketed requests/s = {rat['bucketed_over_unbucketed']:.2f}x"
+    if rat["bucketed_over_torch"] is None:
+        return f"{line} ({where}; torch skipped)"
+    return (
+        f"{line}, bucketed/torch = {rat['bucketed_over_torch']:.2f}x, unbucketed/torch = "
+        f"{rat['unbucketed_over_torch']:.2f}x; max |loglik ours - torch| = "
+        f"{agr['max_abs_diff_torch_vs_bucketed']:.1e} nats ({where})"
+    )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.evaluate",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--requests", type=int, default=256, help="requests (choices) to score (default 256)")
+    p.add_argument("--max-len", type=int, default=256, help="longest request / largest bucket (default 256)")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per batch, all sides (default 8)")
+    p.add_argument(
+        "--min-bucket", type=int, default=64, help="smallest bucket of the bucketed side (Scorer default 64)"
+    )
+    p.add_argument(
+        "--lengths",
+        choices=("loguniform", "uniform"),
+        default="loguniform",
+        help="how example lengths are drawn from [8, max_len] (default loguniform)",
+    )
+    p.add_argument("--iters", type=int, default=3, help="timed passes per side, median taken (default 3)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed passes per side before timing, the first one compiles (default 1, >= 1)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="ZayaConfig.tiny override, repeatable: --set num_hidden_layers=4 --set hidden_size=128",
+    )
+    p.add_argument(
+        "--torch-batching",
+        choices=("padded", "single"),
+        default="padded",
+        help="torch side: right-padded batches of --batch-size (default) or one request at a time",
+    )
+    p.add_argument("--skip-torch", action="store_true", help="only our two sides (no torch import)")
+    p.add_argument(
+        "--torch-device", default="auto", help="auto (cuda if available, else cpu) | cpu | cuda[:N]"
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: usable cores)")
+    p.add_argument(
+        "--mesh", default="none", help="our sides' mesh: none (one device, default), auto, data=2,expert=4"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--out",
+        default="results/evaluate.json",
+        help="JSON report: a .json path, or a directory for DIR/evaluate.json ('' = do not write)",
+    )
+    p.add_argument("--cpu-devices", type=int, default=None, help="simulate N CPU devices (JAX_PLATFORMS=cpu)")
+    args = p.parse_args(argv)
+    for name in ("requests", "batch_size", "iters", "warmup", "min_bucket"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_len < 8:
+        p.error("--max-len must be >= 8")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    simulate_cpu_devices(args.cpu_devices)  # before jax is imported
+    try:
+        parse_overrides(args.set or [])  # fail fast, in one line, on a bad override
+    except (KeyError, ValueError) as e:
+        sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}")
+    report = run_benchmark(args)
+    print(format_table(report))
+    print(summary_line(report))
+    if args.out:
+        if args.out.endswith(".json"):
+            write_report(report, os.path.dirname(os.path.abspath(args.out)), os.path.basename(args.out)[:-5])
+        else:
+            write_report(report, args.out, "evaluate")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Evaluation: perplexity / bits per byte and multiple-choice accuracy of a trained model.
+
+    python -m zaya_jax.evaluate --checkpoint CKPT_OR_HF_DIR --data SPEC [--data SPEC ...] [options]
+
+or from Python:
+
+    results = evaluate("runs/tiny", ["embedded", "tasks/arc_easy.jsonl"], mesh="data=2,expert=4")
+
+A data SPEC is one task, its kind read off the path (or forced with a "kind:" prefix):
+    embedded | tokens:DIR | a prepared dir   perplexity over token shards (split: --split, default eval)
+    FILE.txt[.gz] | text:FILE                perplexity over text (--separator cuts it into documents)
+    FILE.jsonl[.gz]                          multiple choice if its first row has "choices", else text
+    mc:FILE                                  multiple choice (zaya_jax/evaluate/multiple_choice.py)
+
+The checkpoint is an Orbax training checkpoint (WORKDIR, WORKDIR/checkpoints or .../<step>) or a
+Hugging Face directory (zaya_jax.pretrained). Scoring is one jit-compiled step per sequence bucket
+(zaya_jax/evaluate/scoring.py), on one device or a (data, fsdp, expert) mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gzip
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from zaya_jax.evaluate.multiple_choice import Example, load_task, score_task, task_metrics, task_requests
+from zaya_jax.evaluate.perplexity import (
+    Document,
+    document_requests,
+    perplexity,
+    perplexity_metrics,
+    text_documents,
+    token_documents,
+)
+from zaya_jax.evaluate.scoring import Request, Score, Scorer, sequence_buckets
+from zaya_jax.parallel.mesh import make_mesh
+from zaya_jax.pretrained import load_model
+from zaya_jax.tokenizer import Tokenizer
+
+__all__ = [
+    "Document",
+    "Example",
+    "Request",
+    "Score",
+    "Scorer",
+    "Task",
+    "TaskSuite",
+    "evaluate",
+    "load_task",
+    "parse_data_spec",
+    "parse_mesh",
+    "perplexity",
+    "score_task",
+    "sequence_buckets",
+]
+
+KINDS = ("tokens", "text", "mc")
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    kind: str  # "tokens" | "text" | "mc"
+    path: str  # "embedded" for the embedded corpus
+    name: str
+
+
+def parse_data_spec(spec: str) -> Task:
+    """A --data SPEC -> Task (see the module docstring); FileNotFoundError / ValueError if unusable."""
+    kind, _, rest = spec.partition(":")
+    if kind in KINDS and rest:
+        path, forced = rest, kind
+    else:
+        path, forced = spec, None
+    if path == "embedded":
+        if forced not in (None, "tokens"):
+            raise ValueError(f"--data {spec}: the embedded corpus is token data, not {forced}")
+        return Task("tokens", "embedded", "embedded")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--data {spec}: {path} does not exist")
+    name = os.path.basename(os.path.normpath(path))
+    for suffix in (".gz", ".jsonl", ".txt"):
+        name = name.removesuffix(suffix)
+    if forced:
+        return Task(forced, path, name)
+    if os.path.isdir(path):
+        return Task("tokens", path, name)
+    base = path.removesuffix(".gz")
+    if base.endswith(".txt"):
+        return Task("text", path, name)
+    if base.endswith(".jsonl"):
+        return Task("mc" if "choices" in _first_row(path) else "text", path, name)
+    raise ValueError(
+        f"--data {spec}: cannot tell the kind of {path}; expected a prepared directory, .txt or .jsonl "
+        "(optionally .gz), or a tokens:/text:/mc: prefix"
+    )
+
+
+def _first_row(path: str) -> dict:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: invalid JSON: {e}") from None
+                return row if isinstance(row, dict) else {}
+    raise ValueError(f"{path} is empty")
+
+
+def parse_mesh(spec: str | None):
+    """The mesh of a --mesh spec: none -> None (one device); auto -> all devices on the data axis
+    (None if there is one); data=2,expert=4 -> that (unnamed axes: fsdp=1, expert=1, data = the rest)."""
+    if spec in (None, "none"):
+        return None
+    if spec == "auto":
+        return make_mesh() if jax.device_count() > 1 else None
+    axes = {}
+    for part in spec.split(","):
+        key, _, value = part.partition("=")
+        if key.strip() not in ("data", "fsdp", "expert") or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"--mesh {spec!r}: expected none, auto or e.g. data=2,expert=4")
+        axes[key.strip()] = int(value)
+    return make_mesh(**axes)
+
+
+class TaskSuite:
+    """Tasks read and tokenised once, then scored any number of times (every eval of a training run).
+
+    run(scorer, variables) scores all of them in one `Scorer.score` call (so batches are shared
+    between tasks) and returns (metrics per task name, multiple-choice samples per task name).
+    """
+
+    def __init__(
+        self,
+        tasks: Sequence[Task],
+        tokenizer: Tokenizer,
+        prefix_id: int,
+        max_len: int,
+        *,
+        split: str = "eval",
+        stride: int | None = None,
+        delimiter: str = " ",
+        separator: str | None = None,
+        text_field: str = "text",
+        limit: int | None = None,
+    ):
+        names = [t.name for t in tasks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two evaluation tasks share a name: {names}")
+        self.tasks = list(tasks)
+        self._jobs: list[tuple[Task, list[Request], Callable[[list[Score]], tuple[dict, list | None]]]] = []
+        for task in tasks:
+            if task.kind == "mc":
+                examples = load_task(task.path, limit)
+                requests = task_requests(examples, tokenizer, prefix_id, max_len, delimiter)
+                finish = functools.partial(task_metrics, examples)
+            else:
+                if task.kind == "text":
+                    docs = text_documents(task.path, tokenizer, separator=separator, text_field=text_field)
+                else:
+                    docs = token_documents(None if task.path == "embedded" else task.path, split, tokenizer)
+                docs = docs[:limit]
+                requests = document_requests(docs, prefix_id, max_len, stride)
+                if not requests:
+                    raise ValueError(f"task {task.name} ({task.path}): no non-empty documents to score")
+                finish = functools.partial(lambda d, scores: (perplexity_metrics(d, scores), None), docs)
+            self._jobs.append((task, requests, finish))
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(r) for _, r, _ in self._jobs)
+
+    def run(
+        self, scorer: Scorer, variables: Any, progress: Callable[[int, int], None] | None = None
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict]]]:
+        t0 = time.perf_counter()
+        scores = scorer.score(variables, [r for _, requests, _ in self._jobs for r in requests], progress)
+        seconds = time.perf_counter() - t0
+        results, samples, i = {}, {}, 0
+        for task, requests, finish in self._jobs:
+            metrics, task_samples = finish(scores[i : i + len(requests)])
+            i += len(requests)
+            # time is shared out by requests: tasks are scored together
+            share = seconds * len(requests) / max(self.num_requests, 1)
+            results[task.name] = {"kind": task.kind, **metrics, "seconds": share}
+            if task_samples is not None:
+                samples[task.name] = task_samples
+        return results, samples
+
+
+def _progress_printer(done: int, total: int) -> None:
+    if jax.process_index() == 0:
+        print(f"\rscored {done}/{total} requests", end="\n" if done == total else "", flush=True)
+
+
+def evaluate(
+    checkpoint: str,
+    data: Sequence[str],
+    *,
+    mesh: str | None = "none",
+    batch_size: int | None = None,
+    max_len: int | None = None,
+    min_bucket: int = 64,
+    dtype: str | None = None,
+    tokenizer: str | None = None,
+    prefix: str = "auto",
+    progress: bool = False,
+    **task_options,
+) -> dict[str, Any]:
+    """Loads `checkpoint` and runs every --data task; returns the results dict the CLI writes
+    (task_options: TaskSuite's keyword arguments)."""
+    tasks = [parse_data_spec(d) for d in data]
+    mesh_obj = parse_mesh(mesh)
+    model = load_model(checkpoint, mesh=mesh_obj, dtype=dtype, tokenizer=tokenizer, prefix=prefix)
+    devices = 1 if mesh_obj is None else mesh_obj.size
+    if batch_size is None:
+        batch_size = -(-8 // devices) * devices
+    max_len = min(2048, model.cfg.max_position_embeddings) if max_len is None else max_len
+    suite = TaskSuite(tasks, model.tokenizer, model.prefix_id, max_len, **task_options)
+    scorer = Scorer(model.cfg, mesh=mesh_obj, batch_size=batch_size, max_len=max_len, min_bucket=min_bucket)
+    results, samples = suite.run(scorer, model.variables, _progress_printer if progress else None)
+    return {
+        "checkpoint": os.path.abspath(checkpoint),
+        "source": model.source,
+        "step": model.step,
+        "tokenizer": model.tokenizer.name,
+        "prefix_id": model.prefix_id,
+        "dtype": model.cfg.dtype,
+        "mesh": None if mesh_obj is None else dict(mesh_obj.shape),
+        "batch_size": batch_size,
+        "max_len": max_len,
+        "buckets": list(scorer.buckets),
+        "compilations": scorer.num_traces,
+        "results": results,
+        "samples": samples,
+    }

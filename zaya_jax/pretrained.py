@@ -1,0 +1,162 @@
+"""One loader for every way a trained model is stored: `load_model(path)`.
+
+    m = load_model("runs/tiny")                    # Orbax: WORKDIR, WORKDIR/checkpoints or .../<step>
+    m = load_model("exports/tiny_hf")              # a Hugging Face ZAYA1 directory (ours or Zyphra's)
+    m = load_model(path, mesh=mesh, dtype="bfloat16")   # params laid out on a mesh, bf16 compute
+    m.cfg, m.variables, m.tokenizer, m.prefix_id
+
+From an Orbax checkpoint only the params and balancing biases are read (no optimizer state) and
+the model config is rebuilt from the training config saved with it. The tokenizer is the training
+data's own (the byte tokenizer for the embedded corpus); an HF directory carries its tokenizer
+(zaya_tokenizer.json from our export, or a plain tokenizer.json).
+
+`prefix_id` is the token a document is predicted from when it has no context of its own (an empty
+multiple-choice context, the first token of a perplexity document, a generation prompt's start):
+EOS for models we trained (the packer puts an EOS before every document, see
+zaya_jax/data/pipeline.py), otherwise the tokenizer's BOS as lm-evaluation-harness does, else EOS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zaya_jax import config as config_lib
+from zaya_jax.checkpoint import Checkpointer, checkpoint_workdir
+from zaya_jax.model import BALANCING, ZayaConfig, init_variables
+from zaya_jax.parallel.sharding import param_shardings
+from zaya_jax.tokenizer import CONFIG_FILENAME, HF_FILENAME, Tokenizer, load_tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Pretrained:
+    cfg: ZayaConfig
+    variables: dict[str, Any]  # {"params": ..., "balancing": ...}
+    tokenizer: Tokenizer
+    prefix_id: int
+    source: str  # "orbax" | "hf"
+    step: int | None = None  # the Orbax step restored
+
+
+def is_hf_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json"))
+
+
+def variable_shardings(variables: Any, mesh: Mesh) -> dict[str, Any]:
+    """Params by the sharding table (FSDP / expert axes); the small balancing biases replicated."""
+    return {
+        "params": param_shardings(variables["params"], mesh),
+        BALANCING: jax.tree.map(lambda _: NamedSharding(mesh, P()), variables[BALANCING]),
+    }
+
+
+def load_checkpoint_variables(path: str, mesh: Mesh | None = None):
+    """(training ConfigDict, ZayaConfig, {"params", "balancing"}, step) of an Orbax checkpoint,
+    restored straight into the mesh layout (or onto one device)."""
+    workdir, step = checkpoint_workdir(path)
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        raise FileNotFoundError(
+            f"{path!r} is neither a Hugging Face directory (no config.json) nor a training workdir "
+            f"(no {os.path.join(workdir, 'checkpoints')})"
+        )
+    ck = Checkpointer(workdir, read_only=True)
+    try:
+        step = ck.latest_step() if step is None else step
+        if step is None or step not in ck.all_steps():
+            raise FileNotFoundError(
+                f"no checkpoint {'' if step is None else f'for step {step} '}under "
+                f"{os.path.join(workdir, 'checkpoints')} (have: {ck.all_steps()})"
+            )
+        c = config_lib.from_json(ck.restore_config(step))
+        cfg = config_lib.model_config(c)
+        shapes = jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0)))
+        if mesh is None:
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            shardings = jax.tree.map(lambda _: device, shapes)
+        else:
+            shardings = variable_shardings(shapes, mesh)
+        abstract = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+        )
+        variables = ck.restore_params(step, abstract)
+    finally:
+        ck.close()
+    return c, cfg, variables, step
+
+
+def _hf_tokenizer(path: str, vocab_size: int) -> Tokenizer:
+    if os.path.isfile(os.path.join(path, CONFIG_FILENAME)) or os.path.isfile(os.path.join(path, HF_FILENAME)):
+        return load_tokenizer(path)
+    raise FileNotFoundError(
+        f"{path}: no tokenizer ({CONFIG_FILENAME} or {HF_FILENAME}) next to the weights "
+        f"(vocab_size {vocab_size}); pass one explicitly (tokenizer='byte' or a tokenizer.json)"
+    )
+
+
+def load_model(
+    path: str,
+    *,
+    mesh: Mesh | None = None,
+    dtype: str | None = None,
+    tokenizer: str | None = None,
+    prefix: str | int = "auto",
+    **config_overrides,
+) -> Pretrained:
+    """Loads an Orbax training checkpoint or an HF directory (see the module docstring).
+
+    dtype: compute dtype override ("float32", "bfloat16"); config_overrides set other compute fields
+    of ZayaConfig (attention_impl, moe_impl, ...). tokenizer: overrides the stored tokenizer.
+    prefix: "auto", "bos", "eos" or a token id (see `prefix_id` above).
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    overrides = dict(config_overrides)
+    if dtype is not None:
+        overrides["dtype"] = dtype
+    if is_hf_dir(path):
+        from zaya_jax import hf
+
+        cfg, variables = hf.load_pretrained(path, **overrides)
+        if mesh is not None:
+            variables = jax.device_put(variables, variable_shardings(variables, mesh))
+        tok = load_tokenizer(tokenizer) if tokenizer else _hf_tokenizer(path, cfg.vocab_size)
+        ours = os.path.isfile(os.path.join(path, CONFIG_FILENAME))
+        source, step = "hf", None
+    else:
+        c, cfg, variables, step = load_checkpoint_variables(path, mesh)
+        if overrides:
+            cfg = dataclasses.replace(cfg, **overrides)
+        if tokenizer:
+            tok = load_tokenizer(tokenizer)
+        else:
+            from zaya_jax.data.pipeline import source_tokenizer
+
+            tok = source_tokenizer(c.data.path)
+        ours, source = True, "orbax"
+    if tok.vocab_size > cfg.vocab_size:
+        raise ValueError(
+            f"tokenizer {tok.name} has {tok.vocab_size} tokens but the model's vocab_size is "
+            f"{cfg.vocab_size}: wrong tokenizer for {path}"
+        )
+    return Pretrained(cfg, variables, tok, resolve_prefix(prefix, tok, ours), source, step)
+
+
+def resolve_prefix(prefix: str | int, tokenizer: Tokenizer, trained_by_us: bool) -> int:
+    if isinstance(prefix, int) or (isinstance(prefix, str) and prefix.isdigit()):
+        return int(prefix)
+    if prefix == "eos":
+        return tokenizer.eos_id
+    if prefix == "bos":
+        if tokenizer.bos_id is None:
+            raise ValueError(f"prefix 'bos': tokenizer {tokenizer.name} has no BOS token")
+        return tokenizer.bos_id
+    if prefix != "auto":
+        raise ValueError(f"prefix={prefix!r}: expected 'auto', 'bos', 'eos' or a token id")
+    if trained_by_us or tokenizer.bos_id is None:
+        return tokenizer.eos_id
+    return tokenizer.bos_id
