@@ -55,7 +55,7 @@ if __package__ in (None, ""):  # `python benchmarks/evaluate.py`: make the repo 
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import simulate_cpu_devices, write_report  # noqa: E402
+from benchmarks.common import fmt, format_rows, simulate_cpu_devices, write_report  # noqa: E402
 
 BUCKETED, UNBUCKETED, TORCH = "bucketed", "unbucketed", "torch"
 CHOICES_PER_EXAMPLE = 4
@@ -439,10 +439,6 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ report
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def format_table(report: dict[str, Any]) -> str:
     header = (
         "side",
@@ -466,24 +462,18 @@ def format_table(report: dict[str, Any]) -> str:
             (
                 name,
                 str(r["batches"]),
-                _fmt(100 * r["padding_fraction"], ".1f"),
-                _fmt(r["compilations"], "d"),
-                _fmt(r["compile_s"], ".2f"),
-                _fmt(r["first_pass_s"], ".2f"),
-                _fmt(1e3 * r["pass_s"], ".1f"),
-                _fmt(r["requests_per_s"], ",.0f"),
-                _fmt(r["tokens_per_s"], ",.0f"),
-                _fmt(r["requests_per_s"] / base, ".2f") + "x",
+                fmt(100 * r["padding_fraction"], ".1f"),
+                fmt(r["compilations"], "d"),
+                fmt(r["compile_s"], ".2f"),
+                fmt(r["first_pass_s"], ".2f"),
+                fmt(1e3 * r["pass_s"], ".1f"),
+                fmt(r["requests_per_s"], ",.0f"),
+                fmt(r["tokens_per_s"], ",.0f"),
+                fmt(r["requests_per_s"] / base, ".2f") + "x",
                 "-" if name == BUCKETED else f"{r['max_abs_diff_vs_bucketed']:.1e}",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [
-        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-        for row in rows
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_rows(rows)
 
 
 def summary_line(report: dict[str, Any]) -> str:

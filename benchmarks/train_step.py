@@ -47,10 +47,14 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+if __package__ in (None, ""):  # `python benchmarks/train_step.py`: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.common import fmt, format_rows  # noqa: E402
 from zaya_jax import balancing as bal  # noqa: E402
 from zaya_jax import config as config_lib  # noqa: E402
 from zaya_jax import sizing  # noqa: E402
@@ -423,10 +427,6 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ report
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def format_table(report: dict[str, Any]) -> str:
     header = ("side", "step ms", "tokens/s", "TFLOP/s", "MFU", "compile s", "1st step s", "loss")
     rows = [header]
@@ -436,23 +436,17 @@ def format_table(report: dict[str, Any]) -> str:
         rows.append(
             (
                 name,
-                _fmt(1e3 * r["step_time_s"], ".2f"),
-                _fmt(r["tokens_per_s"], ",.0f"),
-                _fmt(r["model_tflops_per_s"], ".4f"),
-                _fmt(None if r["mfu"] is None else 100 * r["mfu"], ".1f")
+                fmt(1e3 * r["step_time_s"], ".2f"),
+                fmt(r["tokens_per_s"], ",.0f"),
+                fmt(r["model_tflops_per_s"], ".4f"),
+                fmt(None if r["mfu"] is None else 100 * r["mfu"], ".1f")
                 + ("%" if r["mfu"] is not None else ""),
-                _fmt(r["compile_s"], ".2f"),
-                _fmt(r["first_step_s"], ".2f"),
-                _fmt(r["final_loss"], ".4f"),
+                fmt(r["compile_s"], ".2f"),
+                fmt(r["first_step_s"], ".2f"),
+                fmt(r["final_loss"], ".4f"),
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [
-        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-        for row in rows
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_rows(rows)
 
 
 def summary_line(report: dict[str, Any]) -> str:
