@@ -5,10 +5,12 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from eval_models import write_task
 from zaya_jax.evaluate import evaluate
+from zaya_jax.export import export
 from zaya_jax.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -138,32 +140,8 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_processes_match_one_eight_device_process(tmp_path):
-    """2 processes x 4 CPU devices (jax.distributed on localhost) on a data=2 x expert=4 mesh train
-    with the same losses as one process with 8 devices."""
-    mesh = [
-        "--config.mesh.data=2",
-        "--config.mesh.expert=4",
-        "--config.train.steps=4",
-        "--config.eval.every_steps=0",
-        "--config.checkpoint.every_steps=0",
-    ]
-    single = tmp_path / "single"
-    run_train(single, *mesh, devices=8)
-    port = _free_port()
-    multi = tmp_path / "multi"
-    cmd = [
-        sys.executable,
-        "-m",
-        "zaya_jax.train",
-        "--config",
-        os.path.join(ROOT, "configs/tiny.py"),
-        "--workdir",
-        str(multi),
-        *SMALL,
-        *mesh,
-    ]
+def _two_processes(cmd, port):
+    """Runs `cmd` as 2 processes x 4 CPU devices (jax.distributed on localhost); returns their stdouts."""
     procs = [
         subprocess.Popen(
             cmd,
@@ -184,10 +162,61 @@ def test_two_processes_match_one_eight_device_process(tmp_path):
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
-    summaries = [json.loads(out.strip().splitlines()[-1])["summary"] for out, _ in outs]
+    return [out for out, _ in outs]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_eight_device_process(tmp_path):
+    """2 processes x 4 CPU devices on a data=2 x expert=4 mesh train with the same losses, and score
+    the same downstream task, as one process with 8 devices; `zaya_jax.evaluate` over 2 processes
+    gives the same numbers from the exported HF directory."""
+    task = write_task(str(tmp_path / "task.jsonl"))
+    mesh = [
+        "--config.mesh.data=2",
+        "--config.mesh.expert=4",
+        "--config.train.steps=4",
+        "--config.eval.every_steps=0",
+        "--config.checkpoint.every_steps=0",
+        f"--config.eval.tasks=('{task}',)",
+    ]
+    single = tmp_path / "single"
+    run_train(single, *mesh, devices=8)
+    multi = tmp_path / "multi"
+    cmd = [
+        sys.executable,
+        "-m",
+        "zaya_jax.train",
+        "--config",
+        os.path.join(ROOT, "configs/tiny.py"),
+        "--workdir",
+        str(multi),
+        *SMALL,
+        *mesh,
+    ]
+    outs = _two_processes(cmd, _free_port())
+    summaries = [json.loads(out.strip().splitlines()[-1])["summary"] for out in outs]
     assert all(s["mesh"] == {"data": 2, "fsdp": 1, "expert": 4} for s in summaries)
     ref = train_losses(single)
     got0, got1 = train_losses(multi), train_losses(multi / "process_1")
     assert sorted(ref) == sorted(got0) == sorted(got1) == [1, 2, 3, 4]
     for step in ref:
         assert abs(got0[step] - ref[step]) < 1e-5 and got0[step] == got1[step]
+    evals = [[r for r in read_metrics(str(w)) if r["split"] == "eval"][-1] for w in (single, multi)]
+    assert evals[0]["eval_task/acc"] == evals[1]["eval_task/acc"]
+    assert evals[0]["eval_task/acc_norm"] == evals[1]["eval_task/acc_norm"]
+
+    hf_dir = tmp_path / "hf"
+    export(str(single), str(hf_dir), dtype="float32")
+    results = tmp_path / "eval.json"
+    cmd = [sys.executable, "-m", "zaya_jax.evaluate", "--checkpoint", str(hf_dir), "--data", task,
+           "--mesh", "data=2,expert=4", "--max-len", "32", "--out", str(results), "--quiet",
+           "--samples-out", str(tmp_path / "samples.jsonl")]  # fmt: skip
+    _two_processes(cmd, _free_port())
+    written = json.loads(results.read_text())
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    one_device = evaluate(str(hf_dir), [task], max_len=32)["samples"]["task"]
+    for a, b in zip(samples, one_device, strict=True):
+        assert abs(np.array(a["loglikelihoods"]) - b["loglikelihoods"]).max() < 1e-5
+    assert written["mesh"] == {"data": 2, "fsdp": 1, "expert": 4}
+    assert written["results"]["task"]["acc"] == evals[0]["eval_task/acc"]
+    assert written["results"]["task"]["acc_norm"] == evals[0]["eval_task/acc_norm"]
