@@ -118,3 +118,16 @@ def test_cli_from_orbax_and_hf_checkpoints_agree(tmp_path, capsys):
     cfg, variables = hf.load_pretrained(str(tmp_path / "hf"))
     new = generate(cfg, variables, [[tok.eos_id, *tok.encode("Call me")]], 6, eos_id=tok.eos_id)[0]
     assert from_hf == "Call me" + tok.decode(new)
+
+
+def test_eos_stops_each_row_on_its_own(hf_pair):
+    _, cfg, variables = hf_pair
+    prompts = [[5, 17, 42, 8], [9, 70, 3]]
+    free = generate(cfg, variables, prompts, max_new_tokens=8)
+    eos = free[0][2]
+    got = generate(cfg, variables, prompts, max_new_tokens=8, eos_id=eos)
+    assert len(got[0]) <= 3  # row 0 stops at its first eos
+    for row_free, row in zip(free, got):
+        assert row == (row_free[: row_free.index(eos) + 1] if eos in row_free else row_free)
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(cfg, variables, [[1], []], max_new_tokens=2)

@@ -45,6 +45,13 @@ def prefill(cfg: ZayaConfig, variables: Any, ids_bs: jax.Array, attention_mask_b
     return logits, out.cache
 
 
+def _decode(cfg: ZayaConfig, variables: Any, token_b, position_b, index, cache: KVCache):
+    out = ZayaForCausalLM(cfg).apply(
+        variables, token_b[:, None], None, positions=position_b[:, None], cache=cache, cache_index=index
+    )
+    return out.logits[:, 0], out.cache
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=5)
 def decode_step(
     cfg: ZayaConfig,
@@ -56,10 +63,7 @@ def decode_step(
 ):
     """One token per sequence at position position_b [B], written at cache slot `index`.
     Returns (fp32 logits [B, V], cache)."""
-    out = ZayaForCausalLM(cfg).apply(
-        variables, token_b[:, None], None, positions=position_b[:, None], cache=cache, cache_index=index
-    )
-    return out.logits[:, 0], out.cache
+    return _decode(cfg, variables, token_b, position_b, index, cache)
 
 
 def sample(logits_bv: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
@@ -78,6 +82,46 @@ def sample(logits_bv: jax.Array, key: jax.Array, temperature: float, top_p: floa
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7))
+def _generate_loop(
+    cfg: ZayaConfig,
+    variables: Any,
+    prompt: tuple[jax.Array, jax.Array],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    eos_id: int,
+    pad_id: int,
+    key: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Prefill, then sample and decode in one `lax.while_loop` on the device (no host round trip
+    per token), stopping early once every row has produced eos_id (-1: never).
+    Returns (tokens [B, max_new_tokens] (pad_id after a row's EOS), steps taken)."""
+    ids, mask = prompt
+    b, s = ids.shape
+    logits, cache = prefill(cfg, variables, ids, mask, init_cache(cfg, b, s + max_new_tokens))
+    position = jnp.sum(mask, axis=-1, dtype=jnp.int32)  # the next token's position per row
+    tokens = jnp.full((b, max_new_tokens), pad_id, jnp.int32)
+
+    def cond(c):
+        step, *_, done = c
+        return (step < max_new_tokens) & ~jnp.all(done)
+
+    def body(c):
+        step, logits, cache, position, key, tokens, done = c
+        key, sub = jax.random.split(key)
+        token = jnp.where(done, pad_id, sample(logits, sub, temperature, top_p))
+        tokens = tokens.at[:, step].set(token)
+        done = done | (token == eos_id)
+        # the logits after the last token are not needed; the cache has a slot for them all the same
+        logits, cache = _decode(cfg, variables, token, position, s + step, cache)
+        return step + 1, logits, cache, position + 1, key, tokens, done
+
+    carry = (jnp.zeros((), jnp.int32), logits, cache, position, key, tokens, jnp.zeros((b,), bool))
+    steps, *_, tokens, _ = jax.lax.while_loop(cond, body, carry)
+    return tokens, steps
+
+
 def generate(
     cfg: ZayaConfig,
     variables: Any,
@@ -90,34 +134,36 @@ def generate(
     pad_id: int = 0,
 ) -> list[list[int]]:
     """Continues each prompt by up to max_new_tokens tokens (stopping after eos_id); returns the
-    new tokens per prompt (eos included when produced)."""
+    new tokens per prompt (eos included when produced). One jitted program per (batch, prompt
+    length, max_new_tokens, sampling settings)."""
+    if not prompts or min(len(p) for p in prompts) < 1:
+        raise ValueError("generate: every prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
     b = len(prompts)
     s = max(len(p) for p in prompts)
-    if min(len(p) for p in prompts) < 1:
-        raise ValueError("empty prompt")
     ids = np.full((b, s), pad_id, np.int32)
     mask = np.zeros((b, s), np.int32)
     for i, p in enumerate(prompts):
         ids[i, s - len(p) :] = p
         mask[i, s - len(p) :] = 1
-    cache = init_cache(cfg, b, s + max_new_tokens)
-    logits, cache = prefill(cfg, variables, jnp.asarray(ids), jnp.asarray(mask), cache)
-    position = jnp.asarray(mask.sum(-1), jnp.int32)  # the next token's position per row
-    key = jax.random.PRNGKey(seed)
-    out: list[list[int]] = [[] for _ in range(b)]
-    done = np.zeros(b, bool)
-    for step in range(max_new_tokens):
-        key, sub = jax.random.split(key)
-        token = sample(logits, sub, temperature, top_p)
-        tok = np.asarray(token)
-        for i in range(b):
-            if not done[i]:
-                out[i].append(int(tok[i]))
-                done[i] = eos_id is not None and int(tok[i]) == eos_id
-        if done.all() or step == max_new_tokens - 1:
-            break
-        logits, cache = decode_step(cfg, variables, token, position, jnp.asarray(s + step, jnp.int32), cache)
-        position = position + 1
+    tokens, steps = _generate_loop(
+        cfg,
+        variables,
+        (jnp.asarray(ids), jnp.asarray(mask)),
+        max_new_tokens,
+        float(temperature),
+        float(top_p),
+        -1 if eos_id is None else int(eos_id),
+        pad_id,
+        jax.random.PRNGKey(seed),
+    )
+    tokens = np.asarray(tokens)[:, : int(steps)]
+    out = []
+    for row in tokens.tolist():
+        if eos_id is not None and eos_id in row:
+            row = row[: row.index(eos_id) + 1]
+        out.append(row)
     return out
 
 
