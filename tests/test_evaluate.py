@@ -144,3 +144,15 @@ def test_cli_errors_name_the_problem(setup, tmp_path):
     bad.write_text('{"context": "a", "choices": ["x", "y"], "answer": 5}\n')
     r = run("--checkpoint", str(d / "hf"), "--data", f"mc:{bad}", "--mesh", "none")
     assert r.returncode != 0 and "bad.jsonl:1: 'answer' must be an index" in r.stderr
+
+
+def test_embedded_token_data_and_bf16_compute(setup):
+    d, _, data, single = setup
+    out = evaluate(str(d / "hf"), ["embedded", data[0]], mesh="none", max_len=48, min_bucket=16, limit=1)
+    m = out["results"]["embedded"]
+    assert m["kind"] == "tokens" and m["documents"] == 1 and m["tokens"] == m["bytes"] > 1000
+    assert m["windows"] == -(-m["tokens"] // 48) and 0 < m["bits_per_byte"] < 20
+    bf16 = evaluate(str(d / "hf"), data[:1], mesh="none", dtype="bfloat16", **OPTS)
+    assert bf16["dtype"] == "bfloat16"
+    for a, b in zip(bf16["samples"]["task"], single["samples"]["task"]):
+        np.testing.assert_allclose(a["loglikelihoods"], b["loglikelihoods"], rtol=3e-2)

@@ -5,7 +5,8 @@
     logits, cache = decode_step(cfg, variables, token_b, positions_b, index, cache)
     tokens = generate(cfg, variables, prompts, max_new_tokens, temperature=0.0, top_p=1.0, seed=0, eos_id=None)
 
-Prompts of different lengths are left padded: pad tokens are zeroed before the CCA projections and
+`generate` runs prefill, sampling and decoding in one jitted `lax.while_loop` (the building blocks
+above stay public for custom loops). Prompts of different lengths are left padded: pad tokens are zeroed before the CCA projections and
 hidden as keys; positions count real tokens only (cumsum(mask) - 1, as transformers' generate).
 
     python -m zaya_jax.generate --checkpoint CKPT_OR_HF_DIR --prompt "..." [--max-new-tokens N]
