@@ -1,11 +1,22 @@
-"""Pieces every benchmark shares: simulated CPU devices, the printed table and the JSON report."""
+"""Pieces every benchmark shares: simulated CPU devices, the host description, the side-by-side
+timing protocol, the printed table and the JSON report."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from collections.abc import Sequence
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
+
+COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
 
 
 def simulate_cpu_devices(n: int | None) -> None:
@@ -18,6 +29,88 @@ def simulate_cpu_devices(n: int | None) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def host_info() -> dict[str, Any]:
+    """The jax device and the host, for a report's "device" section (imports jax)."""
+    import jax
+
+    return {
+        "jax_backend": jax.default_backend(),
+        "jax_device_kind": jax.devices()[0].device_kind,
+        "jax_device_count": jax.device_count(),
+        "jax_version": jax.__version__,
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+class CompileClock:
+    """Sums jax's trace / lower / XLA-compile durations while installed."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def __call__(self, event: str, duration: float, **_) -> None:
+        if event in COMPILE_EVENTS:
+            self.seconds += duration
+
+    def __enter__(self):
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc):
+        import jax.monitoring
+
+        jax.monitoring.unregister_event_duration_listener(self)
+
+
+@dataclasses.dataclass
+class FirstCall:
+    output: Any  # what the side's first call returned (compared across sides)
+    seconds: float  # wall time of the first call, compilation included
+    compile_s: float  # jax trace + lower + compile time inside it (0 for a side without jax)
+
+
+def first_calls(sides: Sequence[Any], call: Callable[[Any], Any], warmup: int) -> dict[str, FirstCall]:
+    """One untimed first call of every side (`side.name`), where jit compilation happens, then
+    `warmup - 1` more untimed calls each."""
+    out = {}
+    for side in sides:
+        print(f"first call: {side.name}...", file=sys.stderr, flush=True)
+        with CompileClock() as clock:
+            t0 = time.perf_counter()
+            output = call(side)
+            out[side.name] = FirstCall(output, time.perf_counter() - t0, clock.seconds)
+        for _ in range(warmup - 1):
+            call(side)
+    return out
+
+
+def timed_calls(sides: Sequence[Any], call: Callable[[Any], Any], iters: int) -> dict[str, list[float]]:
+    """`iters` timed calls per side, interleaved across the sides with the order reversed every
+    iteration, so that drifting machine load falls on all of them alike; seconds per call."""
+    times: dict[str, list[float]] = {s.name: [] for s in sides}
+    for it in range(iters):
+        for side in sides if it % 2 == 0 else sides[::-1]:
+            t0 = time.perf_counter()
+            call(side)
+            times[side.name].append(time.perf_counter() - t0)
+        progress = ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items())
+        print(f"  iter {it + 1}/{iters}: {progress}", file=sys.stderr, flush=True)
+    return times
+
+
+def print_and_write(report: dict[str, Any], table: str, summary: str, out: str, name: str) -> None:
+    """Prints the table and the summary line; writes the JSON report where --out says ('' = nowhere)."""
+    print(table)
+    print(summary)
+    if out:
+        write_report(report, *report_path(out, name))
+
+
 def write_report(result: dict[str, Any], out_dir: str, name: str) -> str:
     """Writes `result` to OUT_DIR/NAME.json and says where."""
     os.makedirs(out_dir, exist_ok=True)
@@ -26,6 +119,13 @@ def write_report(result: dict[str, Any], out_dir: str, name: str) -> str:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")
     return path
+
+
+def report_path(out: str, name: str) -> tuple[str, str]:
+    """An --out value as write_report's (out_dir, name): a .json path, or a directory for DIR/NAME.json."""
+    if out.endswith(".json"):
+        return os.path.dirname(os.path.abspath(out)), os.path.basename(out)[:-5]
+    return out, name
 
 
 def fmt(x: float | None, spec: str) -> str:

@@ -38,15 +38,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
-import ast  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import math  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -55,16 +51,28 @@ if __package__ in (None, ""):  # `python benchmarks/evaluate.py`: make the repo 
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import fmt, format_rows, simulate_cpu_devices, write_report  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    first_calls,
+    fmt,
+    format_rows,
+    host_info,
+    print_and_write,
+    simulate_cpu_devices,
+    timed_calls,
+)
+from benchmarks.reference import (  # noqa: E402
+    add_model_args,
+    add_torch_args,
+    model_report,
+    overrides_or_exit,
+    parse_overrides,
+    reference_pair,
+    tiny_config,
+)
 
 BUCKETED, UNBUCKETED, TORCH = "bucketed", "unbucketed", "torch"
 CHOICES_PER_EXAMPLE = 4
 MAX_CHOICE_TOKENS = 16  # " " + up to 15 characters
-COMPILE_EVENTS = (
-    "/jax/core/compile/jaxpr_trace_duration",
-    "/jax/core/compile/jaxpr_to_mlir_module_duration",
-    "/jax/core/compile/backend_compile_duration",
-)
 LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz     "))  # ~1 space in 6 characters
 
 
@@ -103,71 +111,6 @@ def make_requests(num_requests: int, max_len: int, lengths: str, seed: int):
     examples = make_examples(num_requests, max_len, lengths, seed)
     flat = [r for e in examples for r in choice_requests(e, tok, tok.eos_id, max_len)]
     return flat[:num_requests]
-
-
-# ------------------------------------------------------------------------------------------- model
-def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
-    """--set KEY=VALUE for ZayaConfig.tiny; values parsed as Python literals, else kept as strings."""
-    from zaya_jax.model import ZayaConfig
-
-    fields = {f.name for f in dataclasses.fields(ZayaConfig)}
-    out = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
-        if key not in fields:
-            raise KeyError(f"--set {key}: not a ZayaConfig field")
-        try:
-            out[key] = ast.literal_eval(raw.strip())
-        except (ValueError, SyntaxError):
-            out[key] = raw.strip()
-    return out
-
-
-def tiny_config(overrides: dict[str, Any]):
-    from zaya_jax.model import ZayaConfig
-
-    # initializer_range 0.2 (as tests/hf_reference.py): peaked logits and decisive routing, a sharper
-    # agreement check than the near-uniform predictions of the 0.02 default
-    return ZayaConfig.tiny(**{"vocab_size": 259, "dtype": "float32", "initializer_range": 0.2, **overrides})
-
-
-def hf_native_config(cfg):
-    """transformers' ZayaConfig for our config (fp32)."""
-    import inspect
-
-    from transformers import ZayaConfig as HFZayaConfig
-
-    from zaya_jax.hf.config import to_native
-
-    params = inspect.signature(HFZayaConfig.__init__).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    d = {
-        k: v for k, v in to_native(cfg, "float32").items() if k != "model_type" and (takes_any or k in params)
-    }
-    return HFZayaConfig(**d)
-
-
-def random_torch_model(cfg, seed: int, device: str):
-    """transformers' ZayaForCausalLM with every parameter random, also those HF sets to constants
-    (as tests/hf_reference.py), so a term one side dropped would show in the agreement check."""
-    import torch
-    from transformers import ZayaForCausalLM as HFZayaForCausalLM
-
-    torch.manual_seed(seed)
-    model = HFZayaForCausalLM(hf_native_config(cfg)).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if any(s in name for s in ("scale", "bias", "temp", "norm")):
-                base = 1.0 if ("scale" in name or "norm" in name or "temp" in name) else 0.0
-                p.copy_(base + 0.3 * torch.randn(p.shape, generator=g))
-        for name, b in model.named_buffers():
-            if name.endswith("balancing_biases"):
-                b.copy_(0.05 * torch.randn(b.shape, generator=g))
-    return model.to(device)
 
 
 # ------------------------------------------------------------------------------------------- sides
@@ -244,28 +187,6 @@ class TorchSide:
         return Scores(logprob, greedy)
 
 
-class CompileClock:
-    """Sums jax's trace / lower / XLA-compile durations while installed."""
-
-    def __init__(self):
-        self.seconds = 0.0
-
-    def __call__(self, event: str, duration: float, **_) -> None:
-        if event in COMPILE_EVENTS:
-            self.seconds += duration
-
-    def __enter__(self):
-        import jax.monitoring
-
-        jax.monitoring.register_event_duration_secs_listener(self)
-        return self
-
-    def __exit__(self, *exc):
-        import jax.monitoring
-
-        jax.monitoring.unregister_event_duration_listener(self)
-
-
 # --------------------------------------------------------------------------------------- benchmark
 def _max_abs(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b))) if len(a) else 0.0
@@ -275,59 +196,27 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     import jax
 
     from zaya_jax.evaluate import parse_mesh
-    from zaya_jax.hf import load_pretrained
-    from zaya_jax.hf.config import to_native
     from zaya_jax.model import init_variables
-    from zaya_jax.sizing import param_counts
 
     cfg = tiny_config(parse_overrides(args.set or []))
     requests = make_requests(args.requests, args.max_len, args.lengths, args.seed)
     lengths = np.array([len(r.inputs) for r in requests])
     scored = np.array([len(r.targets) - r.score_from for r in requests])
     mesh = parse_mesh(args.mesh)
-    device: dict[str, Any] = {
-        "jax_backend": jax.default_backend(),
-        "jax_device_kind": jax.devices()[0].device_kind,
-        "jax_device_count": jax.device_count(),
+    device = {
+        **host_info(),
         "mesh": None if mesh is None else dict(mesh.shape),
-        "jax_version": jax.__version__,
         "jax_compilation_cache_dir": os.environ.get("JAX_COMPILATION_CACHE_DIR"),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
     }
-
     torch_side = None
     if args.skip_torch:
         variables = init_variables(cfg, jax.random.key(args.seed))
     else:
-        import torch
-        import transformers
-
-        torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
-        torch_device = args.torch_device
-        if torch_device == "auto":
-            torch_device = "cuda" if torch.cuda.is_available() else "cpu"
-        print(f"building the random transformers model on {torch_device}...", file=sys.stderr, flush=True)
-        transformers.utils.logging.disable_progress_bar()
-        model = random_torch_model(cfg, args.seed, torch_device)
-        with tempfile.TemporaryDirectory(prefix="zaya_eval_bench_") as hf_dir:
-            model.save_pretrained(hf_dir)  # fp32 safetensors
-            loaded_cfg, variables = load_pretrained(hf_dir)
-        # config.json round trip: the same architecture (our compute-only fields stay cfg's)
-        if to_native(loaded_cfg, "float32") != to_native(cfg, "float32"):
-            raise RuntimeError(f"config changed through the HF directory: {cfg} -> {loaded_cfg}")
+        ref = reference_pair(cfg, args.seed, args.torch_device, args.threads)
+        variables = ref.variables
         batch = 1 if args.torch_batching == "single" else args.batch_size
-        torch_side = TorchSide(model, batch, torch_device)
-        device.update(
-            torch_device=torch_device,
-            torch_version=torch.__version__,
-            transformers_version=transformers.__version__,
-            torch_num_threads=torch.get_num_threads(),
-            omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
-            torch_attn_implementation=getattr(model.config, "_attn_implementation", None),
-        )
+        torch_side = TorchSide(ref.model, batch, ref.device_info["torch_device"])
+        device.update(ref.device_info)
 
     if mesh is not None:  # laid out once, so that score() does not move them on every pass
         from zaya_jax.pretrained import variable_shardings
@@ -341,29 +230,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         sides.append(torch_side)
 
     # First (untimed) pass of every side: our compilations happen here.
-    first: dict[str, dict[str, Any]] = {}
-    scores: dict[str, Scores] = {}
-    for side in sides:
-        print(f"first pass: {side.name}...", file=sys.stderr, flush=True)
-        with CompileClock() as clock:
-            t0 = time.perf_counter()
-            scores[side.name] = side.score(requests)
-            first[side.name] = {"first_pass_s": time.perf_counter() - t0, "compile_s": clock.seconds}
-        for _ in range(args.warmup - 1):
-            side.score(requests)
+    first = first_calls(sides, lambda side: side.score(requests), args.warmup)
     traces_after_warmup = {s.name: s.scorer.num_traces for s in sides if isinstance(s, OursSide)}
-
-    times: dict[str, list[float]] = {s.name: [] for s in sides}
-    for it in range(args.iters):
-        for side in sides if it % 2 == 0 else sides[::-1]:
-            t0 = time.perf_counter()
-            side.score(requests)
-            times[side.name].append(time.perf_counter() - t0)
-        print(
-            f"  iter {it + 1}/{args.iters}: " + ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items()),
-            file=sys.stderr,
-            flush=True,
-        )
+    times = timed_calls(sides, lambda side: side.score(requests), args.iters)
+    scores = {name: f.output for name, f in first.items()}
 
     num_tokens = int(lengths.sum())
     results: dict[str, Any] = {BUCKETED: None, UNBUCKETED: None, TORCH: None}
@@ -376,8 +246,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "pass_times_s": times[side.name],
             "requests_per_s": len(requests) / pass_s,
             "tokens_per_s": num_tokens / pass_s,
-            "first_pass_s": first[side.name]["first_pass_s"],
-            "compile_s": first[side.name]["compile_s"] if ours else None,
+            "first_pass_s": first[side.name].seconds,
+            "compile_s": first[side.name].compile_s if ours else None,
             "compilations": side.scorer.num_traces if ours else None,
             "recompiled_while_timed": (side.scorer.num_traces != traces_after_warmup[side.name])
             if ours
@@ -394,7 +264,6 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         results[a]["requests_per_s"] / results[b]["requests_per_s"] if results[a] and results[b] else None
     )
     tor = results[TORCH]
-    counts = param_counts(cfg)
     return {
         "benchmark": "evaluate",
         "config": {
@@ -407,17 +276,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": args.warmup,
             "seed": args.seed,
             "torch_batching": None if tor is None else args.torch_batching,
-            "overrides": list(args.set or []),
             "request_tokens": num_tokens,
             "scored_tokens": int(scored.sum()),
             "length_min": int(lengths.min()),
             "length_mean": float(lengths.mean()),
             "length_max": int(lengths.max()),
-            "params_total": counts.total,
-            "params_active": counts.active,
-            "model": {
-                k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()
-            },
+            **model_report(cfg, args.set),
         },
         "device": device,
         "results": results,
@@ -518,27 +382,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=1,
         help="untimed passes per side before timing, the first one compiles (default 1, >= 1)",
     )
-    p.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="ZayaConfig.tiny override, repeatable: --set num_hidden_layers=4 --set hidden_size=128",
-    )
+    add_model_args(p)
     p.add_argument(
         "--torch-batching",
         choices=("padded", "single"),
         default="padded",
         help="torch side: right-padded batches of --batch-size (default) or one request at a time",
     )
-    p.add_argument("--skip-torch", action="store_true", help="only our two sides (no torch import)")
-    p.add_argument(
-        "--torch-device", default="auto", help="auto (cuda if available, else cpu) | cpu | cuda[:N]"
-    )
-    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: usable cores)")
+    add_torch_args(p)
     p.add_argument(
         "--mesh", default="none", help="our sides' mesh: none (one device, default), auto, data=2,expert=4"
     )
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--out",
         default="results/evaluate.json",
@@ -557,18 +411,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     simulate_cpu_devices(args.cpu_devices)  # before jax is imported
-    try:
-        parse_overrides(args.set or [])  # fail fast, in one line, on a bad override
-    except (KeyError, ValueError) as e:
-        sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}")
+    overrides_or_exit(args.set)
     report = run_benchmark(args)
-    print(format_table(report))
-    print(summary_line(report))
-    if args.out:
-        if args.out.endswith(".json"):
-            write_report(report, os.path.dirname(os.path.abspath(args.out)), os.path.basename(args.out)[:-5])
-        else:
-            write_report(report, args.out, "evaluate")
+    print_and_write(report, format_table(report), summary_line(report), args.out, "evaluate")
     return report
 
 

@@ -38,7 +38,6 @@ import ast  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import importlib.util  # noqa: E402
-import inspect  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
@@ -54,11 +53,11 @@ import jax  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import fmt, format_rows  # noqa: E402
+from benchmarks.common import fmt, format_rows, host_info  # noqa: E402
+from benchmarks.reference import add_torch_args, hf_config, resolve_torch_device  # noqa: E402
 from zaya_jax import balancing as bal  # noqa: E402
 from zaya_jax import config as config_lib  # noqa: E402
 from zaya_jax import sizing  # noqa: E402
-from zaya_jax.hf.config import to_native  # noqa: E402
 from zaya_jax.model import ZayaConfig  # noqa: E402
 from zaya_jax.optim.chain import lr_schedule, make_optimizer  # noqa: E402
 from zaya_jax.parallel.mesh import mesh_from_config  # noqa: E402
@@ -127,18 +126,6 @@ def balancing_config(c: ml_collections.ConfigDict) -> bal.BalancingConfig | None
         return None
     fields = {f.name for f in dataclasses.fields(bal.BalancingConfig)}
     return bal.BalancingConfig(**{k: v for k, v in c.balancing.items() if k in fields}).validate()
-
-
-def hf_config(cfg: ZayaConfig):
-    """transformers' ZayaConfig for our config (fp32; precision is handled by the torch side)."""
-    from transformers import ZayaConfig as HFZayaConfig
-
-    params = inspect.signature(HFZayaConfig.__init__).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    d = {
-        k: v for k, v in to_native(cfg, "float32").items() if k != "model_type" and (takes_any or k in params)
-    }
-    return HFZayaConfig(**d)
 
 
 def random_tokens(vocab_size: int, batch_size: int, seq_len: int, seed: int) -> np.ndarray:
@@ -271,14 +258,6 @@ class TorchSide:
 
 
 # --------------------------------------------------------------------------------------- benchmark
-def _torch_device(requested: str) -> str:
-    import torch
-
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return requested
-
-
 def _finite_or_none(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
@@ -307,17 +286,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     jax_device = jax.devices()[0]
     jax_peak = sizing.peak_flops_per_device(jax_device)
-    device: dict[str, Any] = {
-        "jax_backend": jax.default_backend(),
-        "jax_device_kind": jax_device.device_kind,
-        "jax_device_count": jax.device_count(),
-        "jax_version": jax.__version__,
-        "jax_peak_bf16_flops": jax_peak,
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-    }
+    device: dict[str, Any] = {**host_info(), "jax_peak_bf16_flops": jax_peak}
 
     print(f"building {OURS} (compiling the train step)...", file=sys.stderr, flush=True)
     sides: list[Any] = [JaxSide(c, cfg, ids, args.seed)]
@@ -326,7 +295,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         import torch
         import transformers
 
-        torch_device = _torch_device(args.torch_device)
+        torch_device = resolve_torch_device(args.torch_device)
         print(f"building {TORCH} on {torch_device}...", file=sys.stderr, flush=True)
         side = TorchSide(c, cfg, ids, args.seed, torch_device, cfg.dtype, args.torch_precision, threads)
         sides.append(side)
@@ -491,18 +460,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="matmul compute dtype (sets model.dtype; default: the config's)",
     )
     p.add_argument("--out", default="results/train_step.json", help="JSON report path ('' = do not write)")
-    p.add_argument("--skip-torch", action="store_true", help="benchmark only zaya_jax")
-    p.add_argument(
-        "--torch-device", default="auto", help="auto (cuda if available, else cpu) | cpu | cuda[:N]"
-    )
+    add_torch_args(p)
     p.add_argument(
         "--torch-precision",
         choices=("autocast", "pure"),
         default="autocast",
         help="bfloat16 on the torch side: fp32 params + autocast (default) or bf16 params",
     )
-    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: usable cores)")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for name in ("steps", "repeats"):
         if getattr(args, name) < 1:

@@ -1,7 +1,8 @@
 """Builds random `transformers` ZayaForCausalLM models to compare against (tests only).
 
 Every parameter HF initialises to a constant (residual scales and biases, temps, norm weights,
-router state scales, balancing biases) is randomised too, so that no term can be silently dropped.
+router state scales, balancing biases) is randomised too, so that no term can be silently dropped
+(`benchmarks.reference.randomize_weights`, shared with the side-by-side benchmarks).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import numpy as np
 import torch
 from transformers import ZayaConfig as HFZayaConfig
 from transformers import ZayaForCausalLM as HFZayaForCausalLM
+
+from benchmarks.reference import randomize_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,17 +91,7 @@ def hf_config(case: Case, **overrides) -> HFZayaConfig:
 
 def random_hf_model(case: Case, **config_overrides) -> HFZayaForCausalLM:
     torch.manual_seed(case.seed)
-    model = HFZayaForCausalLM(hf_config(case, **config_overrides)).eval()
-    g = torch.Generator().manual_seed(case.seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if any(s in name for s in ("scale", "bias", "temp", "norm")):
-                base = 1.0 if ("scale" in name or "norm" in name or "temp" in name) else 0.0
-                p.copy_(base + 0.3 * torch.randn(p.shape, generator=g))
-        for name, b in model.named_buffers():
-            if name.endswith("balancing_biases"):
-                b.copy_(0.05 * torch.randn(b.shape, generator=g))
-    return model
+    return randomize_weights(HFZayaForCausalLM(hf_config(case, **config_overrides)).eval(), case.seed)
 
 
 def random_inputs(case: Case) -> tuple[np.ndarray, np.ndarray | None]:
