@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,15 @@ import torch
 
 from hf_reference import Case, random_hf_model
 from zaya_jax import hf
-from zaya_jax.generate import decode_step, generate, init_cache, prefill, sample
+from zaya_jax.generate import (
+    _generate_loop,
+    decode_step,
+    generate,
+    init_cache,
+    prefill,
+    prompt_bucket,
+    sample,
+)
 from zaya_jax.model import ZayaForCausalLM
 
 CASE = Case(
@@ -117,7 +127,36 @@ def test_cli_from_orbax_and_hf_checkpoints_agree(tmp_path, capsys):
     tok = ByteTokenizer()
     cfg, variables = hf.load_pretrained(str(tmp_path / "hf"))
     new = generate(cfg, variables, [[tok.eos_id, *tok.encode("Call me")]], 6, eos_id=tok.eos_id)[0]
-    assert from_hf == "Call me" + tok.decode(new)
+    assert from_hf == ["Call me" + tok.decode(new)]
+
+    # several prompts, batched two at a time: each as it is alone; --out has one row a prompt
+    (tmp_path / "prompts.txt").write_text("It is a way\n\nShort.\n")
+    out = tmp_path / "o" / "completions.jsonl"
+    many = main(
+        ["--checkpoint", str(tmp_path / "hf"), *args, "--prompts-file", str(tmp_path / "prompts.txt"),
+         "--batch-size", "2", "--out", str(out)]
+    )  # fmt: skip
+    alone = [main(["--checkpoint", str(tmp_path / "hf"), "--prompt", p, "--max-new-tokens", "6"])[0]
+             for p in ("It is a way", "Short.")]  # fmt: skip
+    assert many == from_hf + alone
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["Call me", "It is a way", "Short."]
+    assert [r["prompt"] + r["completion"] for r in rows] == many
+    assert all(1 <= len(r["tokens"]) <= 6 and r["eos"] == (r["tokens"][-1] == tok.eos_id) for r in rows)
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", str(tmp_path / "hf")])
+    assert "no prompt: pass --prompt" in capsys.readouterr().err
+
+
+def test_prompt_buckets_share_one_program_and_change_no_token(hf_pair):
+    _, cfg, variables = hf_pair
+    assert [prompt_bucket(n) for n in (1, 3, 16, 17, 100)] == [16, 16, 16, 32, 128]
+    short, long = [5, 17, 42], [9, 70, 3, 8, 33, 60, 11, 12, 13]  # 3 and 9 tokens: one bucket (16)
+    before = _generate_loop._cache_size()
+    bucketed = [generate(cfg, variables, [p], max_new_tokens=5)[0] for p in (short, long)]
+    assert _generate_loop._cache_size() == before + 1  # one compilation for both lengths
+    exact = [generate(cfg, variables, [p], max_new_tokens=5, bucket=False)[0] for p in (short, long)]
+    assert bucketed == exact
 
 
 def test_eos_stops_each_row_on_its_own(hf_pair):

@@ -6,20 +6,27 @@
     tokens = generate(cfg, variables, prompts, max_new_tokens, temperature=0.0, top_p=1.0, seed=0, eos_id=None)
 
 `generate` runs prefill, sampling and decoding in one jitted `lax.while_loop` (the building blocks
-above stay public for custom loops). Prompts of different lengths are left padded: pad tokens are zeroed before the CCA projections and
-hidden as keys; positions count real tokens only (cumsum(mask) - 1, as transformers' generate).
+above stay public for custom loops). Prompts of different lengths are left padded: pad tokens are
+zeroed before the CCA projections and hidden as keys; positions count real tokens only
+(cumsum(mask) - 1, as transformers' generate), so padding changes no result. The batch is padded to
+a power-of-two length (`prompt_bucket`), so a loop over prompts of many lengths compiles one program
+per bucket rather than one per length.
 
-    python -m zaya_jax.generate --checkpoint CKPT_OR_HF_DIR --prompt "..." [--max-new-tokens N]
-        [--temperature T] [--top-p P] [--seed S] [--tokenizer T] [--prefix auto|bos|eos|ID|none]
+    python -m zaya_jax.generate --checkpoint CKPT_OR_HF_DIR --prompt "..." [--prompt "..." ...]
+        [--prompts-file FILE] [--batch-size 8] [--max-new-tokens N] [--temperature T] [--top-p P]
+        [--seed S] [--tokenizer T] [--prefix auto|bos|eos|ID|none] [--out completions.jsonl]
 
 The checkpoint is an Orbax training checkpoint or an HF directory (zaya_jax.pretrained.load_model);
-the prompt is encoded after the model's prefix token (the document boundary it was trained with).
+each prompt is encoded after the model's prefix token (the document boundary it was trained with).
+Prompts are generated --batch-size at a time; --out writes one JSON line per prompt.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +37,15 @@ import numpy as np
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.model.transformer import KVCache, ZayaForCausalLM, init_cache
 
-__all__ = ["init_cache", "prefill", "decode_step", "sample", "generate", "KVCache"]
+__all__ = ["init_cache", "prefill", "decode_step", "sample", "generate", "prompt_bucket", "KVCache"]
+
+MIN_PROMPT_BUCKET = 16
+
+
+def prompt_bucket(length: int) -> int:
+    """The padded prompt length of a batch whose longest prompt has `length` tokens: the next power
+    of two, at least MIN_PROMPT_BUCKET."""
+    return max(MIN_PROMPT_BUCKET, 1 << (length - 1).bit_length())
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -133,16 +148,20 @@ def generate(
     seed: int = 0,
     eos_id: int | None = None,
     pad_id: int = 0,
+    bucket: bool = True,
 ) -> list[list[int]]:
     """Continues each prompt by up to max_new_tokens tokens (stopping after eos_id); returns the
-    new tokens per prompt (eos included when produced). One jitted program per (batch, prompt
-    length, max_new_tokens, sampling settings)."""
+    new tokens per prompt (eos included when produced). One jitted program per (batch, padded
+    prompt length, max_new_tokens, sampling settings); the prompts are left padded to
+    `prompt_bucket` of the longest, or to the longest itself with bucket=False."""
     if not prompts or min(len(p) for p in prompts) < 1:
         raise ValueError("generate: every prompt needs at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
     b = len(prompts)
     s = max(len(p) for p in prompts)
+    if bucket:
+        s = prompt_bucket(s)
     ids = np.full((b, s), pad_id, np.int32)
     mask = np.zeros((b, s), np.int32)
     for i, p in enumerate(prompts):
@@ -168,19 +187,41 @@ def generate(
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> str:
+def read_prompts(prompts: Sequence[str] | None, prompts_file: str | None) -> list[str]:
+    """--prompt values, then the lines of --prompts-file (one prompt a line, blank lines skipped)."""
+    out = list(prompts or [])
+    if prompts_file is not None:
+        if not os.path.isfile(prompts_file):
+            raise FileNotFoundError(f"--prompts-file {prompts_file} not found")
+        with open(prompts_file, encoding="utf-8") as f:
+            out += [line.rstrip("\n") for line in f if line.strip()]
+    if not out:
+        raise ValueError("no prompt: pass --prompt TEXT (repeatable) or --prompts-file FILE")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> list[str]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--checkpoint", required=True, help="Orbax WORKDIR[/checkpoints[/STEP]] or an HF directory"
     )
-    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    ap.add_argument("--prompts-file", default=None, help="a text file of prompts, one a line")
+    ap.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="batch i samples with seed + i")
     ap.add_argument("--tokenizer", default=None, help="override: byte, a tokenizer.json or a saved dir")
     ap.add_argument("--prefix", default="auto", help="auto | bos | eos | ID | none: token before the prompt")
+    ap.add_argument("--out", default=None, help="write {prompt, completion, tokens, eos} per prompt (JSONL)")
     args = ap.parse_args(argv)
+    if args.batch_size < 1:
+        ap.error("--batch-size must be >= 1")
+    try:
+        texts = read_prompts(args.prompt, args.prompts_file)
+    except (OSError, ValueError) as e:
+        ap.error(str(e))
 
     from absl import logging
 
@@ -189,22 +230,31 @@ def main(argv: Sequence[str] | None = None) -> str:
     logging.set_verbosity(logging.WARNING)
     prefix = "auto" if args.prefix == "none" else args.prefix
     m = load_model(args.checkpoint, tokenizer=args.tokenizer, prefix=prefix)
-    prompt = m.tokenizer.encode(args.prompt)
+    encoded = [m.tokenizer.encode(t) for t in texts]
     if args.prefix != "none":
-        prompt = [m.prefix_id, *prompt]
-    new = generate(
-        m.cfg,
-        m.variables,
-        [prompt],
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        eos_id=m.tokenizer.eos_id,
-    )[0]
-    text = args.prompt + m.tokenizer.decode(new)
-    print(text)
-    return text
+        encoded = [[m.prefix_id, *p] for p in encoded]
+    new: list[list[int]] = []
+    for i in range(0, len(encoded), args.batch_size):
+        new += generate(
+            m.cfg,
+            m.variables,
+            encoded[i : i + args.batch_size],
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed + i // args.batch_size,
+            eos_id=m.tokenizer.eos_id,
+        )
+    outputs = [t + m.tokenizer.decode(n) for t, n in zip(texts, new)]
+    print(("\n" + "-" * 40 + "\n").join(outputs))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            for text, n in zip(texts, new):
+                eos = bool(n) and n[-1] == m.tokenizer.eos_id
+                row = {"prompt": text, "completion": m.tokenizer.decode(n), "tokens": n, "eos": eos}
+                f.write(json.dumps(row) + "\n")
+    return outputs
 
 
 if __name__ == "__main__":
