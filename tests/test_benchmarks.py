@@ -194,3 +194,51 @@ def test_evaluate_benchmark_cli_as_script_and_bad_override(tmp_path):
     proc = _run(["benchmarks/evaluate.py", "--set", "no_such_field=1", "--out", str(tmp_path / "x.json")])
     assert proc.returncode != 0 and "no_such_field" in proc.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+# ------------------------------------------------------------------------------- benchmarks.generate
+def test_generate_benchmark_writes_report(tmp_path):
+    out = tmp_path / "sub" / "generate.json"
+    args = ["--batch-size", "2", "--prompt-len", "12", "--new-tokens", "5", "--set", "num_hidden_layers=1"]
+    proc = _run(["-m", "benchmarks.generate", *args, "--iters", "2", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "cached/recompute new tokens/s =" in proc.stdout and "cached/torch =" in proc.stdout
+
+    report = json.loads(out.read_text())
+    assert set(report) == {"benchmark", "config", "device", "results", "ratios", "timestamp"}
+    cfg = report["config"]
+    assert (cfg["batch_size"], cfg["prompt_len"], cfg["new_tokens"], cfg["iters"]) == (2, 12, 5, 2)
+    assert max(cfg["prompt_lengths"]) == 12 and min(cfg["prompt_lengths"]) >= 6
+    assert cfg["model"]["num_hidden_layers"] == 1 and report["device"]["torch_device"] == "cpu"
+    res = report["results"]
+    assert set(res) == {"cached", "recompute", "torch"}
+    for name, r in res.items():
+        assert len(r["call_times_s"]) == 2, name
+        for key in ("call_s", "new_tokens_per_s", "ms_per_step", "first_call_s"):
+            assert _positive_finite(r[key]), (name, key, r[key])
+        assert r["new_tokens_per_s"] == pytest.approx(2 * 5 / r["call_s"])
+        # the same weights and prompts, greedy: every side generates the cached side's tokens
+        assert r["vs_cached"] == {"rows_equal": 2, "first_diff_step": None}, name
+    assert _positive_finite(res["cached"]["compile_s"]) and res["torch"]["compile_s"] is None
+    for key in ("cached_over_recompute", "cached_over_torch", "recompute_over_torch"):
+        assert _positive_finite(report["ratios"][key]), key
+
+
+def test_generate_benchmark_agreement_names_the_first_differing_step():
+    import numpy as np
+
+    from benchmarks.generate import agreement, left_pad
+
+    ref = np.array([[1, 2, 3], [4, 5, 6]])
+    assert agreement(ref, ref) == {"rows_equal": 2, "first_diff_step": None}
+    assert agreement(np.array([[1, 2, 3], [4, 9, 6]]), ref) == {"rows_equal": 1, "first_diff_step": 1}
+    ids, mask = left_pad([[7, 8], [9]])
+    assert ids.tolist() == [[7, 8], [0, 9]] and mask.tolist() == [[1, 1], [0, 1]]
+
+
+def test_generate_benchmark_bad_arguments(tmp_path):
+    proc = _run(["benchmarks/generate.py", "--set", "no_such_field=1", "--out", str(tmp_path / "x.json")])
+    assert proc.returncode != 0 and "no_such_field" in proc.stderr
+    proc = _run(["benchmarks/generate.py", "--new-tokens", "0"])
+    assert proc.returncode != 0 and "--new-tokens must be >= 1" in proc.stderr
+    assert not (tmp_path / "x.json").exists()
