@@ -59,6 +59,9 @@ def test_zaya1_phases_follow_the_recipe():
         ("eval.tasks", ("no/such/task.jsonl",), r"config.eval.tasks\[0\]: .*does not exist"),
         ("eval.tasks", (3,), "config.eval.tasks: must be a list of data specs"),
         ("eval.task_limit", -1, "config.eval.task_limit: must be an int >= 0"),
+        # tiny: warmup 50 + 30% decay of 60 steps do not fit; caught at start-up, not at step 0.
+        ("train.steps", 60, r"config.optim \(schedule='wsd', train.steps=60\): warmup_steps \(50\) \+ decay"),
+        ("optim.schedule", "linear", "config.optim .*schedule"),
     ],
 )
 def test_validation_names_the_bad_key(key, value, message):

@@ -174,6 +174,16 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
         "optim.warmup_steps",
         f"must be in [0, train.steps={t.steps}], got {c.optim.warmup_steps}",
     )
+    # The schedule checks how its phases fit together (e.g. warmup + decay <= steps); building it
+    # here reports a bad combination at start-up, under the config keys the user sets.
+    from zaya_jax.optim.chain import lr_schedule  # deferred: optim imports this module's users
+
+    try:
+        lr_schedule(c.optim, t.steps)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"config.optim (schedule={c.optim.schedule!r}, train.steps={t.steps}): {e}"
+        ) from None
     for key in ("data", "fsdp", "expert"):
         value = c.mesh[key]
         _check(
