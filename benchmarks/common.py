@@ -3,6 +3,7 @@ timing protocol, the printed table and the JSON report."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -101,6 +102,22 @@ def timed_calls(sides: Sequence[Any], call: Callable[[Any], Any], iters: int) ->
         progress = ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items())
         print(f"  iter {it + 1}/{iters}: {progress}", file=sys.stderr, flush=True)
     return times
+
+
+def add_out_arg(p: argparse.ArgumentParser, name: str) -> None:
+    """--out, as print_and_write reads it: default results/NAME.json."""
+    p.add_argument(
+        "--out",
+        default=f"results/{name}.json",
+        help=f"JSON report: a .json path, or a directory for DIR/{name}.json ('' = do not write)",
+    )
+
+
+def require_positive(p: argparse.ArgumentParser, args: argparse.Namespace, names: Sequence[str]) -> None:
+    """argparse error naming the flag when any of `names` (dest names) is < 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
 
 
 def print_and_write(report: dict[str, Any], table: str, summary: str, out: str, name: str) -> None:

@@ -52,11 +52,13 @@ if __package__ in (None, ""):  # `python benchmarks/evaluate.py`: make the repo 
 import numpy as np  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
+    add_out_arg,
     first_calls,
     fmt,
     format_rows,
     host_info,
     print_and_write,
+    require_positive,
     simulate_cpu_devices,
     timed_calls,
 )
@@ -393,16 +395,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--mesh", default="none", help="our sides' mesh: none (one device, default), auto, data=2,expert=4"
     )
-    p.add_argument(
-        "--out",
-        default="results/evaluate.json",
-        help="JSON report: a .json path, or a directory for DIR/evaluate.json ('' = do not write)",
-    )
+    add_out_arg(p, "evaluate")
     p.add_argument("--cpu-devices", type=int, default=None, help="simulate N CPU devices (JAX_PLATFORMS=cpu)")
     args = p.parse_args(argv)
-    for name in ("requests", "batch_size", "iters", "warmup", "min_bucket"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, args, ("requests", "batch_size", "iters", "warmup", "min_bucket"))
     if args.max_len < 8:
         p.error("--max-len must be >= 8")
     return args

@@ -46,11 +46,13 @@ if __package__ in (None, ""):  # `python benchmarks/generate.py`: make the repo 
 import numpy as np  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
+    add_out_arg,
     first_calls,
     fmt,
     format_rows,
     host_info,
     print_and_write,
+    require_positive,
     simulate_cpu_devices,
     timed_calls,
 )
@@ -305,16 +307,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     add_model_args(p)
     add_torch_args(p)
-    p.add_argument(
-        "--out",
-        default="results/generate.json",
-        help="JSON report: a .json path, or a directory for DIR/generate.json ('' = do not write)",
-    )
+    add_out_arg(p, "generate")
     p.add_argument("--cpu-devices", type=int, default=None, help="simulate N CPU devices (JAX_PLATFORMS=cpu)")
     args = p.parse_args(argv)
-    for name in ("batch_size", "prompt_len", "new_tokens", "iters", "warmup"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, args, ("batch_size", "prompt_len", "new_tokens", "iters", "warmup"))
     return args
 
 

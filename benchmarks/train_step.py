@@ -38,7 +38,6 @@ import ast  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import importlib.util  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
@@ -53,7 +52,14 @@ import jax  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import fmt, format_rows, host_info  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_out_arg,
+    fmt,
+    format_rows,
+    host_info,
+    print_and_write,
+    require_positive,
+)
 from benchmarks.reference import add_torch_args, hf_config, resolve_torch_device  # noqa: E402
 from zaya_jax import balancing as bal  # noqa: E402
 from zaya_jax import config as config_lib  # noqa: E402
@@ -459,7 +465,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="matmul compute dtype (sets model.dtype; default: the config's)",
     )
-    p.add_argument("--out", default="results/train_step.json", help="JSON report path ('' = do not write)")
+    add_out_arg(p, "train_step")
     add_torch_args(p)
     p.add_argument(
         "--torch-precision",
@@ -468,9 +474,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="bfloat16 on the torch side: fp32 params + autocast (default) or bf16 params",
     )
     args = p.parse_args(argv)
-    for name in ("steps", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
+    require_positive(p, args, ("steps", "repeats"))
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     return args
@@ -483,14 +487,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except (KeyError, ValueError, TypeError, FileNotFoundError) as e:
         sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}")
     report = run_benchmark(args)
-    print(format_table(report))
-    print(summary_line(report))
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
-        print(f"wrote {args.out}", file=sys.stderr)
+    print_and_write(report, format_table(report), summary_line(report), args.out, "train_step")
     return report
 
 
