@@ -245,14 +245,15 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
             seed=args.seed + i // args.batch_size,
             eos_id=m.tokenizer.eos_id,
         )
-    outputs = [t + m.tokenizer.decode(n) for t, n in zip(texts, new)]
+    completions = [m.tokenizer.decode(n) for n in new]
+    outputs = [t + c for t, c in zip(texts, completions)]
     print(("\n" + "-" * 40 + "\n").join(outputs))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as f:
-            for text, n in zip(texts, new):
+            for text, completion, n in zip(texts, completions, new):
                 eos = bool(n) and n[-1] == m.tokenizer.eos_id
-                row = {"prompt": text, "completion": m.tokenizer.decode(n), "tokens": n, "eos": eos}
+                row = {"prompt": text, "completion": completion, "tokens": n, "eos": eos}
                 f.write(json.dumps(row) + "\n")
     return outputs
 
