@@ -60,7 +60,7 @@ from benchmarks.common import (  # noqa: E402
     print_and_write,
     require_positive,
 )
-from benchmarks.reference import add_torch_args, hf_config, resolve_torch_device  # noqa: E402
+from benchmarks.reference import add_torch_args, hf_config, model_report, resolve_torch_device  # noqa: E402
 from zaya_jax import balancing as bal  # noqa: E402
 from zaya_jax import config as config_lib  # noqa: E402
 from zaya_jax import sizing  # noqa: E402
@@ -286,7 +286,6 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     batch_size, seq_len = c.train.batch_size, c.train.seq_len
     tokens_per_step = batch_size * seq_len
     flops_per_token = sizing.flops_per_token(cfg, seq_len)
-    counts = sizing.param_counts(cfg)
     ids = random_tokens(cfg.vocab_size, batch_size, seq_len, args.seed)
     threads = args.threads or len(os.sched_getaffinity(0))
 
@@ -377,7 +376,6 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "config": {
             "config_file": args.config,
-            "overrides": list(args.set or []),
             "batch_size": batch_size,
             "seq_len": seq_len,
             "grad_accum": c.train.grad_accum,
@@ -387,12 +385,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": args.warmup,
             "repeats": args.repeats,
             "seed": args.seed,
-            "params_total": counts.total,
-            "params_active": counts.active,
             "flops_per_token": flops_per_token,
-            "model": {
-                k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()
-            },
+            **model_report(cfg, args.set),
         },
         "device": device,
         "results": results,
