@@ -77,16 +77,6 @@ def make_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -
     return [rng.integers(3, vocab_size, size=int(n)).tolist() for n in lengths]
 
 
-def left_pad(prompts: Sequence[Sequence[int]], width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(ids [B, S], attention mask [B, S]) with every prompt right-aligned; S = width or the longest."""
-    s = width or max(len(p) for p in prompts)
-    ids = np.zeros((len(prompts), s), np.int32)
-    mask = np.zeros((len(prompts), s), np.int32)
-    for i, p in enumerate(prompts):
-        ids[i, s - len(p) :], mask[i, s - len(p) :] = p, 1
-    return ids, mask
-
-
 # ------------------------------------------------------------------------------------------- sides
 class CachedSide:
     name = CACHED
@@ -139,6 +129,8 @@ class RecomputeSide:
     def generate(self, prompts) -> np.ndarray:
         import jax.numpy as jnp
 
+        from zaya_jax.generate import left_pad
+
         ids, mask = left_pad(prompts)
         out = self._loop(self.cfg, self.variables, jnp.asarray(ids), jnp.asarray(mask), self.new_tokens)
         return np.asarray(out)
@@ -157,6 +149,8 @@ class TorchSide:
         model.generation_config.pad_token_id = 0
 
     def generate(self, prompts) -> np.ndarray:
+        from zaya_jax.generate import left_pad
+
         torch = self.torch
         ids, mask = left_pad(prompts)
         as_t = lambda x: torch.as_tensor(x, dtype=torch.long, device=self.device)

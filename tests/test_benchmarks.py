@@ -227,13 +227,11 @@ def test_generate_benchmark_writes_report(tmp_path):
 def test_generate_benchmark_agreement_names_the_first_differing_step():
     import numpy as np
 
-    from benchmarks.generate import agreement, left_pad
+    from benchmarks.generate import agreement
 
     ref = np.array([[1, 2, 3], [4, 5, 6]])
     assert agreement(ref, ref) == {"rows_equal": 2, "first_diff_step": None}
     assert agreement(np.array([[1, 2, 3], [4, 9, 6]]), ref) == {"rows_equal": 1, "first_diff_step": 1}
-    ids, mask = left_pad([[7, 8], [9]])
-    assert ids.tolist() == [[7, 8], [0, 9]] and mask.tolist() == [[1, 1], [0, 1]]
 
 
 def test_generate_benchmark_bad_arguments(tmp_path):

@@ -17,6 +17,7 @@ from zaya_jax.generate import (
     decode_step,
     generate,
     init_cache,
+    left_pad,
     prefill,
     prompt_bucket,
     sample,
@@ -146,6 +147,14 @@ def test_cli_from_orbax_and_hf_checkpoints_agree(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--checkpoint", str(tmp_path / "hf")])
     assert "no prompt: pass --prompt" in capsys.readouterr().err
+
+
+def test_left_pad_right_aligns_prompts():
+    ids, mask = left_pad([[7, 8], [9]])
+    assert ids.tolist() == [[7, 8], [0, 9]] and mask.tolist() == [[1, 1], [0, 1]]
+    ids, mask = left_pad([[7, 8], [9]], width=4, pad_id=5)
+    assert ids.tolist() == [[5, 5, 7, 8], [5, 5, 5, 9]] and mask.tolist() == [[0, 0, 1, 1], [0, 0, 0, 1]]
+    assert ids.dtype == mask.dtype == np.int32
 
 
 def test_prompt_buckets_share_one_program_and_change_no_token(hf_pair):

@@ -37,7 +37,16 @@ import numpy as np
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.model.transformer import KVCache, ZayaForCausalLM, init_cache
 
-__all__ = ["init_cache", "prefill", "decode_step", "sample", "generate", "prompt_bucket", "KVCache"]
+__all__ = [
+    "init_cache",
+    "prefill",
+    "decode_step",
+    "sample",
+    "generate",
+    "left_pad",
+    "prompt_bucket",
+    "KVCache",
+]
 
 MIN_PROMPT_BUCKET = 16
 
@@ -46,6 +55,18 @@ def prompt_bucket(length: int) -> int:
     """The padded prompt length of a batch whose longest prompt has `length` tokens: the next power
     of two, at least MIN_PROMPT_BUCKET."""
     return max(MIN_PROMPT_BUCKET, 1 << (length - 1).bit_length())
+
+
+def left_pad(
+    prompts: Sequence[Sequence[int]], width: int | None = None, pad_id: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [B, S], attention mask [B, S]) int32, every prompt right-aligned; S = width or the longest."""
+    s = width or max(len(p) for p in prompts)
+    ids = np.full((len(prompts), s), pad_id, np.int32)
+    mask = np.zeros((len(prompts), s), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, s - len(p) :], mask[i, s - len(p) :] = p, 1
+    return ids, mask
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -158,15 +179,8 @@ def generate(
         raise ValueError("generate: every prompt needs at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
-    b = len(prompts)
     s = max(len(p) for p in prompts)
-    if bucket:
-        s = prompt_bucket(s)
-    ids = np.full((b, s), pad_id, np.int32)
-    mask = np.zeros((b, s), np.int32)
-    for i, p in enumerate(prompts):
-        ids[i, s - len(p) :] = p
-        mask[i, s - len(p) :] = 1
+    ids, mask = left_pad(prompts, prompt_bucket(s) if bucket else s, pad_id)
     tokens, steps = _generate_loop(
         cfg,
         variables,
