@@ -137,10 +137,13 @@ class OursSide:
 
     def computed_tokens(self, requests) -> tuple[int, int]:
         """(batches, padded positions the model computes), as Scorer.score batches them."""
-        lengths = sorted((len(r.inputs) for r in requests), reverse=True)
+        from zaya_jax.evaluate.scoring import length_sorted_batches
+
         b = self.scorer.batch_size
-        batches = [lengths[i : i + b] for i in range(0, len(lengths), b)]
-        return len(batches), sum(b * self.scorer.bucket_for(rows[0]) for rows in batches)
+        batches = length_sorted_batches(requests, b)
+        return len(batches), sum(
+            b * self.scorer.bucket_for(len(requests[rows[0]].inputs)) for rows in batches
+        )
 
 
 class TorchSide:
@@ -153,35 +156,30 @@ class TorchSide:
 
         self.torch, self.model, self.batch_size, self.device = torch, model, batch_size, torch.device(device)
 
-    def _batches(self, requests) -> list[list[int]]:
-        order = sorted(range(len(requests)), key=lambda i: -len(requests[i].inputs))
-        return [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-
     def computed_tokens(self, requests) -> tuple[int, int]:
-        batches = self._batches(requests)
+        from zaya_jax.evaluate.scoring import length_sorted_batches
+
+        batches = length_sorted_batches(requests, self.batch_size)
         return len(batches), sum(len(rows) * len(requests[rows[0]].inputs) for rows in batches)
 
     def score(self, requests) -> Scores:
+        from zaya_jax.evaluate.scoring import length_sorted_batches, right_padded_batch
+
         torch = self.torch
         logprob = np.zeros(len(requests))
         greedy = np.zeros(len(requests), bool)
         with torch.inference_mode():
-            for rows in self._batches(requests):
-                s = len(requests[rows[0]].inputs)
-                ids = np.zeros((len(rows), s), np.int64)
-                targets = np.zeros((len(rows), s), np.int64)
-                attention = np.zeros((len(rows), s), np.int64)
-                scored = np.zeros((len(rows), s), bool)
-                for j, i in enumerate(rows):
-                    r = requests[i]
-                    n = len(r.inputs)
-                    ids[j, :n], targets[j, :n], attention[j, :n] = r.inputs, r.targets, 1
-                    scored[j, r.score_from : n] = True
+            for rows in length_sorted_batches(requests, self.batch_size):
+                # as our sides batch them, but each batch only as wide as its longest request
+                batch = right_padded_batch(requests, rows, len(rows), len(requests[rows[0]].inputs))
                 as_t = lambda x: torch.as_tensor(x, device=self.device)
+                as_long = lambda x: as_t(x).long()  # torch indexes (embedding, gather) with int64
                 logits = self.model(
-                    input_ids=as_t(ids), attention_mask=as_t(attention), use_cache=False
+                    input_ids=as_long(batch["input_ids"]),
+                    attention_mask=as_long(batch["attention_mask"]),
+                    use_cache=False,
                 ).logits.float()
-                t, m = as_t(targets), as_t(scored)
+                t, m = as_long(batch["targets"]), as_t(batch["score_mask"])
                 logp = torch.log_softmax(logits, dim=-1).gather(-1, t[..., None])[..., 0]
                 lp = torch.where(m, logp, 0.0).sum(-1).double().cpu().numpy()
                 gr = ((logits.argmax(-1) == t) | ~m).all(-1).cpu().numpy()

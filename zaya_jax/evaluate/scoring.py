@@ -69,6 +69,30 @@ class Score:
     tokens: int  # number of scored targets
 
 
+def length_sorted_batches(requests: Sequence[Request], batch_size: int) -> list[list[int]]:
+    """Request indices, longest first, cut into batches of `batch_size` (the last may be shorter)."""
+    order = sorted(range(len(requests)), key=lambda i: -len(requests[i].inputs))
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def right_padded_batch(
+    requests: Sequence[Request], rows: Sequence[int], num_rows: int, width: int
+) -> dict[str, np.ndarray]:
+    """requests[rows] as [num_rows, width] int32 arrays, right padded: input_ids, targets,
+    attention_mask (1 on real tokens) and score_mask (bool, the scored targets); rows past
+    len(rows) are all padding."""
+    ids = np.zeros((num_rows, width), np.int32)
+    targets = np.zeros((num_rows, width), np.int32)
+    attention = np.zeros((num_rows, width), np.int32)
+    scored = np.zeros((num_rows, width), bool)
+    for j, i in enumerate(rows):
+        r = requests[i]
+        n = len(r.inputs)
+        ids[j, :n], targets[j, :n], attention[j, :n] = r.inputs, r.targets, 1
+        scored[j, r.score_from : n] = True
+    return {"input_ids": ids, "targets": targets, "attention_mask": attention, "score_mask": scored}
+
+
 def sequence_buckets(max_len: int, min_bucket: int = 64) -> tuple[int, ...]:
     """Powers of two in [min_bucket, max_len), then max_len."""
     if max_len < 1 or min_bucket < 1:
@@ -147,24 +171,15 @@ class Scorer:
             self.bucket_for(len(r.inputs))  # fail before any compute
         if self.mesh is not None:  # a no-op for variables already laid out (a training state)
             variables = jax.device_put(variables, variable_shardings(variables, self.mesh))
-        order = sorted(range(len(requests)), key=lambda i: -len(requests[i].inputs))
         results: list[Score | None] = [None] * len(requests)
-        for start in range(0, len(order), self.batch_size):
-            rows = order[start : start + self.batch_size]
+        done = 0
+        for rows in length_sorted_batches(requests, self.batch_size):
             s = self.bucket_for(len(requests[rows[0]].inputs))
-            ids = np.zeros((self.batch_size, s), np.int32)
-            targets = np.zeros((self.batch_size, s), np.int32)
-            attention = np.zeros((self.batch_size, s), np.int32)
-            scored = np.zeros((self.batch_size, s), bool)
-            for j, i in enumerate(rows):
-                r = requests[i]
-                n = len(r.inputs)
-                ids[j, :n], targets[j, :n], attention[j, :n] = r.inputs, r.targets, 1
-                scored[j, r.score_from : n] = True
-            batch = {"input_ids": ids, "targets": targets, "attention_mask": attention, "score_mask": scored}
+            batch = right_padded_batch(requests, rows, self.batch_size, s)
             out = jax.device_get(self._step(variables, {k: self._put(v) for k, v in batch.items()}))
             for j, i in enumerate(rows):
                 results[i] = Score(float(out["logprob"][j]), bool(out["greedy"][j]), int(out["tokens"][j]))
+            done += len(rows)
             if progress is not None:
-                progress(min(start + self.batch_size, len(order)), len(order))
+                progress(done, len(requests))
         return results  # type: ignore[return-value]
