@@ -68,8 +68,8 @@ from benchmarks.reference import (  # noqa: E402
     model_report,
     overrides_or_exit,
     parse_overrides,
-    reference_pair,
     tiny_config,
+    weights,
 )
 
 BUCKETED, UNBUCKETED, TORCH = "bucketed", "unbucketed", "torch"
@@ -196,7 +196,6 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     import jax
 
     from zaya_jax.evaluate import parse_mesh
-    from zaya_jax.model import init_variables
 
     cfg = tiny_config(parse_overrides(args.set or []))
     requests = make_requests(args.requests, args.max_len, args.lengths, args.seed)
@@ -208,16 +207,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "mesh": None if mesh is None else dict(mesh.shape),
         "jax_compilation_cache_dir": os.environ.get("JAX_COMPILATION_CACHE_DIR"),
     }
-    torch_side = None
-    if args.skip_torch:
-        variables = init_variables(cfg, jax.random.key(args.seed))
-    else:
-        ref = reference_pair(cfg, args.seed, args.torch_device, args.threads)
-        variables = ref.variables
-        batch = 1 if args.torch_batching == "single" else args.batch_size
-        torch_side = TorchSide(ref.model, batch, ref.device_info["torch_device"])
-        device.update(ref.device_info)
-
+    variables, ref = weights(cfg, args)
     if mesh is not None:  # laid out once, so that score() does not move them on every pass
         from zaya_jax.pretrained import variable_shardings
 
@@ -226,8 +216,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         OursSide(BUCKETED, cfg, variables, mesh, args.batch_size, args.max_len, args.min_bucket),
         OursSide(UNBUCKETED, cfg, variables, mesh, args.batch_size, args.max_len, args.max_len),
     ]
-    if torch_side is not None:
-        sides.append(torch_side)
+    if ref is not None:
+        batch = 1 if args.torch_batching == "single" else args.batch_size
+        sides.append(TorchSide(ref.model, batch, ref.device_info["torch_device"]))
+        device.update(ref.device_info)
 
     # First (untimed) pass of every side: our compilations happen here.
     first = first_calls(sides, lambda side: side.score(requests), args.warmup)

@@ -62,8 +62,8 @@ from benchmarks.reference import (  # noqa: E402
     model_report,
     overrides_or_exit,
     parse_overrides,
-    reference_pair,
     tiny_config,
+    weights,
 )
 
 CACHED, RECOMPUTE, TORCH = "cached", "recompute", "torch"
@@ -173,27 +173,17 @@ def agreement(tokens: np.ndarray, reference: np.ndarray) -> dict[str, Any]:
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    import jax
-
-    from zaya_jax.model import init_variables
-
     cfg = tiny_config(parse_overrides(args.set or []))
     prompts = make_prompts(args.batch_size, args.prompt_len, cfg.vocab_size, args.seed)
     device = host_info()
-    torch_side = None
-    if args.skip_torch:
-        variables = init_variables(cfg, jax.random.key(args.seed))
-    else:
-        ref = reference_pair(cfg, args.seed, args.torch_device, args.threads)
-        variables = ref.variables
-        torch_side = TorchSide(ref.model, args.new_tokens, ref.device_info["torch_device"])
-        device.update(ref.device_info)
+    variables, ref = weights(cfg, args)
     sides: list[Any] = [
         CachedSide(cfg, variables, args.new_tokens),
         RecomputeSide(cfg, variables, args.new_tokens),
     ]
-    if torch_side is not None:
-        sides.append(torch_side)
+    if ref is not None:
+        sides.append(TorchSide(ref.model, args.new_tokens, ref.device_info["torch_device"]))
+        device.update(ref.device_info)
 
     first = first_calls(sides, lambda side: side.generate(prompts), args.warmup)
     times = timed_calls(sides, lambda side: side.generate(prompts), args.iters)

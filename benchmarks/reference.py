@@ -169,3 +169,16 @@ def reference_pair(cfg, seed: int, torch_device_name: str = "auto", threads: int
         "torch_attn_implementation": getattr(model.config, "_attn_implementation", None),
     }
     return ReferencePair(model.to(device), variables, info)
+
+
+def weights(cfg, args: argparse.Namespace) -> tuple[dict[str, Any], ReferencePair | None]:
+    """Our variables and the transformers model holding the same weights (add_torch_args' flags);
+    with --skip-torch, random variables of ours and no reference (torch is not imported)."""
+    if args.skip_torch:
+        import jax
+
+        from zaya_jax.model import init_variables
+
+        return init_variables(cfg, jax.random.key(args.seed)), None
+    ref = reference_pair(cfg, args.seed, args.torch_device, args.threads)
+    return ref.variables, ref
