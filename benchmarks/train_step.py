@@ -44,9 +44,9 @@ import ast  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import importlib.util  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402

@@ -44,7 +44,7 @@ def value_and_grads(f, lhs, rhs, dout, gs, out_dtype):
 
 @jax.jit
 def _both(lhs, rhs, dout, gs):  # jit retraces per shape/dtype; tile is fixed at 8 for these shapes
-    tiled = lambda a, b, g, **k: tiled_grouped_matmul(a, b, g, tile=8, **k)  # noqa: E731
+    tiled = lambda a, b, g, **k: tiled_grouped_matmul(a, b, g, tile=8, **k)
     out_dtype = lhs.dtype
     return (
         value_and_grads(tiled, lhs, rhs, dout, gs, out_dtype),
@@ -85,7 +85,7 @@ def test_fp32_output_from_bf16_operands():
     """bf16 operands, fp32 output (the MoE's preferred_element_type) and fp32 cotangents."""
     lhs, rhs, dout = operands(40, 16, 24, 3, jnp.bfloat16, seed=1)
     gs = jnp.array([10, 17, 9], jnp.int32)
-    tiled = lambda a, b, g, **k: tiled_grouped_matmul(a, b, g, tile=16, **k)  # noqa: E731
+    tiled = lambda a, b, g, **k: tiled_grouped_matmul(a, b, g, tile=16, **k)
     got = value_and_grads(tiled, lhs, rhs, dout, gs, jnp.float32)
     want = value_and_grads(jax.lax.ragged_dot, lhs, rhs, dout, gs, jnp.float32)
     assert got[0].dtype == jnp.float32
@@ -98,11 +98,11 @@ def test_tile_layout():
     padding and rows past sum(group_sizes) read the zero row, and the static bound holds."""
     rng = np.random.default_rng(0)
     t, g = 90, 5
+    layout_fn = jax.jit(tile_layout, static_argnums=(1, 2))
     for tm in (8, 16, 32):
-        layout_fn = jax.jit(lambda sizes: tile_layout(sizes, t, tm))
         for _ in range(10):
             sizes = rng.multinomial(rng.integers(0, t + 1), np.ones(g) / g) * (rng.random(g) < 0.7)
-            src, dst, tile_group = map(np.asarray, layout_fn(jnp.asarray(sizes, jnp.int32)))
+            src, dst, tile_group = map(np.asarray, layout_fn(jnp.asarray(sizes, jnp.int32), t, tm))
             n = num_tiles(t, g, tm)
             assert src.shape == (n * tm,) and tile_group.shape == (n,) and dst.shape == (t,)
             bounds = np.concatenate([[0], np.cumsum(sizes)])

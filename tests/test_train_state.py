@@ -100,7 +100,9 @@ def test_tiled_moe_step_equals_ragged_dot_step():
     assert abs(float(mr["loss"]) - float(mg["loss"])) < 1e-5
     assert abs(float(mr["grad_norm"]) - float(mg["grad_norm"])) < 1e-5 * max(1.0, float(mr["grad_norm"]))
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ref.params)[0], jax.tree.leaves(got.params)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(b), np.asarray(a), atol=1e-5, err_msg=jax.tree_util.keystr(path)
+        )
     np.testing.assert_allclose(
         bal.get_balancing_biases(got.variables), bal.get_balancing_biases(ref.variables), atol=1e-6
     )

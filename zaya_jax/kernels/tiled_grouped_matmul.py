@@ -83,7 +83,9 @@ def _tiles(x_pc: jax.Array, n: int) -> jax.Array:
 
 def _dot(a, b, contract):
     precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(
+        a, b, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
 
 
 # A loop over the used tiles, slicing each tile's weights in place, rather than one batched einsum
@@ -142,10 +144,14 @@ def tiled_matmul(
     x_pk: jax.Array, w_gkn: jax.Array, tile_group: jax.Array, *, preferred_element_type=None
 ) -> jax.Array:
     """x [P, K] in tiles of P / n rows, w [G, K, N], tile_group [n] -> [P, N]: each tile times its
-    group's weights (tiles of group >= G give zeros). Differentiable in x and w (tiled backward)."""
+    group's weights. Tiles of group G (unused) must come last, as `tile_layout` makes them: the
+    loop stops at the first of them, and they give zeros. Differentiable in x and w (tiled
+    backward)."""
     if x_pk.ndim != 2 or w_gkn.ndim != 3 or tile_group.ndim != 1:
-        raise ValueError(f"tiled_matmul: want x [P,K], w [G,K,N], tile_group [n]; got "
-                         f"{x_pk.shape}, {w_gkn.shape}, {tile_group.shape}")
+        raise ValueError(
+            f"tiled_matmul: want x [P,K], w [G,K,N], tile_group [n]; got "
+            f"{x_pk.shape}, {w_gkn.shape}, {tile_group.shape}"
+        )
     if x_pk.shape[1] != w_gkn.shape[1] or x_pk.shape[0] % max(tile_group.shape[0], 1):
         raise ValueError(f"tiled_matmul: mismatched shapes {x_pk.shape}, {w_gkn.shape}, {tile_group.shape}")
     out_dtype = jnp.dtype(preferred_element_type or x_pk.dtype)

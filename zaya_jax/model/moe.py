@@ -118,7 +118,7 @@ def dense_moe(
 
 
 def resolve_moe_impl(moe_impl: str, backend: str | None = None) -> str:
-    """"auto" -> "tiled" on CPU (where ragged_dot is expanded densely), "ragged_dot" on GPU/TPU
+    """`auto` -> "tiled" on CPU (where ragged_dot is expanded densely), "ragged_dot" on GPU/TPU
     (a native grouped GEMM there); any other value is returned as is."""
     if moe_impl != "auto":
         return moe_impl
