@@ -20,7 +20,8 @@ node). The CPU platform is made to simulate N devices by setting
 jax creates its backends: jax reads both when the first device is requested, not at import, so this
 works from `main()` without re-executing the process (jax 0.10.2). The numbers are those of XLA:CPU's
 program: GPU/TPU compilers fuse and schedule differently (temporaries most of all), and kernels that
-only lower for GPU (`*_impl="pallas"`) cannot be compiled here. Nothing is written to disk.
+only lower for GPU (`*_impl="pallas"`) cannot be compiled here. Nothing is written to disk (the
+persistent compilation cache is switched off for the dry run).
 """
 
 from __future__ import annotations
@@ -74,7 +75,6 @@ def simulated_devices(n: int) -> list[jax.Device]:
     if not xla_bridge.backends_are_initialized():
         flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
         os.environ["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={n}"])
-        os.environ["JAX_PLATFORMS"] = "cpu"
         jax.config.update("jax_platforms", "cpu")
     cpus = jax.devices("cpu")
     if len(cpus) < n:
@@ -99,7 +99,7 @@ class CollectiveStats:
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")  # unindented: instructions are indented
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z][\w\-]*)\(")
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+|c64|c128)\[([\d,]*)\]")
-_CALLS = re.compile(r"\b(body|condition|to_apply|calls|branch_computations)=\{?([^}]*?)\}?(?:,\s|$)")
+_CALLS = re.compile(r"\b(body|condition|to_apply|calls|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _DTYPE_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
 
@@ -131,14 +131,15 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
 
 
 def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
-    """How often each computation runs per call of ENTRY: while bodies x their known trip count."""
+    """How often each computation runs per call of ENTRY: while bodies x their known trip count
+    (1 when XLA could not infer it); every branch of a conditional counts as taken."""
     callees: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
     for name, lines in comps.items():
         for line in lines:
             trip = _TRIP_COUNT.search(line)
             for kind, targets in _CALLS.findall(line):
                 times = int(trip.group(1)) if trip and kind in ("body", "condition") else 1
-                for target in targets.split(","):
+                for target in targets.strip("{}").split(","):
                     target = target.strip().lstrip("%")
                     if target in comps:
                         callees[name].append((target, times))
@@ -236,6 +237,8 @@ def dry_run(c: ml_collections.ConfigDict, num_devices: int | None = None, name: 
             f"config.train.batch_size={batch_size} (per microbatch {batch_size // accum}) must be "
             f"divisible by the {n} devices"
         )
+    # Nothing is written, and the compile time is XLA's: no persistent compilation cache.
+    jax.config.update("jax_enable_compilation_cache", False)
     program = train_program(c, cfg, mesh)
     t0 = time.perf_counter()
     lowered = program.train_step.lower(program.abstract_state(), abstract_batch(batch_size, seq_len, mesh))

@@ -11,6 +11,9 @@ SIGINT save at the next step boundary and exit 0; a step watchdog (fault.step_ti
 all thread stacks and exits 3; non-finite updates are skipped and recorded; a loss spike or
 fault.max_bad_steps consecutive skipped updates roll back to the last checkpoint and skip the
 batches since then. The loss is read back every step for this (one small device->host copy).
+
+`--dry_run` (no --workdir) compiles this train step at full size on simulated CPU devices and
+prints memory per device, collectives and compile time instead (zaya_jax/dry_run.py).
 """
 
 from __future__ import annotations
