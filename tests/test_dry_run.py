@@ -24,7 +24,8 @@ def run_dry(cwd, config, *extra):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(cwd, "xla_cache")
-    cmd = [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, config), "--dry_run", *extra]
+    cmd = [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, config), "--dry_run"]
+    cmd += extra
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=900, env=env)
 
 

@@ -206,7 +206,7 @@ def memory_rows(stats: Any, est: sizing.MemoryEstimate) -> list[str]:
     for name, xla, ours, what in rows:
         ours_s = f"{ours / scale:>11.3f}   ({what})" if ours is not None else ""
         out.append(f"  {name:<44}{xla / scale:>11.3f}{ours_s}")
-    out.append(f"  (sizing: remat {est.remat}, {est.micro_batch} sequences x {est.seq_len} tokens per microbatch)")
+    out.append(f"  (sizing: remat {est.remat}, micro-batch {est.micro_batch} x {est.seq_len} tokens per device)")
     return out
 
 

@@ -196,7 +196,8 @@ class TrainProgram:
         """ShapeDtypeStructs carrying the state's shardings: a restore or compile target, nothing
         allocated."""
         shapes = jax.eval_shape(self.create)
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, self.shardings)
+        struct = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+        return jax.tree.map(struct, shapes, self.shardings)
 
 
 def abstract_batch(batch_size: int, seq_len: int, mesh: Mesh) -> Batch:

@@ -71,4 +71,5 @@ def make_mesh(
 def mesh_from_config(c, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The mesh of a training config (`mesh.data/fsdp/expert`) over `devices` (default: all),
     validated against them."""
-    return make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.expert, num_experts=c.model.num_experts, devices=devices)
+    m = c.mesh
+    return make_mesh(m.data, m.fsdp, m.expert, num_experts=c.model.num_experts, devices=devices)
