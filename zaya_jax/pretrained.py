@@ -34,7 +34,7 @@ from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, checkpoint_workdir
 from zaya_jax.model import BALANCING, ZayaConfig, init_variables
 from zaya_jax.parallel.sharding import param_shardings
-from zaya_jax.tokenizer import CONFIG_FILENAME, HF_FILENAME, Tokenizer, load_tokenizer
+from zaya_jax.tokenizer import CONFIG_FILENAME, HF_FILENAME, ByteTokenizer, Tokenizer, load_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +144,9 @@ def load_model(
         if mesh is not None:
             variables = jax.device_put(variables, variable_shardings(variables, mesh))
         tok = load_tokenizer(tokenizer) if tokenizer else _hf_tokenizer(path, cfg.vocab_size)
-        ours = os.path.isfile(os.path.join(path, CONFIG_FILENAME))
+        # our export (zaya_tokenizer.json), or its byte tokenizer.json re-saved by transformers
+        stored_byte = not tokenizer and isinstance(tok, ByteTokenizer)
+        ours = os.path.isfile(os.path.join(path, CONFIG_FILENAME)) or stored_byte
         source, step = "hf", None
     else:
         c, cfg, variables, step = load_checkpoint_variables(path, mesh)
