@@ -107,7 +107,11 @@ def test_export_fp32_and_bf16_load_in_transformers(trained, tmp_path):
 def _assert_special_ids_agree(hf_dir):
     """config.json, generation_config.json and the tokenizer transformers builds name the same ids."""
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
-    want = {"pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
+    want = {
+        "pad_token_id": tok.pad_token_id,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+    }
     assert want == {"pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1}
     for name in ("config.json", "generation_config.json"):
         got = json.loads((hf_dir / name).read_text())

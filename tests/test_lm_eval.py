@@ -4,22 +4,22 @@ the matching --prefix (lm-eval default <-> none, add_bos_token=True <-> bos). Of
 YAML over local JSONL files."""
 
 import json
-import os
 
 import numpy as np
 import pytest
-
 import torch
-
 from eval_models import BYTE_CASE, TASK, orbax_from_hf, write_task
 from hf_reference import random_hf_model
+
 from zaya_jax.evaluate.__main__ import main as evaluate_main
 from zaya_jax.export import export
 
 MAX_LEN = 64  # several rolling windows per document
 DOCS = [
-    "Call me Ishmael. Some years ago - never mind how long precisely - having little or no money in my "
-    "purse, and nothing particular to interest me on shore, I thought I would sail about a little.",
+    (
+        "Call me Ishmael. Some years ago - never mind how long precisely - having little or no money in "
+        "my purse, and nothing particular to interest me on shore, I thought I would sail about a little."
+    ),
     "Ünïcödé — naïve café, 日本語, 🐋 whales.",
     "Short.",
 ]

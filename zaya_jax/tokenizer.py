@@ -146,7 +146,11 @@ def byte_level_tokenizer_json() -> str:
 
 def _gpt2_byte_chars() -> list[str]:
     """The byte -> printable character table of GPT-2's byte-level BPE (index = byte)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
