@@ -106,8 +106,8 @@ def run_ours(d, prefix):
     return out["results"], rows
 
 
-def compare(theirs, their_samples, ours, our_rows):
-    """Asserts agreement; returns the table row (acc, acc_norm, worst |dlogL|, bits per byte)."""
+def compare_choices(theirs, their_samples, ours, our_rows) -> dict:
+    """Asserts the multiple-choice agreement; returns (lm-eval, ours) acc and acc_norm, worst |dlogL|."""
     mc = sorted(their_samples["zaya_mc"], key=lambda s: s["doc_id"])
     assert len(mc) == len(our_rows) == len(TASK)
     worst = 0.0
@@ -115,39 +115,41 @@ def compare(theirs, their_samples, ours, our_rows):
         lls = [float(r[0]) for r in s["filtered_resps"]]
         worst = max(worst, float(np.max(np.abs(np.array(lls) - row["loglikelihoods"]))))
     assert worst < 1e-4, worst
+    table = {"worst_loglik_diff": worst}
     for metric in ("acc", "acc_norm"):
-        assert theirs["zaya_mc"][f"{metric},none"] == pytest.approx(ours["task"][metric], abs=1e-12)
+        table[metric] = (theirs["zaya_mc"][f"{metric},none"], ours["task"][metric])
+        assert table[metric][0] == pytest.approx(table[metric][1], abs=1e-12), metric
+    return table
+
+
+def compare_perplexity(theirs, their_samples, ours) -> dict:
+    """Asserts the rolling-perplexity agreement; returns (lm-eval, ours) per metric."""
     ppl, mine = theirs["zaya_ppl"], ours["docs"]
     their_nll = -sum(float(s["filtered_resps"][0]) for s in their_samples["zaya_ppl"])
     assert their_nll == pytest.approx(mine["nll"], rel=1e-5, abs=1e-4)
+    table = {}
     for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
-        assert ppl[f"{metric},none"] == pytest.approx(mine[metric], rel=1e-5), metric
-    return {
-        "acc": (theirs["zaya_mc"]["acc,none"], ours["task"]["acc"]),
-        "acc_norm": (theirs["zaya_mc"]["acc_norm,none"], ours["task"]["acc_norm"]),
-        "worst_loglik_diff": worst,
-        "word_perplexity": (ppl["word_perplexity,none"], mine["word_perplexity"]),
-        "bits_per_byte": (ppl["bits_per_byte,none"], mine["bits_per_byte"]),
-    }
+        table[metric] = (ppl[f"{metric},none"], mine[metric])
+        assert table[metric][0] == pytest.approx(table[metric][1], rel=1e-5), metric
+    return table
 
 
 @pytest.mark.slow
 def test_lm_eval_default_matches_prefix_none_and_add_bos_matches_prefix_bos(exported, monkeypatch):
     d = exported
     theirs, their_samples = run_lm_eval(d, monkeypatch)
-    ours, rows = run_ours(d, "none")
-    print("lm-eval default vs --prefix none:", compare(theirs, their_samples, ours, rows))
+    ours, rows_none = run_ours(d, "none")
+    table = compare_choices(theirs, their_samples, ours, rows_none)
+    table.update(compare_perplexity(theirs, their_samples, ours))
+    print("lm-eval default vs --prefix none (lm-eval, ours):", table)
 
     # add_bos_token=True: every context starts with BOS. Rolling perplexity then scores a BOS the
     # tokenizer put at the document's start after lm-eval's own prefix, so only the choices compare.
     theirs, their_samples = run_lm_eval(d, monkeypatch, ",add_bos_token=True")
     ours, rows = run_ours(d, "bos")
-    mc = sorted(their_samples["zaya_mc"], key=lambda s: s["doc_id"])
-    worst = max(
-        float(np.max(np.abs(np.array([float(r[0]) for r in s["filtered_resps"]]) - row["loglikelihoods"])))
-        for s, row in zip(mc, rows)
+    print("lm-eval add_bos_token=True vs --prefix bos:", compare_choices(theirs, their_samples, ours, rows))
+    # the two pairs are told apart: the BOS changes every non-empty context's scores
+    gap = max(
+        abs(a - b) for x, y in zip(rows, rows_none) for a, b in zip(x["loglikelihoods"], y["loglikelihoods"])
     )
-    assert worst < 1e-4, worst
-    assert theirs["zaya_mc"]["acc,none"] == pytest.approx(ours["task"]["acc"], abs=1e-12)
-    assert theirs["zaya_mc"]["acc_norm,none"] == pytest.approx(ours["task"]["acc_norm"], abs=1e-12)
-    print(f"lm-eval add_bos_token=True vs --prefix bos: worst |dlogL| {worst:.2e}")
+    assert gap > 1e-2, gap
