@@ -13,10 +13,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from zaya_jax import model
-from zaya_jax.export import export
+from zaya_jax.export import export, skip_bias_warning
 from zaya_jax.generate import main as generate_main
-from zaya_jax.pretrained import load_checkpoint_variables
 from zaya_jax.import_hf import import_hf
+from zaya_jax.pretrained import load_checkpoint_variables
 from zaya_jax.tokenizer import ByteTokenizer, load_tokenizer
 from zaya_jax.train import train
 
@@ -66,8 +66,10 @@ def test_export_fp32_and_bf16_load_in_transformers(trained, tmp_path):
     ids = np.asarray([ByteTokenizer().encode(HELD_OUT)], np.int64)
     ref = _ours(trained, ids)
     info = export(str(trained / "checkpoints" / "3"), str(tmp_path / "fp32"), dtype="float32")
-    assert info["step"] == 3 and {"config.json", "generation_config.json", "model.safetensors"} <= set(
-        info["files"]
+    assert (
+        info["step"] == 3
+        and info["warnings"] == []
+        and {"config.json", "generation_config.json", "model.safetensors"} <= set(info["files"])
     )
     assert load_tokenizer(str(tmp_path / "fp32")).name == "byte"
     _assert_special_ids_agree(tmp_path / "fp32")
@@ -102,6 +104,15 @@ def test_export_fp32_and_bf16_load_in_transformers(trained, tmp_path):
     rel = np.abs(got - ref).max() / np.abs(ref).max()
     print(f"export bf16: max abs error / max |logit| {rel:.3g}")
     assert rel < 2e-2, rel
+
+
+def test_skip_bias_transformers_would_reset_is_reported():
+    biases = np.zeros((3, 5), np.float32)
+    biases[:, -1] = -1.0
+    as_variables = lambda b: {"balancing": {"layers": {"mlp": {"gate": {"balancing_biases": b}}}}}
+    assert skip_bias_warning(as_variables(biases)) is None  # what the trainer keeps by default
+    biases[1, -1] = -0.5
+    assert "layers [1]" in skip_bias_warning(as_variables(biases))
 
 
 def _assert_special_ids_agree(hf_dir):

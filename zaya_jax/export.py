@@ -18,11 +18,29 @@ import dataclasses
 import json
 import os
 
+import numpy as np
 from absl import logging
 
 from zaya_jax import hf
 from zaya_jax.pretrained import checkpoint_tokenizer, load_checkpoint_variables
 from zaya_jax.tokenizer import load_tokenizer, save_for_transformers
+
+
+def skip_bias_warning(variables: dict) -> str | None:
+    """Why transformers would load these weights differently, if it would.
+
+    transformers 5.23's ZayaRouter._init_weights writes balancing_biases[-1] = -1 after the weights
+    are loaded (an unguarded in-place write), so a skip-class bias moved away from its initial -1
+    (balancing update_skip=True) is lost in transformers; our loaders keep it.
+    """
+    skip_l = np.asarray(variables["balancing"]["layers"]["mlp"]["gate"]["balancing_biases"])[:, -1]
+    moved = np.flatnonzero(skip_l != -1.0)
+    if not moved.size:
+        return None
+    return (
+        f"layers {moved.tolist()}: skip-class balancing bias {skip_l[moved].tolist()} != -1; "
+        "transformers==5.23.0 resets it to -1 when loading, so its outputs will differ from ours"
+    )
 
 
 def export(
@@ -42,7 +60,11 @@ def export(
     hf.save_pretrained(cfg, variables, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
     tok.save(out)
     save_for_transformers(tok, out)
+    warning = skip_bias_warning(variables)
+    if warning:
+        logging.warning("export %s: %s", out, warning)
     return {
+        "warnings": [warning] if warning else [],
         "step": step,
         "out": os.path.abspath(out),
         "dtype": dtype,
