@@ -65,7 +65,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"), help="compute dtype override")
     ap.add_argument("--tokenizer", default=None, help="override: byte, a tokenizer.json or a saved dir")
-    ap.add_argument("--prefix", default="auto", help="auto | bos | eos | ID: token every request starts with")
+    ap.add_argument(
+        "--prefix",
+        default="auto",
+        help="auto | bos | eos | ID: token every request starts with; none: only requests without "
+        "context (lm-eval's default)",
+    )
     ap.add_argument("--delimiter", default=" ", help="multiple choice: between context and choice")
     ap.add_argument("--separator", default=None, help="text: document separator (blank-line, form-feed, ...)")
     ap.add_argument("--text-field", default="text", help="text .jsonl: the field holding the text")
