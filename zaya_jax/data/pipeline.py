@@ -31,7 +31,9 @@ Sharding: global batch k consists of the sequences k*G .. k*G+G-1 (G = global_ba
 p gets the rows with (index mod P) == p, in order, so row r of process p's batch is row r*P + p of
 the single-process global batch (`interleave_process_batches` reassembles it). The global sequence
 count is padded to a multiple of G with all-padding sequences (loss_mask 0), so every process yields
-the same number of batches and no real sequence is dropped.
+the same number of batches and no real sequence is dropped. With a batch-size ramp (zaya_jax.data.ramp)
+batch k holds the next ramp.size(k) sequences instead of G; a weighted mixture of datasets
+(zaya_jax.data.mixture) is one more random-access sequence source; both go through `batch_sequences`.
 """
 
 from __future__ import annotations
