@@ -46,7 +46,8 @@ def get_config(arg: str = "phase1"):
         raise ValueError(f"configs/zaya1_base.py: unknown phase {phase!r}; expected one of {sorted(PHASES)}")
     options = dict(o.split("=", 1) if "=" in o else (o, "") for o in options)
     if set(options) - {"data"}:
-        raise ValueError(f"configs/zaya1_base.py: unknown option(s) {sorted(set(options) - {'data'})}; expected data=DIR")
+        unknown = sorted(set(options) - {"data"})
+        raise ValueError(f"configs/zaya1_base.py: unknown option(s) {unknown}; expected data=DIR")
     seq_len, theta, tokens = PHASES[phase]
     c = base_config()
     set_model(

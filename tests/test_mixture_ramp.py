@@ -13,12 +13,16 @@ import pytest
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer
 from zaya_jax.data.mixture import mixed_sequences, parse_mixture
-from zaya_jax.data.pipeline import PackedSequences, batch_sequences, interleave_process_batches, load_documents
+from zaya_jax.data.pipeline import (
+    PackedSequences,
+    batch_sequences,
+    interleave_process_batches,
+    load_documents,
+)
 from zaya_jax.data.prepare import prepare_dataset
 from zaya_jax.data.ramp import BatchRamp, parse_batch_ramp
 from zaya_jax.events import read_events
 from zaya_jax.metrics import read_metrics
-from zaya_jax.tokenizer import ByteTokenizer
 
 from test_checkpoint import _env, _wait_for_step
 from test_config import load
@@ -108,7 +112,9 @@ def test_mixture_two_processes_equal_one(sources, ramp_spec):
     web, code = sources
     ramp = None if ramp_spec is None else parse_batch_ramp(ramp_spec, 8)
     _, single = mixture_batches(spec(web, code), 10, ramp=ramp)
-    local = [mixture_batches(spec(web, code), 10, ramp=ramp, process_index=p, process_count=2)[1] for p in (0, 1)]
+    local = [
+        mixture_batches(spec(web, code), 10, ramp=ramp, process_index=p, process_count=2)[1] for p in (0, 1)
+    ]
     for step in range(10):
         per_process = [local[p][step] for p in (0, 1)]
         assert all(len(b["input_ids"]) * 2 == len(single[step]["input_ids"]) for b in per_process)
@@ -126,10 +132,12 @@ def test_mixture_config_errors(sources, tmp_path):
     hf.pre_tokenizer = pre_tokenizers.Whitespace()
     hf.train_from_iterator(["a b"], trainers.WordLevelTrainer(special_tokens=["<pad>", "</s>", "<unk>"]))
     hf.save(str(other / "tokenizer.json"))
-    prepare_dataset([other / "docs.jsonl"], other / "words", tokenizer=other / "tokenizer.json", eval_fraction=0)
+    prepare_dataset(
+        [other / "docs.jsonl"], other / "words", tokenizer=other / "tokenizer.json", eval_fraction=0
+    )
     cases = [
-        (f"{web}:0.5,{other / 'words'}:0.5", f"config.data.mixture: {web} and {other / 'words'} were prepared "
-         "with different tokenizers"),
+        (f"{web}:0.5,{other / 'words'}:0.5",
+         f"config.data.mixture: {web} and {other / 'words'} were prepared with different tokenizers"),
         (f"{web}:0.5,{tmp_path}:0.5", f"config.data.mixture: {tmp_path} is not a prepared dataset"),
         (f"{web}:0.5,{code}", "config.data.mixture: .*expected PATH:WEIGHT"),
         (f"{web}:0.5,{code}:-1", "config.data.mixture: .*weight > 0"),
@@ -193,7 +201,8 @@ def test_ramp_parse_and_divisibility_errors():
         parse_batch_ramp("4,2,20", 8).check_divisible(4, 1)
     c = load("tiny")
     c.train.batch_ramp, c.train.grad_accum = "4,2,64", 4
-    with pytest.raises(ValueError, match="config.train.batch_ramp: batch size 6 of the ramp is not divisible"):
+    message = "config.train.batch_ramp: batch size 6 of the ramp is not divisible"
+    with pytest.raises(ValueError, match=message):
         config_lib.validate(c)
     c.train.batch_ramp = "4,2"
     with pytest.raises(ValueError, match="config.train.batch_ramp: .*START,INCREMENT,RAMP_SEQUENCES"):
@@ -205,7 +214,8 @@ def test_ramp_batches_lose_and_repeat_no_sequence(sources):
     seqs = PackedSequences(load_documents(web, "train"), seq_len=32, seed=9)
     ramp = parse_batch_ramp("2,2,24", 8)
     batches = take(batch_sequences(seqs, global_batch_size=8, ramp=ramp), 12)
-    assert [len(b["input_ids"]) for b in batches] == [ramp.size(k) for k in range(12)] == [2] * 4 + [4] * 2 + [6] * 2 + [8] * 4
+    sizes = [len(b["input_ids"]) for b in batches]
+    assert sizes == [ramp.size(k) for k in range(12)] == [2] * 4 + [4] * 2 + [6] * 2 + [8] * 4
     rows = np.concatenate([b["input_ids"] for b in batches])
     np.testing.assert_array_equal(rows, np.stack([seqs[i]["input_ids"] for i in range(ramp.consumed(12))]))
     # a constant "ramp" (START = full) batches exactly like the fixed-size pipeline
@@ -276,7 +286,12 @@ def test_kill_9_mid_mixture_and_mid_ramp_resumes_with_identical_losses(sources, 
     assert summary["batch_sizes"] == [2, 4, 6, 8] and summary["train_programs"] == 4
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
-        _train_cmd(killed, *args), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        _train_cmd(killed, *args),
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     _wait_for_step(proc, killed, 5)
     proc.kill()

@@ -144,4 +144,11 @@ def epochs_report(sources: tuple[MixtureSource, ...], mix: MixedSequences, total
     return "\n".join(lines)
 
 
-__all__ = ["MixedSequences", "MixtureSource", "check_sources", "epochs_report", "mixed_sequences", "parse_mixture"]
+__all__ = [
+    "MixedSequences",
+    "MixtureSource",
+    "check_sources",
+    "epochs_report",
+    "mixed_sequences",
+    "parse_mixture",
+]

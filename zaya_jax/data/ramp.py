@@ -46,13 +46,16 @@ class BatchRamp:
 
     @classmethod
     def create(cls, start: int, increment: int, ramp_sequences: int, full: int) -> BatchRamp:
-        for name, value, low in (("START", start, 1), ("INCREMENT", increment, 1), ("RAMP_SEQUENCES", ramp_sequences, 0)):
+        checks = (("START", start, 1), ("INCREMENT", increment, 1), ("RAMP_SEQUENCES", ramp_sequences, 0))
+        for name, value, low in checks:
             if not isinstance(value, (int, np.integer)) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if start > full:
             raise ValueError(f"START={start} exceeds train.batch_size={full}")
         if (full - start) % increment:
-            raise ValueError(f"train.batch_size - START = {full - start} is not a multiple of INCREMENT={increment}")
+            raise ValueError(
+                f"train.batch_size - START = {full - start} is not a multiple of INCREMENT={increment}"
+            )
         n = (full - start) // increment
         segments, k, consumed = [], 0, 0
         while n and ramp_sequences and consumed <= ramp_sequences:
@@ -124,7 +127,9 @@ class RampBatches:
     def __init__(self, rows: Sequence[dict[str, np.ndarray]], ramp: BatchRamp, process_count: int):
         for size in ramp.sizes:
             if size % process_count:
-                raise ValueError(f"batch size {size} of the ramp is not divisible by process_count {process_count}")
+                raise ValueError(
+                    f"batch size {size} of the ramp is not divisible by process_count {process_count}"
+                )
         self.rows, self.ramp, self.process_count = rows, ramp, process_count
 
     def __len__(self) -> int:
