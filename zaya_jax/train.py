@@ -11,6 +11,9 @@ SIGINT save at the next step boundary and exit 0; a step watchdog (fault.step_ti
 all thread stacks and exits 3; non-finite updates are skipped and recorded; a loss spike or
 fault.max_bad_steps consecutive skipped updates roll back to the last checkpoint and skip the
 batches since then. The loss is read back every step for this (one small device->host copy).
+
+`--dry_run` (no --workdir) compiles this train step at full size on simulated CPU devices and
+prints memory per device, collectives and compile time instead (zaya_jax/dry_run.py).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zaya_jax import balancing as bal
 from zaya_jax import config as config_lib
+from zaya_jax import dry_run
 from zaya_jax import sizing
 from zaya_jax.checkpoint import Checkpointer, abstract_like, checkpoint_workdir
 from zaya_jax.events import EventLog
@@ -42,24 +45,15 @@ from zaya_jax.data import mixture as mixture_lib
 from zaya_jax.data.pipeline import batch_sequences, make_dataset, make_eval_dataset, source_tokenizer
 from zaya_jax.data.ramp import BatchRamp, parse_batch_ramp
 from zaya_jax.metrics import MetricsLogger
-from zaya_jax.optim.chain import lr_schedule, make_optimizer
 from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.parallel.sharding import shard_batch
-from zaya_jax.train_state import (
+from zaya_jax.train_state import (  # noqa: F401  (balancing_config: re-exported for the CLIs)
     TrainState,
-    create_train_state,
+    balancing_config,
     make_eval_step,
-    make_train_step,
-    state_shardings,
+    train_program,
 )
-
-
-def balancing_config(c: ml_collections.ConfigDict) -> bal.BalancingConfig | None:
-    if not c.balancing.enabled:
-        return None
-    fields = {f.name for f in dataclasses.fields(bal.BalancingConfig)}
-    return bal.BalancingConfig(**{k: v for k, v in c.balancing.items() if k in fields}).validate()
 
 
 def _to_python(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -273,12 +267,8 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         ramp.check_divisible(mesh.size, c.train.grad_accum)
     except ValueError as e:
         raise ValueError(f"config.train.batch_ramp={c.train.batch_ramp!r}: {e}") from None
-    tx = make_optimizer(c, total_steps=steps)
-    schedule = lr_schedule(c, total_steps=steps)
-    bal_cfg = balancing_config(c)
-    create = lambda: create_train_state(cfg, tx, bal_cfg or bal.BalancingConfig(), jax.random.key(c.seed))
-    shardings = state_shardings(jax.eval_shape(create), mesh, zero1=c.mesh.zero1)
-    state = jax.jit(create, out_shardings=shardings)()
+    program = train_program(c, cfg, mesh)
+    state = jax.jit(program.create, out_shardings=program.shardings)()
     abstract_state = abstract_like(state)
 
     train_ds, mixture = _train_dataset(c, sources, ramp)
@@ -303,12 +293,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         state = _init_from(state, c.train.init_from)
     start = int(state.step)
 
-    train_step = jax.jit(
-        make_train_step(cfg, tx, bal_cfg, schedule, c.train.grad_accum, mesh),
-        in_shardings=(shardings, None),
-        out_shardings=(shardings, None),
-        donate_argnums=0,
-    )
+    train_step = program.train_step
     eval_step = jax.jit(make_eval_step(cfg, mesh))
     downstream = downstream_tasks(c, cfg, tokenizer, mesh)
     peak = sizing.peak_flops_per_device()
@@ -509,13 +494,26 @@ def _define_flags() -> None:
         "config", None, "Training config file (configs/<name>.py[:arg]).", lock_config=True
     )
     flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, TensorBoard.")
+    flags.DEFINE_bool(
+        "dry_run",
+        False,
+        "Compile the full-size train step on simulated CPU devices, print memory per device, "
+        "collectives and compile time, and exit; needs no --workdir (zaya_jax/dry_run.py).",
+    )
+    flags.DEFINE_integer(
+        "dry_run_devices", None, "Devices --dry_run simulates (default: the mesh size; 8 if an axis is -1)."
+    )
 
 
 def main(argv):
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
-    initialize_from_env()
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if FLAGS.dry_run and FLAGS.config is not None:  # before jax starts: it picks the simulated devices
+        name = config_flags.get_config_filename(FLAGS["config"])
+        print(dry_run.dry_run(FLAGS.config, FLAGS.dry_run_devices, name), flush=True)
+        return
+    initialize_from_env()
     if FLAGS.config is None or not FLAGS.workdir:
         raise app.UsageError("--config and --workdir are required")
     summary = train(FLAGS.config, FLAGS.workdir)
