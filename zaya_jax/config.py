@@ -6,11 +6,15 @@ overrides any key (`--config.train.steps=100`). Sections:
   seed                      global seed (params, data order)
   model.*                   every field of zaya_jax.model.ZayaConfig (sizes, dtypes, impls)
   data.path                 directory written by `python -m zaya_jax.data.prepare`; unset = embedded corpus
+  data.mixture              "PATH:WEIGHT,PATH:WEIGHT,..." weighted mixture of prepared directories (instead of
+                            data.path; zaya_jax/data/mixture.py); unset = data.path alone
   data.num_threads, data.prefetch
   train.steps               optimizer steps of this run (phase)
   train.batch_size          global batch, sequences per optimizer step (all devices and microbatches)
   train.seq_len             tokens per sequence
   train.grad_accum          microbatches per step (batch_size must divide by it)
+  train.batch_ramp          "START,INCREMENT,RAMP_SEQUENCES": Megatron's batch-size ramp up to batch_size
+                            (zaya_jax/data/ramp.py); unset = batch_size from the first step
   train.init_from           a checkpoint directory whose params start this run (phase chaining); unset = random
   optim.*                   see zaya_jax.optim.chain (lr, schedule, warmup, muon.*, adamw.*, clipping)
   balancing.*               aux-loss-free router balancing (zaya_jax.balancing)
@@ -26,7 +30,8 @@ overrides any key (`--config.train.steps=100`). Sections:
   fault.max_bad_steps       that many consecutive skipped (non-finite) updates -> roll back (0 = off)
   fault.inject_nan_at_steps, fault.inject_spike_at_steps   test hooks: poison the batch of those
                             steps (1-based) once (NaN loss / a large finite loss)
-  eval.every_steps, eval.batches, eval.batch_size   held-out evaluation (0 batches = the whole split)
+  eval.every_steps, eval.batches, eval.batch_size   held-out evaluation (0 batches = the whole split;
+                            with data.mixture, per source)
   eval.tasks                downstream tasks scored at every evaluation: data specs of
                             `python -m zaya_jax.evaluate` (multiple-choice JSONL, text files, token data)
   eval.task_limit, eval.task_max_len   examples/documents per task (0 = all); tokens per scored
@@ -42,6 +47,7 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
+from zaya_jax.data.ramp import parse_batch_ramp
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.optim.chain import default_optim_config
 
@@ -54,6 +60,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict()
     c.data.path = config_dict.placeholder(str)
+    c.data.mixture = config_dict.placeholder(str)
     c.data.num_threads = 2
     c.data.prefetch = 4
 
@@ -63,6 +70,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.seq_len = 256
     c.train.grad_accum = 1
     c.train.init_from = config_dict.placeholder(str)
+    c.train.batch_ramp = config_dict.placeholder(str)
 
     c.optim = default_optim_config()
 
@@ -163,6 +171,7 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
         "train.grad_accum",
         f"batch_size={t.batch_size} is not divisible by grad_accum={t.grad_accum}",
     )
+    _validate_data(c)
     _check(
         t.seq_len <= cfg.max_position_embeddings,
         "train.seq_len",
@@ -245,6 +254,30 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
     _check(c.logging.every_steps > 0, "logging.every_steps", "must be > 0")
     _check(c.balancing.lr > 0, "balancing.lr", "must be > 0 (set balancing.enabled=False to turn it off)")
     return cfg
+
+
+def _validate_data(c: ml_collections.ConfigDict) -> None:
+    """data.mixture (format, prepared directories, one tokenizer) and train.batch_ramp (the rule's
+    arithmetic and grad_accum; the mesh is checked when the trainer has built it)."""
+    try:
+        ramp = parse_batch_ramp(c.train.batch_ramp, c.train.batch_size)
+    except ValueError as e:
+        raise ValueError(f"config.train.batch_ramp: {e}") from None
+    for size in ramp.sizes:
+        _check(
+            size % c.train.grad_accum == 0,
+            "train.batch_ramp",
+            f"batch size {size} of the ramp is not divisible by train.grad_accum={c.train.grad_accum}",
+        )
+    if not c.data.mixture:
+        return
+    _check(not c.data.path, "data.mixture", "set either data.path or data.mixture, not both")
+    from zaya_jax.data.mixture import check_sources, parse_mixture  # deferred: loads grain
+
+    try:
+        check_sources(parse_mixture(c.data.mixture))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"config.data.mixture: {e}") from None
 
 
 def _unknown_keys(c: Any, base: Any, prefix: str = "") -> list[str]:

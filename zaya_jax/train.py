@@ -41,7 +41,9 @@ from zaya_jax import dry_run
 from zaya_jax import sizing
 from zaya_jax.checkpoint import Checkpointer, abstract_like, checkpoint_workdir
 from zaya_jax.events import EventLog
-from zaya_jax.data.pipeline import make_dataset, make_eval_dataset, source_tokenizer
+from zaya_jax.data import mixture as mixture_lib
+from zaya_jax.data.pipeline import batch_sequences, make_dataset, make_eval_dataset, source_tokenizer
+from zaya_jax.data.ramp import BatchRamp, parse_batch_ramp
 from zaya_jax.metrics import MetricsLogger
 from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.mesh import mesh_from_config
@@ -63,9 +65,24 @@ def _to_python(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def evaluate(eval_step, variables, c: ml_collections.ConfigDict, mesh) -> dict[str, float]:
+    """Held-out loss of data.path, or of each mixture source (`eval_loss/<name>`) and the mixture's
+    `eval_loss` = the weight-averaged per-source loss (the expected loss of a held-out token drawn
+    in the training proportions)."""
+    if not c.data.mixture:
+        return _held_out_loss(eval_step, variables, c, mesh, c.data.path)
+    out, loss, tokens = {}, 0.0, 0.0
+    for source in mixture_lib.parse_mixture(c.data.mixture):
+        r = _held_out_loss(eval_step, variables, c, mesh, source.path)
+        out[f"eval_loss/{source.name}"] = r["eval_loss"]
+        loss += source.weight * r["eval_loss"]
+        tokens += r["eval_tokens"]
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0)), "eval_tokens": tokens, **out}
+
+
+def _held_out_loss(eval_step, variables, c: ml_collections.ConfigDict, mesh, path) -> dict[str, float]:
     """Held-out loss over `eval.batches` batches (0 = the whole split); token-weighted mean."""
     ds = make_eval_dataset(
-        c.data.path,
+        path,
         seq_len=c.train.seq_len,
         global_batch_size=c.eval.batch_size,
         process_index=jax.process_index(),
@@ -228,7 +245,8 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Runs (or resumes) the training described by `c` in `workdir`. Returns a summary dict."""
     cfg = config_lib.validate(c)
     os.makedirs(workdir, exist_ok=True)
-    tokenizer = source_tokenizer(c.data.path)
+    sources = mixture_lib.parse_mixture(c.data.mixture) if c.data.mixture else None
+    tokenizer = source_tokenizer(sources[0].path if sources else c.data.path)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ValueError(
             f"config.model.vocab_size={cfg.vocab_size} is smaller than the data's tokenizer "
@@ -244,20 +262,18 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             f"config.train.batch_size={batch_size} (per microbatch "
             f"{batch_size // c.train.grad_accum}) must be divisible by the {mesh.size} devices"
         )
+    ramp = parse_batch_ramp(c.train.batch_ramp, batch_size)
+    try:
+        ramp.check_divisible(mesh.size, c.train.grad_accum)
+    except ValueError as e:
+        raise ValueError(f"config.train.batch_ramp={c.train.batch_ramp!r}: {e}") from None
     program = train_program(c, cfg, mesh)
     state = jax.jit(program.create, out_shardings=program.shardings)()
     abstract_state = abstract_like(state)
 
-    train_ds = make_dataset(
-        c.data.path,
-        seq_len=seq_len,
-        global_batch_size=batch_size,
-        seed=c.seed,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        num_threads=c.data.num_threads,
-        prefetch_buffer_size=c.data.prefetch,
-    )
+    train_ds, mixture = _train_dataset(c, sources, ramp)
+    if mixture is not None and primary:
+        print(mixture_lib.epochs_report(sources, mixture, ramp.consumed(steps)), flush=True)
     data_iter = iter(train_ds)
 
     ckpt = Checkpointer(
@@ -299,6 +315,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         "mesh": dict(mesh.shape),
         "rollbacks": 0,
         "skipped_updates": 0,
+        "batch_sizes": [],
     }
     # Process 0 owns WORKDIR/metrics.jsonl and TensorBoard; the others keep their own record.
     log_dir = workdir if primary else os.path.join(workdir, f"process_{jax.process_index()}")
@@ -318,15 +335,19 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                 if done in inject:  # test hooks; each fires once
                     host_batch = _poison(host_batch, inject.pop(done), cfg.vocab_size)
                 batch = shard_batch(host_batch, mesh)
-                if watchdog is not None and not first:  # the first step compiles
+                global_batch = host_batch["input_ids"].shape[0] * jax.process_count()
+                # a step at a batch size not seen yet compiles its program (one per size)
+                if watchdog is not None and not first and global_batch in summary["batch_sizes"]:
                     watchdog.start(done)
+                if global_batch not in summary["batch_sizes"]:
+                    summary["batch_sizes"].append(global_batch)
                 state, metrics = train_step(state, batch)
                 loss, skipped = jax.device_get((metrics["loss"], metrics["update_skipped"]))
                 loss, skipped = float(loss), bool(skipped)
                 if watchdog is not None:
                     watchdog.stop()
                 first = False
-                tokens_since += batch_size * seq_len
+                tokens_since += global_batch * seq_len
 
                 rollback_reason = None
                 if skipped:
@@ -384,6 +405,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                     util = sizing.mfu(m["tokens_per_second"], cfg, seq_len, mesh.size, peak)
                     if util is not None:
                         m["mfu"] = util
+                    m.update(_data_position(data_iter, ramp, mixture, sources, seq_len))
                     logger.log_train(done, m)
                     t_last, tokens_since = now, 0
                     summary["loss"] = m["loss"]
@@ -416,7 +438,36 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     ckpt.wait()
     ckpt.close()
     summary["final_step"] = int(state.step)
+    summary["train_programs"] = train_step._cache_size()
     return summary
+
+
+def _train_dataset(c: ml_collections.ConfigDict, sources, ramp: BatchRamp):
+    """(this process' training batches, the MixedSequences of data.mixture or None)."""
+    kwargs = dict(
+        global_batch_size=c.train.batch_size,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        ramp=ramp if c.train.batch_ramp else None,
+        num_threads=c.data.num_threads,
+        prefetch_buffer_size=c.data.prefetch,
+    )
+    if sources is None:
+        return make_dataset(c.data.path, seq_len=c.train.seq_len, seed=c.seed, **kwargs), None
+    mixture = mixture_lib.mixed_sequences(sources, seq_len=c.train.seq_len, seed=c.seed)
+    return batch_sequences(mixture, **kwargs), mixture
+
+
+def _data_position(data_iter, ramp: BatchRamp, mixture, sources, seq_len: int) -> dict[str, int]:
+    """batch_size, tokens_seen and mixture/<name> (tokens drawn per source) after the batches drawn
+    so far: pure functions of the data position, so a resume continues them exactly."""
+    drawn = int(data_iter.get_state()["next_index"])  # batches, this step's included
+    consumed = ramp.consumed(drawn)
+    out = {"batch_size": ramp.size(drawn - 1), "tokens_seen": consumed * seq_len}
+    if mixture is not None:
+        for source, n in zip(sources, mixture.counts(consumed)):
+            out[f"mixture/{source.name}"] = n * seq_len
+    return out
 
 
 def _init_from(state: TrainState, directory: str) -> TrainState:
