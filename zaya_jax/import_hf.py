@@ -19,6 +19,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from zaya_jax import balancing as bal
+from zaya_jax import cli
 from zaya_jax import config as config_lib
 from zaya_jax import hf
 from zaya_jax.checkpoint import Checkpointer
@@ -85,5 +86,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    cli.run_absl(main, _define_flags)

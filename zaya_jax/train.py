@@ -34,11 +34,14 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from zaya_jax import balancing as bal
+from zaya_jax import cli
 from zaya_jax import config as config_lib
 from zaya_jax import sizing
-from zaya_jax.checkpoint import Checkpointer, abstract_like, checkpoint_workdir
+from zaya_jax.checkpoint import CheckpointError, Checkpointer, abstract_like, checkpoint_workdir
+from zaya_jax.cli import UserError
 from zaya_jax.events import EventLog
-from zaya_jax.data.pipeline import make_dataset, make_eval_dataset, source_tokenizer
+from zaya_jax.fault import Lookahead, SpikeDetector
+from zaya_jax.data.pipeline import load_documents, make_dataset, make_eval_dataset, source_tokenizer
 from zaya_jax.metrics import MetricsLogger
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
 from zaya_jax.parallel.distributed import initialize_from_env
@@ -124,27 +127,6 @@ def downstream_tasks(c: ml_collections.ConfigDict, cfg, tokenizer, mesh) -> Call
     return run
 
 
-class SpikeDetector:
-    """A loss spike: z-score of the new loss against the last `window` accepted losses > `zscore`.
-    Needs a full window before it judges; spikes are not added to the history."""
-
-    def __init__(self, zscore: float, window: int):
-        self.zscore, self.window = zscore, window
-        self.history: collections.deque = collections.deque(maxlen=max(window, 1))
-
-    def check(self, loss: float) -> float | None:
-        """Returns the z-score if `loss` is a spike, else None (and records it)."""
-        if not self.zscore:
-            return None
-        if len(self.history) >= self.window:
-            h = np.asarray(self.history, np.float64)
-            z = (loss - h.mean()) / max(h.std(), 1e-6 * max(abs(h.mean()), 1.0))
-            if z > self.zscore:
-                return float(z)
-        self.history.append(loss)
-        return None
-
-
 class StepWatchdog:
     """A daemon thread: a step running longer than `timeout_s` dumps every thread's stack to stderr
     and ends the process with exit code 3 (`os._exit`: no cleanup can hang), so the scheduler
@@ -210,6 +192,12 @@ class _StopSignals:
             signal.signal(sig, handler)
 
 
+def _lookahead_loss(eval_step, state: TrainState, data_iter: Lookahead, mesh) -> float:
+    """The loss of the just-updated model on the next batch, which stays queued for the next step."""
+    out = jax.device_get(eval_step(state.variables, shard_batch(data_iter.peek(), mesh)))
+    return float(out["loss_sum"]) / max(float(out["weight"]), 1.0)
+
+
 def _poison(batch: dict[str, np.ndarray], kind: str, vocab_size: int) -> dict[str, np.ndarray]:
     """Test hooks: a NaN loss (loss_mask * NaN) or a large finite one (every target the unused last id)."""
     batch = dict(batch)
@@ -233,8 +221,13 @@ def _agree(flags_: list[bool]) -> list[bool]:
 def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Runs (or resumes) the training described by `c` in `workdir`. Returns a summary dict."""
     cfg = config_lib.validate(c)
-    os.makedirs(workdir, exist_ok=True)
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise UserError(f"--workdir {workdir} is a file, not a directory")
     tokenizer = source_tokenizer(c.data.path)
+    check_eval_data(c)  # before step 1, not at the first evaluation
+    if c.train.init_from:
+        _init_from_checkpoint(c.train.init_from)[0].close()  # it exists, checked before anything is built
+    os.makedirs(workdir, exist_ok=True)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ValueError(
             f"config.model.vocab_size={cfg.vocab_size} is smaller than the data's tokenizer "
@@ -254,9 +247,11 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     schedule = lr_schedule(c, total_steps=steps)
     bal_cfg = balancing_config(c)
     create = lambda: create_train_state(cfg, tx, bal_cfg or bal.BalancingConfig(), jax.random.key(c.seed))
-    shardings = state_shardings(jax.eval_shape(create), mesh, zero1=c.mesh.zero1)
-    state = jax.jit(create, out_shardings=shardings)()
-    abstract_state = abstract_like(state)
+    shapes = jax.eval_shape(create)
+    shardings = state_shardings(shapes, mesh, zero1=c.mesh.zero1)
+    # The restore target: a resume reads straight into the sharded arrays, and the fresh state is
+    # built only when there is nothing to restore (one train state in memory, not two).
+    abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
 
     train_ds = make_dataset(
         c.data.path,
@@ -268,24 +263,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         num_threads=c.data.num_threads,
         prefetch_buffer_size=c.data.prefetch,
     )
-    data_iter = iter(train_ds)
-
-    ckpt = Checkpointer(
-        workdir,
-        keep=c.checkpoint.keep,
-        keep_period=c.checkpoint.keep_period,
-        every_steps=c.checkpoint.every_steps,
-        every_minutes=c.checkpoint.every_minutes,
-    )
-    on_corrupt = lambda step, msg: events.write(step, "corrupt_checkpoint", error=msg)
-    restored = ckpt.restore_latest(abstract_state, on_corrupt=on_corrupt)
-    if restored is not None:
-        _, state, data_state, _ = restored
-        data_iter.set_state(data_state)
-        events.write(int(state.step), "resume", checkpoint=os.path.join(ckpt.directory, str(restored[0])))
-    elif c.train.init_from:
-        state = _init_from(state, c.train.init_from)
-    start = int(state.step)
+    data_iter = Lookahead(iter(train_ds))
 
     train_step = jax.jit(
         make_train_step(cfg, tx, bal_cfg, schedule, c.train.grad_accum, mesh),
@@ -295,12 +273,37 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     )
     eval_step = jax.jit(make_eval_step(cfg, mesh))
     downstream = downstream_tasks(c, cfg, tokenizer, mesh)
-    peak = sizing.peak_flops_per_device()
+
+    ckpt = Checkpointer(
+        workdir,
+        keep=c.checkpoint.keep,
+        keep_period=c.checkpoint.keep_period,
+        every_steps=c.checkpoint.every_steps,
+        every_minutes=c.checkpoint.every_minutes,
+    )
+    on_corrupt = lambda step, msg: events.write(step, "corrupt_checkpoint", error=msg)
     config_json = json.loads(c.to_json_best_effort())
+    try:
+        restored = ckpt.restore_latest(abstract_state, on_corrupt=on_corrupt, config=config_json)
+        if restored is not None:
+            _, state, data_state, _ = restored
+            data_iter.set_state(data_state)
+            events.write(int(state.step), "resume", checkpoint=os.path.join(ckpt.directory, str(restored[0])))
+        else:
+            _refuse_fresh_start_after_quarantine(ckpt, c)
+            state = jax.jit(create, out_shardings=shardings)()
+            if c.train.init_from:
+                state = _init_from(state, c.train.init_from)
+    except BaseException:
+        ckpt.close()  # a clean shutdown of Orbax's threads, whatever the error
+        raise
+    start = int(state.step)
+
+    peak = sizing.peak_flops_per_device()
 
     f = c.fault
     inject = {**{s: "spike" for s in f.inject_spike_at_steps}, **{s: "nan" for s in f.inject_nan_at_steps}}
-    spikes = SpikeDetector(f.spike_zscore, f.spike_window)
+    spikes = SpikeDetector(f.spike_zscore, f.spike_window, f.spike_min_jump)
 
     def on_hang(step: int, elapsed: float) -> None:
         events.write(step, "watchdog", elapsed_s=elapsed, timeout_s=f.step_timeout_s)
@@ -352,10 +355,11 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                         rollback_reason = f"{bad_steps} consecutive non-finite steps"
                 else:
                     bad_steps = 0
-                    z = spikes.check(loss)
-                    if z is not None:
-                        events.write(done, "spike", loss=loss, zscore=z, window=list(spikes.history))
-                        rollback_reason = f"loss spike {loss:.4f} (z={z:.1f})"
+                    ahead = (lambda: _lookahead_loss(eval_step, state, data_iter, mesh)) if f.spike_confirm else None
+                    spike = spikes.check(loss, ahead)
+                    if spike is not None:
+                        events.write(done, "spike", loss=loss, **spike, window=list(spikes.history))
+                        rollback_reason = f"loss spike {loss:.4f} (z={spike['zscore']:.1f}, +{spike['jump']:.0%})"
                 if rollback_reason is not None:
                     ckpt.wait()
                     back = ckpt.restore_latest(abstract_state, max_step=done - 1, on_corrupt=on_corrupt)
@@ -428,24 +432,55 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         stop.restore()
         if watchdog is not None:
             watchdog.close()
-    ckpt.wait()
-    ckpt.close()
+        ckpt.close()  # waits for the last save; on an error too (no "Event loop is closed")
     summary["final_step"] = int(state.step)
     return summary
+
+
+def check_eval_data(c: ml_collections.ConfigDict) -> None:
+    """The held-out split every evaluation (and the last step) reads exists and is not empty."""
+    docs = load_documents(c.data.path, "eval")
+    if docs.num_docs == 0:
+        raise UserError(
+            f"config.data.path={c.data.path}: the 'eval' split has no documents, and the run evaluates "
+            "at its last step; prepare the data again with a held-out split (--eval-fraction > 0)"
+        )
+
+
+def _refuse_fresh_start_after_quarantine(ckpt: Checkpointer, c: ml_collections.ConfigDict) -> None:
+    """A workdir whose checkpoints were all moved aside as unreadable does not silently restart."""
+    if ckpt.quarantined() and not c.checkpoint.allow_fresh_start:
+        raise CheckpointError(
+            f"{ckpt.workdir} has no checkpoint left, but {ckpt.corrupt_directory}/ holds "
+            f"{len(ckpt.quarantined())} unreadable one(s); refusing to start from step 0 over it "
+            "(pass --config.checkpoint.allow_fresh_start=True to start afresh)"
+        )
 
 
 def _init_from(state: TrainState, directory: str) -> TrainState:
     """Phase chaining: params and balancing biases from another run's latest checkpoint; optimizer
     state and step start fresh (a new phase has its own schedule). Only those two fields are read,
     so the source run may have used a different optimizer."""
-    workdir, step = checkpoint_workdir(directory)
-    src = Checkpointer(workdir, read_only=True)
-    step = src.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"config.train.init_from={directory!r}: no complete checkpoint there")
-    part = src.restore_params(step, abstract_like({"params": state.params, "balancing": state.balancing}))
-    src.close()
+    src, step = _init_from_checkpoint(directory)
+    try:
+        part = src.restore_params(step, abstract_like({"params": state.params, "balancing": state.balancing}))
+    finally:
+        src.close()
     return dataclasses.replace(state, params=part["params"], balancing=part["balancing"])
+
+
+def _init_from_checkpoint(directory: str) -> tuple[Checkpointer, int]:
+    """(read-only Checkpointer, step) of config.train.init_from; UserError if there is none."""
+    workdir, step = checkpoint_workdir(directory)
+    try:
+        src = Checkpointer(workdir, read_only=True)
+    except FileNotFoundError as e:
+        raise UserError(f"config.train.init_from={directory!r}: {e}") from None
+    step = src.latest_step() if step is None else step
+    if step is None or step not in src.all_steps():
+        src.close()
+        raise UserError(f"config.train.init_from={directory!r}: no complete checkpoint there")
+    return src, step
 
 
 FLAGS = flags.FLAGS
@@ -472,5 +507,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    cli.run_absl(main, _define_flags)
