@@ -40,6 +40,7 @@ def assert_one_line_error(proc, *names):
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
     for name in names:
         assert str(name) in lines[0], (name, lines[0])
+    print(f"\nCLI-ERROR {' '.join(proc.args[2:])}\n  -> {lines[0]}")  # the table of bad inputs (pytest -s)
     return lines[0]
 
 
@@ -89,7 +90,10 @@ def train_cli(workdir, *extra):
         (["--config.train.batch_size=0"], ["config.train.batch_size", "0"]),
         (["--config.train.batch_size=abc"], ["--config.train.batch_size"]),
         (["--config.data.path=/nonexistent/data"], ["/nonexistent/data"]),
-        (["--config.eval.tasks=('/nonexistent/task.jsonl',)"], ["config.eval.tasks[0]", "/nonexistent/task.jsonl"]),
+        (
+            ["--config.eval.tasks=('/nonexistent/task.jsonl',)"],
+            ["config.eval.tasks[0]", "/nonexistent/task.jsonl"],
+        ),
         (["--config.train.init_from=/nonexistent/run"], ["config.train.init_from", "/nonexistent/run"]),
     ],
 )
@@ -100,7 +104,9 @@ def test_train_bad_config(tmp_path, args, names):
 
 
 def test_train_missing_config_file_and_missing_flags(tmp_path):
-    assert_one_line_error(run_cli("train", "--config", "configs/nope.py", "--workdir", tmp_path), "configs/nope.py")
+    assert_one_line_error(
+        run_cli("train", "--config", "configs/nope.py", "--workdir", tmp_path), "configs/nope.py"
+    )
     assert_one_line_error(run_cli("train", "--config", TINY), "--workdir")
 
 
@@ -202,19 +208,26 @@ def test_cli_on_a_run_leaves_it_untouched(trained, tmp_path, module, args, names
 def test_prepare_bad_inputs(tmp_path):
     good = tmp_path / "a.txt"
     good.write_text("some text " * 100)
-    assert_one_line_error(run_cli("data.prepare", "--input", tmp_path / "no.txt", "--out", tmp_path / "d"), "no.txt")
+    assert_one_line_error(
+        run_cli("data.prepare", "--input", tmp_path / "no.txt", "--out", tmp_path / "d"), "no.txt"
+    )
     (tmp_path / "a.csv").write_text("x,y\n")
-    assert_one_line_error(run_cli("data.prepare", "--input", tmp_path / "a.csv", "--out", tmp_path / "d"), "a.csv")
+    assert_one_line_error(
+        run_cli("data.prepare", "--input", tmp_path / "a.csv", "--out", tmp_path / "d"), "a.csv"
+    )
     (tmp_path / "b.jsonl").write_text('{"text": "ok"}\n{"text": \n')
     assert_one_line_error(
         run_cli("data.prepare", "--input", tmp_path / "b.jsonl", "--out", tmp_path / "d"), "b.jsonl:2"
     )
     assert_one_line_error(
-        run_cli("data.prepare", "--input", good, "--out", tmp_path / "d", "--eval-fraction", "1.5"), "eval_fraction"
+        run_cli("data.prepare", "--input", good, "--out", tmp_path / "d", "--eval-fraction", "1.5"),
+        "eval_fraction",
     )
     (tmp_path / "tok.json").write_text("{not json")
     assert_one_line_error(
-        run_cli("data.prepare", "--input", good, "--out", tmp_path / "d", "--tokenizer", tmp_path / "tok.json"),
+        run_cli(
+            "data.prepare", "--input", good, "--out", tmp_path / "d", "--tokenizer", tmp_path / "tok.json"
+        ),
         "tok.json",
     )
     (tmp_path / "d").mkdir()
@@ -232,11 +245,16 @@ def test_prepare_one_text_file_gets_an_eval_split(tmp_path):
     data = _prepare(tmp_path)
     meta = json.loads((data / "meta.json").read_text())
     n = len(("Call me Ishmael. Some years ago, never mind how long precisely. " * 40).encode())
-    assert meta["splits"]["eval"]["num_docs"] == 1 and meta["eval_tail_tokens"] == int(np.ceil(0.01 * (n + 1)))
+    assert meta["splits"]["eval"]["num_docs"] == 1 and meta["eval_tail_tokens"] == int(
+        np.ceil(0.01 * (n + 1))
+    )
     train, held = load_split(data, "train"), load_split(data, "eval")
     body = lambda docs: np.asarray(docs.doc_tokens(0))[:-1]
     whole = np.concatenate([body(train), body(held)])
-    assert bytes((whole - 3).astype(np.uint8)) == ("Call me Ishmael. Some years ago, never mind how long precisely. " * 40).encode()
+    assert (
+        bytes((whole - 3).astype(np.uint8))
+        == ("Call me Ishmael. Some years ago, never mind how long precisely. " * 40).encode()
+    )
 
 
 def test_other_clis_missing_paths(tmp_path):
@@ -248,7 +266,9 @@ def test_other_clis_missing_paths(tmp_path):
     assert_one_line_error(run_cli("evaluate", "--checkpoint", missing, "--data", "embedded"), str(missing))
     assert_one_line_error(run_cli("generate", "--checkpoint", missing, "--prompt", "x"), str(missing))
     assert_one_line_error(run_cli("plot", missing), str(missing))
-    assert_one_line_error(run_cli("sizing", "--config", TINY, "--config.model.num_expert=4"), "--config.model.num_experts")
+    assert_one_line_error(
+        run_cli("sizing", "--config", TINY, "--config.model.num_expert=4"), "--config.model.num_experts"
+    )
 
 
 def test_debug_env_shows_the_traceback(tmp_path):

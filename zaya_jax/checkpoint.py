@@ -140,7 +140,11 @@ class Checkpointer:
         diffs = config_diff(self._manager.restore(step, args=_CONFIG_ONLY).config, config or {})
         if not diffs:  # the same config keys, other tensors (e.g. another version of the code)
             paths = sorted(set(saved) | set(want))
-            diffs = [f"{p}: checkpoint {saved.get(p)}, config {want.get(p)}" for p in paths if saved.get(p) != want.get(p)]
+            diffs = [
+                f"{p}: checkpoint {saved.get(p)}, config {want.get(p)}"
+                for p in paths
+                if saved.get(p) != want.get(p)
+            ]
         raise CheckpointMismatch(
             f"{self.workdir}: checkpoint {step} was saved with another model or optimizer: "
             f"{'; '.join(diffs[:8])}{' ...' if len(diffs) > 8 else ''}. Nothing was changed; resume "
@@ -269,7 +273,11 @@ def config_diff(saved: dict, current: dict, sections: tuple[str, ...] = SHAPE_SE
     out = []
     for section in sections:
         a, b = flat(saved.get(section, {}), section), flat(current.get(section, {}), section)
-        out += [f"{k}: checkpoint {a.get(k)}, config {b.get(k)}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        out += [
+            f"{k}: checkpoint {a.get(k)}, config {b.get(k)}"
+            for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)
+        ]
     return out
 
 

@@ -152,7 +152,11 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
     """Checks the whole config once, before anything is built. Returns the model config."""
     base = base_config()
     unknown = _unknown_keys(c, base)
-    _check(not unknown, unknown[0] if unknown else "", "unknown key" + (_near(unknown[0], base) if unknown else ""))
+    _check(
+        not unknown,
+        unknown[0] if unknown else "",
+        "unknown key" + (_near(unknown[0], base) if unknown else ""),
+    )
     cfg = model_config(c)
     _check(
         c.optim.muon.ns_impl in ("xla", "pallas", "auto"),
@@ -223,11 +227,20 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
         section, name = key.split(".")
         value = c[section][name]
         _check(isinstance(value, int) and value >= 0, key, f"must be an int >= 0, got {value!r}")
-    for key in ("checkpoint.every_minutes", "fault.step_timeout_s", "fault.spike_zscore", "fault.spike_min_jump"):
+    for key in (
+        "checkpoint.every_minutes",
+        "fault.step_timeout_s",
+        "fault.spike_zscore",
+        "fault.spike_min_jump",
+    ):
         section, name = key.split(".")
         value = c[section][name]
         _check(isinstance(value, (int, float)) and value >= 0, key, f"must be a number >= 0, got {value!r}")
-    _check(isinstance(c.fault.spike_confirm, bool), "fault.spike_confirm", f"must be True or False, got {c.fault.spike_confirm!r}")
+    _check(
+        isinstance(c.fault.spike_confirm, bool),
+        "fault.spike_confirm",
+        f"must be True or False, got {c.fault.spike_confirm!r}",
+    )
     _check(
         c.fault.spike_zscore == 0 or c.fault.spike_window >= 2,
         "fault.spike_window",
@@ -263,7 +276,11 @@ def _near(key: str, base: ml_collections.ConfigDict) -> str:
 
     def leaves(c: ml_collections.ConfigDict, prefix: str) -> list[str]:
         return [
-            k2 for k, v in c.items() for k2 in (leaves(v, f"{prefix}{k}.") if isinstance(v, ml_collections.ConfigDict) else [f"{prefix}{k}"])
+            k2
+            for k, v in c.items()
+            for k2 in (
+                leaves(v, f"{prefix}{k}.") if isinstance(v, ml_collections.ConfigDict) else [f"{prefix}{k}"]
+            )
         ]
 
     return near_key(key, leaves(base, ""), prefix="config.")

@@ -15,7 +15,6 @@ batches since then. The loss is read back every step for this (one small device-
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import faulthandler
 import json
@@ -39,9 +38,9 @@ from zaya_jax import config as config_lib
 from zaya_jax import sizing
 from zaya_jax.checkpoint import CheckpointError, Checkpointer, abstract_like, checkpoint_workdir
 from zaya_jax.cli import UserError
+from zaya_jax.data.pipeline import load_documents, make_dataset, make_eval_dataset, source_tokenizer
 from zaya_jax.events import EventLog
 from zaya_jax.fault import Lookahead, SpikeDetector
-from zaya_jax.data.pipeline import load_documents, make_dataset, make_eval_dataset, source_tokenizer
 from zaya_jax.metrics import MetricsLogger
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
 from zaya_jax.parallel.distributed import initialize_from_env
@@ -192,9 +191,15 @@ class _StopSignals:
             signal.signal(sig, handler)
 
 
-def _lookahead_loss(eval_step, state: TrainState, data_iter: Lookahead, mesh) -> float:
-    """The loss of the just-updated model on the next batch, which stays queued for the next step."""
-    out = jax.device_get(eval_step(state.variables, shard_batch(data_iter.peek(), mesh)))
+def _lookahead_loss(
+    eval_step, state: TrainState, data_iter: Lookahead, mesh, poison: str | None, vocab_size: int
+) -> float:
+    """The loss of the just-updated model on the next batch, which stays queued for the next step
+    (`poison`: the test hook that step will apply to it)."""
+    batch = data_iter.peek()
+    if poison is not None:
+        batch = _poison(batch, poison, vocab_size)
+    out = jax.device_get(eval_step(state.variables, shard_batch(batch, mesh)))
     return float(out["loss_sum"]) / max(float(out["weight"]), 1.0)
 
 
@@ -251,7 +256,9 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     shardings = state_shardings(shapes, mesh, zero1=c.mesh.zero1)
     # The restore target: a resume reads straight into the sharded arrays, and the fresh state is
     # built only when there is nothing to restore (one train state in memory, not two).
-    abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+    abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings
+    )
 
     train_ds = make_dataset(
         c.data.path,
@@ -355,11 +362,18 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                         rollback_reason = f"{bad_steps} consecutive non-finite steps"
                 else:
                     bad_steps = 0
-                    ahead = (lambda: _lookahead_loss(eval_step, state, data_iter, mesh)) if f.spike_confirm else None
+                    ahead = None
+                    if f.spike_confirm:  # the next step's batch, as that step will see it (test hooks too)
+                        poison = (inject.get(done + 1), cfg.vocab_size)
+                        ahead = lambda state=state: _lookahead_loss(
+                            eval_step, state, data_iter, mesh, *poison
+                        )  # noqa: E731
                     spike = spikes.check(loss, ahead)
                     if spike is not None:
                         events.write(done, "spike", loss=loss, **spike, window=list(spikes.history))
-                        rollback_reason = f"loss spike {loss:.4f} (z={spike['zscore']:.1f}, +{spike['jump']:.0%})"
+                        rollback_reason = (
+                            f"loss spike {loss:.4f} (z={spike['zscore']:.1f}, +{spike['jump']:.0%})"
+                        )
                 if rollback_reason is not None:
                     ckpt.wait()
                     back = ckpt.restore_latest(abstract_state, max_step=done - 1, on_corrupt=on_corrupt)
