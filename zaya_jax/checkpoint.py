@@ -28,6 +28,7 @@ from typing import Any, Callable
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 
 from zaya_jax.cli import UserError
 
@@ -73,16 +74,11 @@ class Checkpointer:
                 create=True,
                 enable_async_checkpointing=async_save,
             )
-        handlers = {
-            "state": ocp.StandardCheckpointHandler(),
-            "data": ocp.JsonCheckpointHandler(),
-            "config": ocp.JsonCheckpointHandler(),
-        }
         verbosity = logging.get_verbosity()
         if read_only:  # Orbax warns "Given directory is read only" on every read-only open
             logging.set_verbosity(logging.ERROR)
         try:
-            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
         finally:
             logging.set_verbosity(verbosity)
         self._closed = False
@@ -126,9 +122,12 @@ class Checkpointer:
 
     def saved_shapes(self, step: int) -> dict[str, tuple[tuple[int, ...], str]]:
         """{tensor path: (shape, dtype)} of the `state` saved at `step`, from its metadata alone."""
-        meta = self._manager.item_metadata(step).state
-        if meta is None:
-            raise ValueError(f"{self.directory}/{step}: no state metadata")
+        path = os.path.join(self.directory, str(step), "state")
+        handler = ocp.PyTreeCheckpointHandler()
+        try:
+            meta = handler.metadata(epath.Path(path))
+        finally:
+            handler.close()
         return tree_shapes(getattr(meta, "tree", meta))
 
     def check_matches(self, step: int, abstract_state: Any, config: dict | None) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import functools
 import json
 import math
 import os
@@ -364,10 +365,15 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                     bad_steps = 0
                     ahead = None
                     if f.spike_confirm:  # the next step's batch, as that step will see it (test hooks too)
-                        poison = (inject.get(done + 1), cfg.vocab_size)
-                        ahead = lambda state=state: _lookahead_loss(
-                            eval_step, state, data_iter, mesh, *poison
-                        )  # noqa: E731
+                        ahead = functools.partial(
+                            _lookahead_loss,
+                            eval_step,
+                            state,
+                            data_iter,
+                            mesh,
+                            inject.get(done + 1),
+                            cfg.vocab_size,
+                        )
                     spike = spikes.check(loss, ahead)
                     if spike is not None:
                         events.write(done, "spike", loss=loss, **spike, window=list(spikes.history))
