@@ -262,6 +262,12 @@ def test_other_clis_missing_paths(tmp_path):
     assert_one_line_error(run_cli("export", "--checkpoint", missing, "--out", tmp_path / "hf"), str(missing))
     assert_one_line_error(run_cli("export", "--checkpoint", missing), "--out")
     assert_one_line_error(run_cli("import_hf", "--hf", missing, "--out", tmp_path / "ck"), str(missing))
+    hf_dir = tmp_path / "hf_no_weights"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text('{"model_type": "zaya"}')
+    assert_one_line_error(
+        run_cli("import_hf", "--hf", hf_dir, "--out", tmp_path / "ck"), str(hf_dir), "safetensors"
+    )
     assert_one_line_error(run_cli("reshard", "--src", missing, "--dst", tmp_path / "d"), str(missing))
     assert_one_line_error(run_cli("evaluate", "--checkpoint", missing, "--data", "embedded"), str(missing))
     assert_one_line_error(run_cli("generate", "--checkpoint", missing, "--prompt", "x"), str(missing))
