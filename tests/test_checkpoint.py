@@ -18,7 +18,7 @@ import pytest
 from zaya_jax.checkpoint import CheckpointError, Checkpointer, abstract_like, checkpoint_workdir
 from zaya_jax.events import EventLog, read_events
 from zaya_jax.metrics import read_metrics
-from zaya_jax.train import StepWatchdog
+from zaya_jax.fault import StepWatchdog
 
 from test_train import ROOT, SMALL, run_train, train_losses
 
@@ -124,7 +124,7 @@ def test_watchdog_fires_only_on_a_slow_step():
 
 def test_watchdog_dumps_stacks_and_exits_3(tmp_path):
     code = (
-        "import time; from zaya_jax.train import StepWatchdog\n"
+        "import time; from zaya_jax.fault import StepWatchdog\n"
         "wd = StepWatchdog(0.3); wd.start(7); time.sleep(30)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)

@@ -257,6 +257,7 @@ def test_prepare_one_text_file_gets_an_eval_split(tmp_path):
     )
 
 
+@pytest.mark.slow  # ten CLI start-ups
 def test_other_clis_missing_paths(tmp_path):
     missing = tmp_path / "missing"
     assert_one_line_error(run_cli("export", "--checkpoint", missing, "--out", tmp_path / "hf"), str(missing))

@@ -1,4 +1,5 @@
-"""Fault handling of a training run that does not depend on the model: loss-spike detection.
+"""Fault handling of a training run that does not depend on the model: loss-spike detection, the
+step watchdog and the stop signals.
 
 A loss spike is judged against the last `window` accepted losses with a robust centre and spread
 (median, 1.4826 * median absolute deviation), so one earlier outlier in the window neither hides a
@@ -15,6 +16,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -112,3 +119,68 @@ class Lookahead:
     def set_state(self, state: Any) -> None:
         self._peeked = None
         self._it.set_state(state)
+
+
+class StepWatchdog:
+    """A daemon thread: a step running longer than `timeout_s` dumps every thread's stack to stderr
+    and ends the process with exit code 3 (`os._exit`: no cleanup can hang), so the scheduler
+    restarts the job, which resumes from its last checkpoint."""
+
+    def __init__(self, timeout_s: float, on_timeout: Callable[[int, float], None] | None = None):
+        self.timeout_s = timeout_s
+        self._on_timeout = on_timeout or self._exit
+        self._lock = threading.Lock()
+        self._step, self._since = None, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="zaya-step-watchdog", daemon=True)
+        self._thread.start()
+
+    def start(self, step: int) -> None:
+        with self._lock:
+            self._step, self._since = step, time.monotonic()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._step, self._since = None, None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        period = min(max(self.timeout_s / 10, 0.05), 1.0)
+        while not self._stop.wait(period):
+            with self._lock:
+                step, since = self._step, self._since
+            if since is not None and time.monotonic() - since > self.timeout_s:
+                self._on_timeout(step, time.monotonic() - since)
+                self.stop()
+
+    @staticmethod
+    def _exit(step: int, elapsed: float) -> None:
+        sys.stderr.write(
+            f"\nWATCHDOG: step {step} has run {elapsed:.1f}s > fault.step_timeout_s; "
+            "thread stacks follow, then exit 3\n"
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(3)
+
+
+class StopSignals:
+    """SIGTERM / SIGINT set a flag; the trainer saves at the next step boundary and exits 0."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        del frame
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

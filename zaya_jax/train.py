@@ -3,10 +3,11 @@
 Trains a ZAYA1 model: validated config -> data (grain) -> jit-compiled train step with our Muon /
 AdamW chain and aux-loss-free router balancing -> metrics (console, WORKDIR/metrics.jsonl,
 TensorBoard) -> periodic held-out evaluation -> Orbax checkpoints. An existing WORKDIR resumes from
-its latest checkpoint, data position included (an unreadable newest checkpoint is skipped with a
-warning; if none is readable the run stops with an error).
+its latest checkpoint, data position included, read straight into the sharded arrays (a checkpoint
+of another model or optimizer is an error that moves nothing; an unreadable newest checkpoint is
+skipped with a warning; if none is readable the run stops with an error).
 
-Fault handling (config.fault, events in WORKDIR/events.jsonl, see zaya_jax/events.py): SIGTERM /
+Fault handling (config.fault, zaya_jax/fault.py; events in WORKDIR/events.jsonl): SIGTERM /
 SIGINT save at the next step boundary and exit 0; a step watchdog (fault.step_timeout_s) dumps
 all thread stacks and exits 3; non-finite updates are skipped and recorded; a loss spike or
 fault.max_bad_steps consecutive skipped updates roll back to the last checkpoint and skip the
@@ -16,14 +17,10 @@ batches since then. The loss is read back every step for this (one small device-
 from __future__ import annotations
 
 import dataclasses
-import faulthandler
 import functools
 import json
 import math
 import os
-import signal
-import sys
-import threading
 import time
 from typing import Any, Callable
 
@@ -41,7 +38,7 @@ from zaya_jax.checkpoint import CheckpointError, Checkpointer, abstract_like, ch
 from zaya_jax.cli import UserError
 from zaya_jax.data.pipeline import load_documents, make_dataset, make_eval_dataset, source_tokenizer
 from zaya_jax.events import EventLog
-from zaya_jax.fault import Lookahead, SpikeDetector
+from zaya_jax.fault import Lookahead, SpikeDetector, StepWatchdog, StopSignals
 from zaya_jax.metrics import MetricsLogger
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
 from zaya_jax.parallel.distributed import initialize_from_env
@@ -125,71 +122,6 @@ def downstream_tasks(c: ml_collections.ConfigDict, cfg, tokenizer, mesh) -> Call
         return {name: {k: r[k] for k in TASK_METRICS[r["kind"]]} for name, r in results.items()}
 
     return run
-
-
-class StepWatchdog:
-    """A daemon thread: a step running longer than `timeout_s` dumps every thread's stack to stderr
-    and ends the process with exit code 3 (`os._exit`: no cleanup can hang), so the scheduler
-    restarts the job, which resumes from its last checkpoint."""
-
-    def __init__(self, timeout_s: float, on_timeout: Callable[[int, float], None] | None = None):
-        self.timeout_s = timeout_s
-        self._on_timeout = on_timeout or self._exit
-        self._lock = threading.Lock()
-        self._step, self._since = None, None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="zaya-step-watchdog", daemon=True)
-        self._thread.start()
-
-    def start(self, step: int) -> None:
-        with self._lock:
-            self._step, self._since = step, time.monotonic()
-
-    def stop(self) -> None:
-        with self._lock:
-            self._step, self._since = None, None
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        period = min(max(self.timeout_s / 10, 0.05), 1.0)
-        while not self._stop.wait(period):
-            with self._lock:
-                step, since = self._step, self._since
-            if since is not None and time.monotonic() - since > self.timeout_s:
-                self._on_timeout(step, time.monotonic() - since)
-                self.stop()
-
-    @staticmethod
-    def _exit(step: int, elapsed: float) -> None:
-        sys.stderr.write(
-            f"\nWATCHDOG: step {step} has run {elapsed:.1f}s > fault.step_timeout_s; "
-            "thread stacks follow, then exit 3\n"
-        )
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        os._exit(3)
-
-
-class _StopSignals:
-    """SIGTERM / SIGINT set a flag; the trainer saves at the next step boundary and exits 0."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        del frame
-        self.signum = signum
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def _lookahead_loss(
@@ -318,7 +250,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         StepWatchdog._exit(step, elapsed)
 
     watchdog = StepWatchdog(f.step_timeout_s, on_timeout=on_hang) if f.step_timeout_s else None
-    stop = _StopSignals()
+    stop = StopSignals()
 
     summary: dict[str, Any] = {
         "start_step": start,
