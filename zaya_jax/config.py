@@ -24,9 +24,15 @@ overrides any key (`--config.train.steps=100`). Sections:
                             step count and/or wall time; 0 = off); the last step is always saved
   checkpoint.keep, checkpoint.keep_period   keep the last `keep` (0 = all) plus every
                             `keep_period`-th step for good (0 = none)
+  checkpoint.allow_fresh_start   start from step 0 in a workdir whose checkpoints were all moved
+                            to checkpoints.corrupt/ as unreadable (off: that is an error)
   fault.step_timeout_s      watchdog: a step taking longer dumps all thread stacks and exits 3 (0 = off)
-  fault.spike_zscore, fault.spike_window   loss spike = z-score over the last `window` losses above
-                            `zscore` (0 = off) -> roll back to the last checkpoint, skip those batches
+  fault.spike_zscore, fault.spike_window, fault.spike_min_jump   a loss is anomalous when its robust
+                            z-score (median / MAD of the last `window` losses) is above `zscore` (0 =
+                            off) and it exceeds the median by more than `min_jump` (relative)
+  fault.spike_confirm       act only if the updated model's loss on the next batch is anomalous
+                            too (zaya_jax/fault.py); a spike rolls back to the last checkpoint and
+                            skips the batches since
   fault.max_bad_steps       that many consecutive skipped (non-finite) updates -> roll back (0 = off)
   fault.inject_nan_at_steps, fault.inject_spike_at_steps   test hooks: poison the batch of those
                             steps (1-based) once (NaN loss / a large finite loss)
@@ -95,11 +101,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint.keep = 3
     c.checkpoint.keep_period = 0
     c.checkpoint.every_minutes = 0.0
+    c.checkpoint.allow_fresh_start = False
 
     c.fault = ml_collections.ConfigDict()
     c.fault.step_timeout_s = 0.0
     c.fault.spike_zscore = 6.0
     c.fault.spike_window = 50
+    c.fault.spike_min_jump = 0.2
+    c.fault.spike_confirm = True
     c.fault.max_bad_steps = 5
     c.fault.inject_nan_at_steps = ()
     c.fault.inject_spike_at_steps = ()
@@ -151,7 +160,11 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
     """Checks the whole config once, before anything is built. Returns the model config."""
     base = base_config()
     unknown = _unknown_keys(c, base)
-    _check(not unknown, unknown[0] if unknown else "", "unknown key (typo?)")
+    _check(
+        not unknown,
+        unknown[0] if unknown else "",
+        "unknown key" + (_near(unknown[0], base) if unknown else ""),
+    )
     cfg = model_config(c)
     _check(
         c.optim.muon.ns_impl in ("xla", "pallas", "auto"),
@@ -223,10 +236,20 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
         section, name = key.split(".")
         value = c[section][name]
         _check(isinstance(value, int) and value >= 0, key, f"must be an int >= 0, got {value!r}")
-    for key in ("checkpoint.every_minutes", "fault.step_timeout_s", "fault.spike_zscore"):
+    for key in (
+        "checkpoint.every_minutes",
+        "fault.step_timeout_s",
+        "fault.spike_zscore",
+        "fault.spike_min_jump",
+    ):
         section, name = key.split(".")
         value = c[section][name]
         _check(isinstance(value, (int, float)) and value >= 0, key, f"must be a number >= 0, got {value!r}")
+    _check(
+        isinstance(c.fault.spike_confirm, bool),
+        "fault.spike_confirm",
+        f"must be True or False, got {c.fault.spike_confirm!r}",
+    )
     _check(
         c.fault.spike_zscore == 0 or c.fault.spike_window >= 2,
         "fault.spike_window",
@@ -278,6 +301,22 @@ def _validate_data(c: ml_collections.ConfigDict) -> None:
         check_sources(parse_mixture(c.data.mixture))
     except (OSError, ValueError) as e:
         raise ValueError(f"config.data.mixture: {e}") from None
+
+
+def _near(key: str, base: ml_collections.ConfigDict) -> str:
+    """' (did you mean config.X?)' for the known key nearest to an unknown one."""
+    from zaya_jax.cli import near_key
+
+    def leaves(c: ml_collections.ConfigDict, prefix: str) -> list[str]:
+        return [
+            k2
+            for k, v in c.items()
+            for k2 in (
+                leaves(v, f"{prefix}{k}.") if isinstance(v, ml_collections.ConfigDict) else [f"{prefix}{k}"]
+            )
+        ]
+
+    return near_key(key, leaves(base, ""), prefix="config.")
 
 
 def _unknown_keys(c: Any, base: Any, prefix: str = "") -> list[str]:

@@ -21,7 +21,7 @@ import os
 import numpy as np
 from absl import logging
 
-from zaya_jax import hf
+from zaya_jax import cli, hf
 from zaya_jax.pretrained import checkpoint_tokenizer, load_checkpoint_variables
 from zaya_jax.tokenizer import load_tokenizer, save_for_transformers
 
@@ -74,7 +74,7 @@ def export(
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--checkpoint", required=True, help="WORKDIR (latest step), WORKDIR/checkpoints or .../<step>"
     )
@@ -94,4 +94,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

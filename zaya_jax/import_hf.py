@@ -21,6 +21,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from zaya_jax import balancing as bal
+from zaya_jax import cli
 from zaya_jax import config as config_lib
 from zaya_jax import hf
 from zaya_jax.checkpoint import Checkpointer
@@ -100,5 +101,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    cli.run_absl(main, _define_flags)

@@ -18,6 +18,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_dict, config_flags
 
+from zaya_jax import cli
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, checkpoint_workdir
 from zaya_jax.parallel.mesh import mesh_from_config
@@ -87,5 +88,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    cli.run_absl(main, _define_flags)

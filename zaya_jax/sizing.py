@@ -771,7 +771,7 @@ def _normalise_argv(argv: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     import sys
-    from absl import app
 
-    _define_flags()
-    app.run(main, argv=_normalise_argv(sys.argv))
+    from zaya_jax import cli
+
+    cli.run_absl(main, _define_flags, argv=_normalise_argv(sys.argv))

@@ -3,10 +3,11 @@
 Trains a ZAYA1 model: validated config -> data (grain) -> jit-compiled train step with our Muon /
 AdamW chain and aux-loss-free router balancing -> metrics (console, WORKDIR/metrics.jsonl,
 TensorBoard) -> periodic held-out evaluation -> Orbax checkpoints. An existing WORKDIR resumes from
-its latest checkpoint, data position included (an unreadable newest checkpoint is skipped with a
-warning; if none is readable the run stops with an error).
+its latest checkpoint, data position included, read straight into the sharded arrays (a checkpoint
+of another model or optimizer is an error that moves nothing; an unreadable newest checkpoint is
+skipped with a warning; if none is readable the run stops with an error).
 
-Fault handling (config.fault, events in WORKDIR/events.jsonl, see zaya_jax/events.py): SIGTERM /
+Fault handling (config.fault, zaya_jax/fault.py; events in WORKDIR/events.jsonl): SIGTERM /
 SIGINT save at the next step boundary and exit 0; a step watchdog (fault.step_timeout_s) dumps
 all thread stacks and exits 3; non-finite updates are skipped and recorded; a loss spike or
 fault.max_bad_steps consecutive skipped updates roll back to the last checkpoint and skip the
@@ -18,15 +19,11 @@ prints memory per device, collectives and compile time instead (zaya_jax/dry_run
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import faulthandler
+import functools
 import json
 import math
 import os
-import signal
-import sys
-import threading
 import time
 from typing import Any, Callable
 
@@ -36,14 +33,21 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from zaya_jax import cli, dry_run, sizing
 from zaya_jax import config as config_lib
-from zaya_jax import dry_run
-from zaya_jax import sizing
-from zaya_jax.checkpoint import Checkpointer, abstract_like, checkpoint_workdir
-from zaya_jax.events import EventLog
+from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
+from zaya_jax.cli import UserError
 from zaya_jax.data import mixture as mixture_lib
-from zaya_jax.data.pipeline import batch_sequences, make_dataset, make_eval_dataset, source_tokenizer
+from zaya_jax.data.pipeline import (
+    batch_sequences,
+    load_documents,
+    make_dataset,
+    make_eval_dataset,
+    source_tokenizer,
+)
 from zaya_jax.data.ramp import BatchRamp, parse_batch_ramp
+from zaya_jax.events import EventLog
+from zaya_jax.fault import Lookahead, SpikeDetector, StepWatchdog, StopSignals
 from zaya_jax.metrics import MetricsLogger
 from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.mesh import mesh_from_config
@@ -135,90 +139,16 @@ def downstream_tasks(c: ml_collections.ConfigDict, cfg, tokenizer, mesh) -> Call
     return run
 
 
-class SpikeDetector:
-    """A loss spike: z-score of the new loss against the last `window` accepted losses > `zscore`.
-    Needs a full window before it judges; spikes are not added to the history."""
-
-    def __init__(self, zscore: float, window: int):
-        self.zscore, self.window = zscore, window
-        self.history: collections.deque = collections.deque(maxlen=max(window, 1))
-
-    def check(self, loss: float) -> float | None:
-        """Returns the z-score if `loss` is a spike, else None (and records it)."""
-        if not self.zscore:
-            return None
-        if len(self.history) >= self.window:
-            h = np.asarray(self.history, np.float64)
-            z = (loss - h.mean()) / max(h.std(), 1e-6 * max(abs(h.mean()), 1.0))
-            if z > self.zscore:
-                return float(z)
-        self.history.append(loss)
-        return None
-
-
-class StepWatchdog:
-    """A daemon thread: a step running longer than `timeout_s` dumps every thread's stack to stderr
-    and ends the process with exit code 3 (`os._exit`: no cleanup can hang), so the scheduler
-    restarts the job, which resumes from its last checkpoint."""
-
-    def __init__(self, timeout_s: float, on_timeout: Callable[[int, float], None] | None = None):
-        self.timeout_s = timeout_s
-        self._on_timeout = on_timeout or self._exit
-        self._lock = threading.Lock()
-        self._step, self._since = None, None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="zaya-step-watchdog", daemon=True)
-        self._thread.start()
-
-    def start(self, step: int) -> None:
-        with self._lock:
-            self._step, self._since = step, time.monotonic()
-
-    def stop(self) -> None:
-        with self._lock:
-            self._step, self._since = None, None
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        period = min(max(self.timeout_s / 10, 0.05), 1.0)
-        while not self._stop.wait(period):
-            with self._lock:
-                step, since = self._step, self._since
-            if since is not None and time.monotonic() - since > self.timeout_s:
-                self._on_timeout(step, time.monotonic() - since)
-                self.stop()
-
-    @staticmethod
-    def _exit(step: int, elapsed: float) -> None:
-        sys.stderr.write(
-            f"\nWATCHDOG: step {step} has run {elapsed:.1f}s > fault.step_timeout_s; "
-            "thread stacks follow, then exit 3\n"
-        )
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        os._exit(3)
-
-
-class _StopSignals:
-    """SIGTERM / SIGINT set a flag; the trainer saves at the next step boundary and exits 0."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        del frame
-        self.signum = signum
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+def _lookahead_loss(
+    eval_step, state: TrainState, data_iter: Lookahead, mesh, poison: str | None, vocab_size: int
+) -> float:
+    """The loss of the just-updated model on the next batch, which stays queued for the next step
+    (`poison`: the test hook that step will apply to it)."""
+    batch = data_iter.peek()
+    if poison is not None:
+        batch = _poison(batch, poison, vocab_size)
+    out = jax.device_get(eval_step(state.variables, shard_batch(batch, mesh)))
+    return float(out["loss_sum"]) / max(float(out["weight"]), 1.0)
 
 
 def _poison(batch: dict[str, np.ndarray], kind: str, vocab_size: int) -> dict[str, np.ndarray]:
@@ -244,9 +174,14 @@ def _agree(flags_: list[bool]) -> list[bool]:
 def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Runs (or resumes) the training described by `c` in `workdir`. Returns a summary dict."""
     cfg = config_lib.validate(c)
-    os.makedirs(workdir, exist_ok=True)
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise UserError(f"--workdir {workdir} is a file, not a directory")
     sources = mixture_lib.parse_mixture(c.data.mixture) if c.data.mixture else None
     tokenizer = source_tokenizer(sources[0].path if sources else c.data.path)
+    check_eval_data(c, sources)  # before step 1, not at the first evaluation
+    if c.train.init_from:
+        _init_from_checkpoint(c.train.init_from)[0].close()  # it exists, checked before anything is built
+    os.makedirs(workdir, exist_ok=True)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ValueError(
             f"config.model.vocab_size={cfg.vocab_size} is smaller than the data's tokenizer "
@@ -268,13 +203,18 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     except ValueError as e:
         raise ValueError(f"config.train.batch_ramp={c.train.batch_ramp!r}: {e}") from None
     program = train_program(c, cfg, mesh)
-    state = jax.jit(program.create, out_shardings=program.shardings)()
-    abstract_state = abstract_like(state)
+    # The restore target: a resume reads straight into the sharded arrays, and the fresh state is
+    # built only when there is nothing to restore (one train state in memory, not two).
+    abstract_state = program.abstract_state()
 
     train_ds, mixture = _train_dataset(c, sources, ramp)
     if mixture is not None and primary:
         print(mixture_lib.epochs_report(sources, mixture, ramp.consumed(steps)), flush=True)
-    data_iter = iter(train_ds)
+    data_iter = Lookahead(iter(train_ds))
+
+    train_step = program.train_step
+    eval_step = jax.jit(make_eval_step(cfg, mesh))
+    downstream = downstream_tasks(c, cfg, tokenizer, mesh)
 
     ckpt = Checkpointer(
         workdir,
@@ -284,31 +224,35 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         every_minutes=c.checkpoint.every_minutes,
     )
     on_corrupt = lambda step, msg: events.write(step, "corrupt_checkpoint", error=msg)
-    restored = ckpt.restore_latest(abstract_state, on_corrupt=on_corrupt)
-    if restored is not None:
-        _, state, data_state, _ = restored
-        data_iter.set_state(data_state)
-        events.write(int(state.step), "resume", checkpoint=os.path.join(ckpt.directory, str(restored[0])))
-    elif c.train.init_from:
-        state = _init_from(state, c.train.init_from)
+    config_json = json.loads(c.to_json_best_effort())
+    try:
+        restored = ckpt.restore_latest(abstract_state, on_corrupt=on_corrupt, config=config_json)
+        if restored is not None:
+            _, state, data_state, _ = restored
+            data_iter.set_state(data_state)
+            events.write(int(state.step), "resume", checkpoint=os.path.join(ckpt.directory, str(restored[0])))
+        else:
+            _refuse_fresh_start_after_quarantine(ckpt, c)
+            state = jax.jit(program.create, out_shardings=program.shardings)()
+            if c.train.init_from:
+                state = _init_from(state, c.train.init_from)
+    except BaseException:
+        ckpt.close()  # a clean shutdown of Orbax's threads, whatever the error
+        raise
     start = int(state.step)
 
-    train_step = program.train_step
-    eval_step = jax.jit(make_eval_step(cfg, mesh))
-    downstream = downstream_tasks(c, cfg, tokenizer, mesh)
     peak = sizing.peak_flops_per_device()
-    config_json = json.loads(c.to_json_best_effort())
 
     f = c.fault
     inject = {**{s: "spike" for s in f.inject_spike_at_steps}, **{s: "nan" for s in f.inject_nan_at_steps}}
-    spikes = SpikeDetector(f.spike_zscore, f.spike_window)
+    spikes = SpikeDetector(f.spike_zscore, f.spike_window, f.spike_min_jump)
 
     def on_hang(step: int, elapsed: float) -> None:
         events.write(step, "watchdog", elapsed_s=elapsed, timeout_s=f.step_timeout_s)
         StepWatchdog._exit(step, elapsed)
 
     watchdog = StepWatchdog(f.step_timeout_s, on_timeout=on_hang) if f.step_timeout_s else None
-    stop = _StopSignals()
+    stop = StopSignals()
 
     summary: dict[str, Any] = {
         "start_step": start,
@@ -358,10 +302,23 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                         rollback_reason = f"{bad_steps} consecutive non-finite steps"
                 else:
                     bad_steps = 0
-                    z = spikes.check(loss)
-                    if z is not None:
-                        events.write(done, "spike", loss=loss, zscore=z, window=list(spikes.history))
-                        rollback_reason = f"loss spike {loss:.4f} (z={z:.1f})"
+                    ahead = None
+                    if f.spike_confirm:  # the next step's batch, as that step will see it (test hooks too)
+                        ahead = functools.partial(
+                            _lookahead_loss,
+                            eval_step,
+                            state,
+                            data_iter,
+                            mesh,
+                            inject.get(done + 1),
+                            cfg.vocab_size,
+                        )
+                    spike = spikes.check(loss, ahead)
+                    if spike is not None:
+                        events.write(done, "spike", loss=loss, **spike, window=list(spikes.history))
+                        rollback_reason = (
+                            f"loss spike {loss:.4f} (z={spike['zscore']:.1f}, +{spike['jump']:.0%})"
+                        )
                 if rollback_reason is not None:
                     ckpt.wait()
                     back = ckpt.restore_latest(abstract_state, max_step=done - 1, on_corrupt=on_corrupt)
@@ -435,8 +392,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         stop.restore()
         if watchdog is not None:
             watchdog.close()
-    ckpt.wait()
-    ckpt.close()
+        ckpt.close()  # waits for the last save; on an error too (no "Event loop is closed")
     summary["final_step"] = int(state.step)
     summary["train_programs"] = train_step._cache_size()
     return summary
@@ -470,18 +426,52 @@ def _data_position(data_iter, ramp: BatchRamp, mixture, sources, seq_len: int) -
     return out
 
 
+def check_eval_data(c: ml_collections.ConfigDict, sources) -> None:
+    """The held-out split every evaluation (and the last step) reads exists and is not empty: that of
+    data.path, or of every data.mixture source."""
+    keyed = [("data.mixture", s.path) for s in sources] if sources else [("data.path", c.data.path)]
+    for key, path in keyed:
+        if load_documents(path, "eval").num_docs == 0:
+            raise UserError(
+                f"config.{key}={path}: the 'eval' split has no documents, and the run evaluates "
+                "at its last step; prepare the data again with a held-out split (--eval-fraction > 0)"
+            )
+
+
+def _refuse_fresh_start_after_quarantine(ckpt: Checkpointer, c: ml_collections.ConfigDict) -> None:
+    """A workdir whose checkpoints were all moved aside as unreadable does not silently restart."""
+    if ckpt.quarantined() and not c.checkpoint.allow_fresh_start:
+        raise CheckpointError(
+            f"{ckpt.workdir} has no checkpoint left, but {ckpt.corrupt_directory}/ holds "
+            f"{len(ckpt.quarantined())} unreadable one(s); refusing to start from step 0 over it "
+            "(pass --config.checkpoint.allow_fresh_start=True to start afresh)"
+        )
+
+
 def _init_from(state: TrainState, directory: str) -> TrainState:
     """Phase chaining: params and balancing biases from another run's latest checkpoint; optimizer
     state and step start fresh (a new phase has its own schedule). Only those two fields are read,
     so the source run may have used a different optimizer."""
-    workdir, step = checkpoint_workdir(directory)
-    src = Checkpointer(workdir, read_only=True)
-    step = src.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"config.train.init_from={directory!r}: no complete checkpoint there")
-    part = src.restore_params(step, abstract_like({"params": state.params, "balancing": state.balancing}))
-    src.close()
+    src, step = _init_from_checkpoint(directory)
+    try:
+        part = src.restore_params(step, abstract_like({"params": state.params, "balancing": state.balancing}))
+    finally:
+        src.close()
     return dataclasses.replace(state, params=part["params"], balancing=part["balancing"])
+
+
+def _init_from_checkpoint(directory: str) -> tuple[Checkpointer, int]:
+    """(read-only Checkpointer, step) of config.train.init_from; UserError if there is none."""
+    workdir, step = checkpoint_workdir(directory)
+    try:
+        src = Checkpointer(workdir, read_only=True)
+    except FileNotFoundError as e:
+        raise UserError(f"config.train.init_from={directory!r}: {e}") from None
+    step = src.latest_step() if step is None else step
+    if step is None or step not in src.all_steps():
+        src.close()
+        raise UserError(f"config.train.init_from={directory!r}: no complete checkpoint there")
+    return src, step
 
 
 FLAGS = flags.FLAGS
@@ -521,5 +511,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    cli.run_absl(main, _define_flags)

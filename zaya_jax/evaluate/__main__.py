@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import jax
 from absl import logging
 
+from zaya_jax import cli
 from zaya_jax.evaluate import evaluate
 from zaya_jax.parallel.distributed import initialize_from_env
 
@@ -46,7 +47,7 @@ def format_table(results: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--checkpoint", required=True, help="Orbax WORKDIR[/checkpoints[/STEP]] or an HF directory"
     )
@@ -125,4 +126,4 @@ def _finite(x):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)
