@@ -5,25 +5,32 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 WORKDIR ?= workdirs/tiny
-STAMP := $(VENV)/.installed
+# Two stamps: `make train` installs only what training needs; `make test` adds torch, transformers
+# and lm-evaluation-harness (the references the tests compare against) on top.
+TRAIN_STAMP := $(VENV)/.installed-train
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: train test env clean
 
-env: $(STAMP)
+env: $(TEST_STAMP)
 
-# torch first, pinned: `pip install torch==2.13.0` takes the local CPU wheel; letting transformers
-# pull torch in would fetch the newest CUDA build instead.
-$(STAMP): pyproject.toml
+$(TRAIN_STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
-	@touch $(STAMP)
+	$(PY) -m pip install -q -e .
+	@touch $@
 
-train: $(STAMP)
+# torch first, pinned: `pip install torch==2.13.0` takes the local CPU wheel; letting transformers
+# (or accelerate) pull torch in would fetch the newest CUDA build instead.
+$(TEST_STAMP): $(TRAIN_STAMP)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,interop]'
+	@touch $@
+
+train: $(TRAIN_STAMP)
 	$(PY) -m zaya_jax.train --config configs/tiny.py --workdir $(WORKDIR) $(ARGS)
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q $(ARGS)
 
 clean:

@@ -7,6 +7,15 @@
 Every phase keeps 4096 x 4096 = 16.8M tokens per optimizer step (the paper's global batch), so the
 32k phase runs 512 sequences per step. A phase after the first starts from the previous phase's
 checkpoint: pass `--config.train.init_from=WORKDIR_OF_PREVIOUS_PHASE` (its latest checkpoint).
+
+Data (README "Data: mixtures and phases"). Without more, a phase trains on the embedded corpus.
+`--config configs/zaya1_base.py:phase2,data=DIR` trains on the phase's mixture of the prepared
+datasets DIR/web, DIR/code, DIR/math, DIR/reasoning (and DIR/long in phase 3); or set
+`--config.data.mixture=PATH:WEIGHT,...` directly. Phase 1 ramps the batch size up (train.batch_ramp).
+
+PLACEHOLDERS: Zyphra's mixtures and batch ramp are not public (SPEC §4). The weights and the ramp
+below only show the *shape* of the recipe (phase 2 leans towards reasoning, maths and code; phase 3
+adds long documents; the batch ramps up at the start of phase 1); replace them with your own.
 """
 
 from zaya_jax.config import base_config, set_model
@@ -21,9 +30,25 @@ PHASES = {
 }
 
 
-def get_config(phase: str = "phase1"):
+# PLACEHOLDER weights (not Zyphra's): source name (a directory under data=DIR) -> weight
+MIXTURES = {
+    "phase1": {"web": 0.7, "code": 0.1, "math": 0.1, "reasoning": 0.1},
+    "phase2": {"web": 0.4, "code": 0.2, "math": 0.2, "reasoning": 0.2},
+    "phase3": {"long": 0.5, "web": 0.2, "code": 0.1, "math": 0.1, "reasoning": 0.1},
+}
+# PLACEHOLDER ramp (not Zyphra's): 1024 -> 4096 sequences in steps of 1024 over the first 4M sequences.
+# train.steps counts optimizer steps, so with it phase 1 draws 0.3% fewer than its 8T tokens.
+BATCH_RAMPS = {"phase1": "1024,1024,4194304"}
+
+
+def get_config(arg: str = "phase1"):
+    phase, *options = arg.split(",")
     if phase not in PHASES:
         raise ValueError(f"configs/zaya1_base.py: unknown phase {phase!r}; expected one of {sorted(PHASES)}")
+    options = dict(o.split("=", 1) if "=" in o else (o, "") for o in options)
+    if set(options) - {"data"}:
+        unknown = sorted(set(options) - {"data"})
+        raise ValueError(f"configs/zaya1_base.py: unknown option(s) {unknown}; expected data=DIR")
     seq_len, theta, tokens = PHASES[phase]
     c = base_config()
     set_model(
@@ -42,6 +67,9 @@ def get_config(phase: str = "phase1"):
     c.train.batch_size = TOKENS_PER_STEP // seq_len
     c.train.steps = int(tokens // TOKENS_PER_STEP)
     c.train.grad_accum = 1
+    c.train.batch_ramp = BATCH_RAMPS.get(phase)
+    if options.get("data"):
+        c.data.mixture = ",".join(f"{options['data']}/{name}:{w}" for name, w in MIXTURES[phase].items())
     c.optim.lr = 1e-3 if phase == "phase1" else 5e-4
     c.optim.warmup_steps = 2000 if phase == "phase1" else 500
     c.optim.schedule = "wsd"

@@ -88,6 +88,15 @@ def test_long_context_is_cut_from_the_left():
         choice_requests(Example("hi", ("a" * 9, "b"), 0), tok, tok.eos_id, max_len=8)
 
 
+def test_prefix_only_without_context_when_not_every_request():
+    """--prefix none (lm-eval's default): a context is read as is; an empty one starts at the prefix."""
+    tok = ByteTokenizer()
+    (r,) = choice_requests(Example("hi", ("yo",), 0), tok, tok.bos_id, 8, prefix_every_request=False)[:1]
+    assert r.inputs.tolist() == tok.encode("hi yo")[:-1] and r.score_from == 1
+    (r,) = choice_requests(Example("", ("yo",), 0), tok, tok.bos_id, 8, prefix_every_request=False)[:1]
+    assert r.inputs.tolist() == [tok.bos_id, *tok.encode(" yo")[:-1]] and r.score_from == 0
+
+
 @pytest.mark.parametrize(
     "line, match",
     [

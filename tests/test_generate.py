@@ -144,9 +144,11 @@ def test_cli_from_orbax_and_hf_checkpoints_agree(tmp_path, capsys):
     assert [r["prompt"] for r in rows] == ["Call me", "It is a way", "Short."]
     assert [r["prompt"] + r["completion"] for r in rows] == many
     assert all(1 <= len(r["tokens"]) <= 6 and r["eos"] == (r["tokens"][-1] == tok.eos_id) for r in rows)
-    with pytest.raises(SystemExit):
-        main(["--checkpoint", str(tmp_path / "hf")])
-    assert "no prompt: pass --prompt" in capsys.readouterr().err
+    from zaya_jax import cli
+
+    with pytest.raises(SystemExit):  # as `python -m zaya_jax.generate` runs main
+        cli.run(main, ["--checkpoint", str(tmp_path / "hf")])
+    assert "error: no prompt: pass --prompt" in capsys.readouterr().err
 
 
 def test_left_pad_right_aligns_prompts():

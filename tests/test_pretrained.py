@@ -48,6 +48,21 @@ def test_plain_hf_tokenizer_dir_uses_bos(dirs, tmp_path):
     assert resolve_prefix("bos", tok, True) == 2 and resolve_prefix("7", tok, True) == 7
     with pytest.raises(ValueError, match="expected 'auto'"):
         resolve_prefix("first", tok, True)
+    assert resolve_prefix("none", tok, True) == tok.bos_id  # lm-eval's prefix_token_id: BOS, else EOS
+
+
+def test_hf_dir_with_only_transformers_tokenizer_files(dirs, tmp_path):
+    """Our export re-saved by transformers (no zaya_tokenizer.json) reads back as the byte tokenizer."""
+    from zaya_jax.tokenizer import save_for_transformers
+
+    d, _ = dirs
+    hf = tmp_path / "hf"
+    shutil.copytree(d / "hf", hf, ignore=shutil.ignore_patterns("zaya_tokenizer.json"))
+    save_for_transformers(ByteTokenizer(), hf)
+    m = load_model(str(hf))
+    assert isinstance(m.tokenizer, ByteTokenizer) and m.prefix_id == 1 and m.prefix_every_request
+    m = load_model(str(hf), prefix="none")
+    assert m.prefix_id == 2 and not m.prefix_every_request
 
 
 def test_errors_name_the_problem(dirs, tmp_path):

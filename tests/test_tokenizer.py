@@ -94,3 +94,63 @@ def test_load_tokenizer_specs_and_save_round_trip(tmp_path):
     assert isinstance(reloaded, HFTokenizer)
     assert (reloaded.name, reloaded.pad_id, reloaded.eos_id) == (hf.name, 1, 0)  # override survived
     assert reloaded.encode("a cat") == hf.encode("a cat")
+
+
+def random_unicode(rng, n):
+    """Text from every plane: ASCII, Latin, CJK, emoji, combining marks, controls; no surrogates."""
+    ranges = [(0x20, 0x7E), (0x0, 0x1F), (0xA0, 0x24F), (0x300, 0x36F), (0x4E00, 0x9FFF), (0x1F300, 0x1FAFF),
+              (0xE000, 0xF8FF), (0x10000, 0x10FFFF)]  # fmt: skip
+    out = []
+    for _ in range(n):
+        lo, hi = ranges[rng.integers(len(ranges))]
+        out.append(chr(int(rng.integers(lo, hi + 1))))
+    return "".join(out)
+
+
+def test_byte_tokenizer_in_transformers_auto_tokenizer(tmp_path):
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from zaya_jax.tokenizer import save_for_transformers
+
+    # config.json of model_type zaya: tokenizer_config.json's class must win over the Gemma default
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "zaya"}))
+    assert save_for_transformers(ByteTokenizer(), tmp_path) == ["tokenizer.json", "tokenizer_config.json"]
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = ByteTokenizer()
+    assert (hf.pad_token_id, hf.eos_token_id, hf.bos_token_id, len(hf)) == (0, 1, 2, 259)
+    rng = np.random.default_rng(0)
+    texts = [random_unicode(rng, int(rng.integers(0, 200))) for _ in range(50)]
+    texts += ["", " leading and trailing ", "literal </s> <s> <pad> stay bytes", "a\r\n\tb\x00c"]
+    for text in texts:
+        ids = ours.encode(text)
+        assert hf(text).input_ids == ids  # add_special_tokens=True adds nothing: the documented choice
+        assert hf(text, add_special_tokens=False).input_ids == ids
+        assert hf.decode(ids) == text == ours.decode(ids)
+    # any byte string, valid UTF-8 or not (truncated sequences, lone continuation bytes, 0xFF)
+    for _ in range(200):
+        ids = [int(b) + 3 for b in rng.integers(0, 256, int(rng.integers(1, 12)))]
+        ids.insert(int(rng.integers(len(ids) + 1)), int(rng.integers(0, 3)))  # a special token, skipped
+        assert hf.decode(ids, skip_special_tokens=True) == ours.decode(ids), ids
+    # lm-eval's add_bos_token=True: BOS first
+    bos_first = AutoTokenizer.from_pretrained(str(tmp_path), add_bos_token=True)
+    assert bos_first("hi").input_ids == [2, *ours.encode("hi")]
+    assert isinstance(load_tokenizer(tmp_path), ByteTokenizer)  # read back without zaya_tokenizer.json
+
+
+def test_hf_tokenizer_in_transformers_auto_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from zaya_jax.tokenizer import save_for_transformers
+
+    src = build_hf_tokenizer(tmp_path / "src.json", specials=("<|endoftext|>", "<unk>", "<s>"))
+    ours = HFTokenizer(src, pad="<unk>")
+    out = tmp_path / "out"
+    save_for_transformers(ours, out)
+    assert (out / "tokenizer.json").read_bytes() == src.read_bytes()  # copied as is
+    hf = AutoTokenizer.from_pretrained(str(out))
+    assert (hf.pad_token_id, hf.eos_token_id, hf.bos_token_id) == (ours.pad_id, ours.eos_id, ours.bos_id)
+    for text in TEXTS + ["the unknown word", "cat<|endoftext|>dog"]:
+        assert hf(text, add_special_tokens=False).input_ids == ours.encode(text)
+    back = load_tokenizer(out)  # special tokens from tokenizer_config.json
+    assert (back.name, back.pad_id, back.eos_id, back.bos_id) == (ours.name, 1, 0, 2)

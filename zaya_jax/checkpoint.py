@@ -9,10 +9,13 @@ arrays are written; `wait()` blocks until the last save is durable.
 Retention: the last `keep` checkpoints, plus every `keep_period`-th step permanently. Saving is
 due every `every_steps` steps or `every_minutes` minutes of wall time (`due()`).
 
-`restore_latest` is the resume path: it tries the newest checkpoint, and if that one cannot be
-read (truncated or deleted array files, torn JSON) logs a warning, moves it aside to
-WORKDIR/checkpoints.corrupt/ and tries the next older one. If checkpoints exist and none can be
-read it raises `CheckpointError` naming the directory: never a silent restart from step 0.
+`restore_latest` is the resume path. Before reading any array it compares the checkpoint's own
+metadata (every tensor's path, shape and dtype: mesh-independent) with the restore target; a
+mismatch (the run was started with another model or optimizer) raises `CheckpointMismatch` naming
+the differing config keys and leaves every file where it is. A checkpoint that cannot be read
+(truncated or deleted array files, torn JSON or metadata) is skipped with a warning, moved aside
+to WORKDIR/checkpoints.corrupt/, and the next older one is tried. If checkpoints exist and none
+can be read it raises `CheckpointError` naming the directory: never a silent restart from step 0.
 """
 
 from __future__ import annotations
@@ -25,10 +28,20 @@ from typing import Any, Callable
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
+
+from zaya_jax.cli import UserError
+
+# The config sections that fix the saved tensors' shapes whatever the mesh (named in a mismatch).
+SHAPE_SECTIONS = ("model", "optim", "balancing")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError):
     """Checkpoints exist but none of them can be restored."""
+
+
+class CheckpointMismatch(UserError):
+    """A readable checkpoint whose tensors do not match the current config (nothing was moved)."""
 
 
 class Checkpointer:
@@ -51,6 +64,8 @@ class Checkpointer:
         self.every_minutes = every_minutes
         self._last_save_time = time.monotonic()
         if read_only:  # Orbax warns about each retention option a read-only manager ignores
+            if not os.path.isdir(self.directory):
+                raise FileNotFoundError(f"no checkpoints in {self.workdir} ({self.directory} does not exist)")
             options = ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False)
         else:
             options = ocp.CheckpointManagerOptions(
@@ -59,7 +74,14 @@ class Checkpointer:
                 create=True,
                 enable_async_checkpointing=async_save,
             )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        verbosity = logging.get_verbosity()
+        if read_only:  # Orbax warns "Given directory is read only" on every read-only open
+            logging.set_verbosity(logging.ERROR)
+        try:
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
+        finally:
+            logging.set_verbosity(verbosity)
+        self._closed = False
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -98,23 +120,59 @@ class Checkpointer:
         )
         return out.state, out.data, out.config
 
+    def saved_shapes(self, step: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """{tensor path: (shape, dtype)} of the `state` saved at `step`, from its metadata alone."""
+        path = os.path.join(self.directory, str(step), "state")
+        handler = ocp.PyTreeCheckpointHandler()
+        try:
+            meta = handler.metadata(epath.Path(path))
+        finally:
+            handler.close()
+        return tree_shapes(getattr(meta, "tree", meta))
+
+    def check_matches(self, step: int, abstract_state: Any, config: dict | None) -> None:
+        """Raises CheckpointMismatch if checkpoint `step` holds other tensors than `abstract_state`;
+        `config` (the current config, JSON) names the differing keys. Reads metadata only."""
+        saved, want = self.saved_shapes(step), tree_shapes(abstract_state)
+        if saved == want:
+            return
+        diffs = config_diff(self._manager.restore(step, args=_CONFIG_ONLY).config, config or {})
+        if not diffs:  # the same config keys, other tensors (e.g. another version of the code)
+            paths = sorted(set(saved) | set(want))
+            diffs = [
+                f"{p}: checkpoint {saved.get(p)}, config {want.get(p)}"
+                for p in paths
+                if saved.get(p) != want.get(p)
+            ]
+        raise CheckpointMismatch(
+            f"{self.workdir}: checkpoint {step} was saved with another model or optimizer: "
+            f"{'; '.join(diffs[:8])}{' ...' if len(diffs) > 8 else ''}. Nothing was changed; resume "
+            "with the checkpoint's config, or start this config in a new --workdir"
+        )
+
     def restore_latest(
         self,
         abstract_state: Any,
         *,
         max_step: int | None = None,
         on_corrupt: Callable[[int, str], None] | None = None,
+        config: dict | None = None,
     ) -> tuple[int, Any, dict, dict] | None:
         """(step, state, data_state, config) of the newest readable checkpoint (<= max_step), or None if
-        there is no checkpoint at all. Unreadable ones are skipped with a warning and moved aside."""
+        there is no checkpoint at all. Unreadable ones are skipped with a warning and moved aside; a
+        readable one that does not match `abstract_state` raises CheckpointMismatch (see
+        check_matches; `config` is the current config's JSON) before any array is read."""
         steps = [s for s in self.all_steps() if max_step is None or s <= max_step]
         if not steps:
             return None
         errors = []
         for step in reversed(steps):
             try:
-                state, data, config = self.restore(step, abstract_state)
-                return step, state, data, config
+                self.check_matches(step, abstract_state, config)
+                state, data, saved_config = self.restore(step, abstract_state)
+                return step, state, data, saved_config
+            except CheckpointMismatch:
+                raise
             except Exception as e:  # noqa: BLE001 -- any failure to read means: try the previous one
                 msg = f"{type(e).__name__}: {str(e)[:500]}"
                 errors.append(f"step {step}: {msg}")
@@ -133,16 +191,25 @@ class Checkpointer:
                     on_corrupt(step, msg)
                 self._quarantine(step)
         raise CheckpointError(
-            f"no readable checkpoint in {self.directory}: all of steps {steps} failed to "
-            "restore:\n  " + "\n  ".join(errors)
+            f"no readable checkpoint in {self.directory}: all of steps {steps} failed to restore and "
+            f"were moved to {self.corrupt_directory}/ ({'; '.join(errors)})"
         )
+
+    @property
+    def corrupt_directory(self) -> str:
+        return self.directory + ".corrupt"
+
+    def quarantined(self) -> list[str]:
+        """The checkpoints moved to checkpoints.corrupt/ (names `<step>-<unix time>`)."""
+        d = self.corrupt_directory
+        return sorted(os.listdir(d)) if os.path.isdir(d) else []
 
     def restore_config(self, step: int | None = None) -> dict:
         """The training config (JSON) saved with `step` (default: the latest)."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        return self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+        return self._manager.restore(step, args=_CONFIG_ONLY).config
 
     def restore_params(self, step: int, abstract: dict[str, Any]) -> dict[str, Any]:
         """Only some top-level fields of the saved TrainState (e.g. {"params": ..., "balancing": ...}),
@@ -162,7 +229,7 @@ class Checkpointer:
             return
         src = os.path.join(self.directory, str(step))
         if os.path.exists(src):
-            dst_dir = self.directory + ".corrupt"
+            dst_dir = self.corrupt_directory
             os.makedirs(dst_dir, exist_ok=True)
             shutil.move(src, os.path.join(dst_dir, f"{step}-{int(time.time())}"))
         self._manager.reload()
@@ -171,7 +238,46 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.close()
+        """Waits for pending saves and closes the manager (again: a no-op)."""
+        if not self._closed:
+            self._closed = True
+            self._manager.close()
+
+
+_CONFIG_ONLY = ocp.args.Composite(config=ocp.args.JsonRestore())
+
+
+def tree_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{'params.embed_tokens.embedding': ((V, d), 'float32'), ...} of arrays, abstract arrays or
+    Orbax array metadata: the same paths for a TrainState and its saved metadata."""
+
+    def name(key) -> str:
+        for attr in ("name", "key", "idx"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {".".join(name(k) for k in path): (tuple(x.shape), str(x.dtype)) for path, x in leaves}
+
+
+def config_diff(saved: dict, current: dict, sections: tuple[str, ...] = SHAPE_SECTIONS) -> list[str]:
+    """'model.hidden_size: checkpoint 128, config 96' for every differing key of `sections`."""
+
+    def flat(d: Any, prefix: str) -> dict[str, Any]:
+        if not isinstance(d, dict):
+            return {prefix: d}
+        return {k: v for key, sub in d.items() for k, v in flat(sub, f"{prefix}.{key}").items()}
+
+    out = []
+    for section in sections:
+        a, b = flat(saved.get(section, {}), section), flat(current.get(section, {}), section)
+        out += [
+            f"{k}: checkpoint {a.get(k)}, config {b.get(k)}"
+            for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)
+        ]
+    return out
 
 
 def abstract_like(tree: Any) -> Any:

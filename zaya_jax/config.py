@@ -6,11 +6,15 @@ overrides any key (`--config.train.steps=100`). Sections:
   seed                      global seed (params, data order)
   model.*                   every field of zaya_jax.model.ZayaConfig (sizes, dtypes, impls)
   data.path                 directory written by `python -m zaya_jax.data.prepare`; unset = embedded corpus
+  data.mixture              "PATH:WEIGHT,PATH:WEIGHT,..." weighted mixture of prepared directories (instead of
+                            data.path; zaya_jax/data/mixture.py); unset = data.path alone
   data.num_threads, data.prefetch
   train.steps               optimizer steps of this run (phase)
   train.batch_size          global batch, sequences per optimizer step (all devices and microbatches)
   train.seq_len             tokens per sequence
   train.grad_accum          microbatches per step (batch_size must divide by it)
+  train.batch_ramp          "START,INCREMENT,RAMP_SEQUENCES": Megatron's batch-size ramp up to batch_size
+                            (zaya_jax/data/ramp.py); unset = batch_size from the first step
   train.init_from           a checkpoint directory whose params start this run (phase chaining); unset = random
   optim.*                   see zaya_jax.optim.chain (lr, schedule, warmup, muon.*, adamw.*, clipping)
   balancing.*               aux-loss-free router balancing (zaya_jax.balancing)
@@ -20,13 +24,20 @@ overrides any key (`--config.train.steps=100`). Sections:
                             step count and/or wall time; 0 = off); the last step is always saved
   checkpoint.keep, checkpoint.keep_period   keep the last `keep` (0 = all) plus every
                             `keep_period`-th step for good (0 = none)
+  checkpoint.allow_fresh_start   start from step 0 in a workdir whose checkpoints were all moved
+                            to checkpoints.corrupt/ as unreadable (off: that is an error)
   fault.step_timeout_s      watchdog: a step taking longer dumps all thread stacks and exits 3 (0 = off)
-  fault.spike_zscore, fault.spike_window   loss spike = z-score over the last `window` losses above
-                            `zscore` (0 = off) -> roll back to the last checkpoint, skip those batches
+  fault.spike_zscore, fault.spike_window, fault.spike_min_jump   a loss is anomalous when its robust
+                            z-score (median / MAD of the last `window` losses) is above `zscore` (0 =
+                            off) and it exceeds the median by more than `min_jump` (relative)
+  fault.spike_confirm       act only if the updated model's loss on the next batch is anomalous
+                            too (zaya_jax/fault.py); a spike rolls back to the last checkpoint and
+                            skips the batches since
   fault.max_bad_steps       that many consecutive skipped (non-finite) updates -> roll back (0 = off)
   fault.inject_nan_at_steps, fault.inject_spike_at_steps   test hooks: poison the batch of those
                             steps (1-based) once (NaN loss / a large finite loss)
-  eval.every_steps, eval.batches, eval.batch_size   held-out evaluation (0 batches = the whole split)
+  eval.every_steps, eval.batches, eval.batch_size   held-out evaluation (0 batches = the whole split;
+                            with data.mixture, per source)
   eval.tasks                downstream tasks scored at every evaluation: data specs of
                             `python -m zaya_jax.evaluate` (multiple-choice JSONL, text files, token data)
   eval.task_limit, eval.task_max_len   examples/documents per task (0 = all); tokens per scored
@@ -42,6 +53,7 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
+from zaya_jax.data.ramp import parse_batch_ramp
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.optim.chain import default_optim_config
 
@@ -54,6 +66,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict()
     c.data.path = config_dict.placeholder(str)
+    c.data.mixture = config_dict.placeholder(str)
     c.data.num_threads = 2
     c.data.prefetch = 4
 
@@ -63,6 +76,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.seq_len = 256
     c.train.grad_accum = 1
     c.train.init_from = config_dict.placeholder(str)
+    c.train.batch_ramp = config_dict.placeholder(str)
 
     c.optim = default_optim_config()
 
@@ -87,11 +101,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint.keep = 3
     c.checkpoint.keep_period = 0
     c.checkpoint.every_minutes = 0.0
+    c.checkpoint.allow_fresh_start = False
 
     c.fault = ml_collections.ConfigDict()
     c.fault.step_timeout_s = 0.0
     c.fault.spike_zscore = 6.0
     c.fault.spike_window = 50
+    c.fault.spike_min_jump = 0.2
+    c.fault.spike_confirm = True
     c.fault.max_bad_steps = 5
     c.fault.inject_nan_at_steps = ()
     c.fault.inject_spike_at_steps = ()
@@ -143,7 +160,11 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
     """Checks the whole config once, before anything is built. Returns the model config."""
     base = base_config()
     unknown = _unknown_keys(c, base)
-    _check(not unknown, unknown[0] if unknown else "", "unknown key (typo?)")
+    _check(
+        not unknown,
+        unknown[0] if unknown else "",
+        "unknown key" + (_near(unknown[0], base) if unknown else ""),
+    )
     cfg = model_config(c)
     _check(
         c.optim.muon.ns_impl in ("xla", "pallas", "auto"),
@@ -163,6 +184,7 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
         "train.grad_accum",
         f"batch_size={t.batch_size} is not divisible by grad_accum={t.grad_accum}",
     )
+    _validate_data(c)
     _check(
         t.seq_len <= cfg.max_position_embeddings,
         "train.seq_len",
@@ -214,10 +236,20 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
         section, name = key.split(".")
         value = c[section][name]
         _check(isinstance(value, int) and value >= 0, key, f"must be an int >= 0, got {value!r}")
-    for key in ("checkpoint.every_minutes", "fault.step_timeout_s", "fault.spike_zscore"):
+    for key in (
+        "checkpoint.every_minutes",
+        "fault.step_timeout_s",
+        "fault.spike_zscore",
+        "fault.spike_min_jump",
+    ):
         section, name = key.split(".")
         value = c[section][name]
         _check(isinstance(value, (int, float)) and value >= 0, key, f"must be a number >= 0, got {value!r}")
+    _check(
+        isinstance(c.fault.spike_confirm, bool),
+        "fault.spike_confirm",
+        f"must be True or False, got {c.fault.spike_confirm!r}",
+    )
     _check(
         c.fault.spike_zscore == 0 or c.fault.spike_window >= 2,
         "fault.spike_window",
@@ -245,6 +277,46 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
     _check(c.logging.every_steps > 0, "logging.every_steps", "must be > 0")
     _check(c.balancing.lr > 0, "balancing.lr", "must be > 0 (set balancing.enabled=False to turn it off)")
     return cfg
+
+
+def _validate_data(c: ml_collections.ConfigDict) -> None:
+    """data.mixture (format, prepared directories, one tokenizer) and train.batch_ramp (the rule's
+    arithmetic and grad_accum; the mesh is checked when the trainer has built it)."""
+    try:
+        ramp = parse_batch_ramp(c.train.batch_ramp, c.train.batch_size)
+    except ValueError as e:
+        raise ValueError(f"config.train.batch_ramp: {e}") from None
+    for size in ramp.sizes:
+        _check(
+            size % c.train.grad_accum == 0,
+            "train.batch_ramp",
+            f"batch size {size} of the ramp is not divisible by train.grad_accum={c.train.grad_accum}",
+        )
+    if not c.data.mixture:
+        return
+    _check(not c.data.path, "data.mixture", "set either data.path or data.mixture, not both")
+    from zaya_jax.data.mixture import check_sources, parse_mixture  # deferred: loads grain
+
+    try:
+        check_sources(parse_mixture(c.data.mixture))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"config.data.mixture: {e}") from None
+
+
+def _near(key: str, base: ml_collections.ConfigDict) -> str:
+    """' (did you mean config.X?)' for the known key nearest to an unknown one."""
+    from zaya_jax.cli import near_key
+
+    def leaves(c: ml_collections.ConfigDict, prefix: str) -> list[str]:
+        return [
+            k2
+            for k, v in c.items()
+            for k2 in (
+                leaves(v, f"{prefix}{k}.") if isinstance(v, ml_collections.ConfigDict) else [f"{prefix}{k}"]
+            )
+        ]
+
+    return near_key(key, leaves(base, ""), prefix="config.")
 
 
 def _unknown_keys(c: Any, base: Any, prefix: str = "") -> list[str]:

@@ -3,7 +3,9 @@
 
 Writes a training checkpoint as a transformers ZayaForCausalLM directory: config.json,
 generation_config.json, safetensors (sharded with an index past --max-shard-bytes) and the
-tokenizer files. Only the params and balancing biases are read from the Orbax checkpoint (no
+tokenizer: zaya_tokenizer.json (ours) and tokenizer.json + tokenizer_config.json, which
+`AutoTokenizer.from_pretrained` reads with the same ids (zaya_jax.tokenizer.save_for_transformers).
+config.json and generation_config.json carry the tokenizer's pad / bos / eos ids. Only the params and balancing biases are read from the Orbax checkpoint (no
 optimizer state); the model config is rebuilt from the training config saved with it. The
 safetensors are written tensor by tensor (zaya_jax.hf.save_pretrained). Without --tokenizer the
 training data's own tokenizer is written (the byte tokenizer for the embedded corpus).
@@ -12,14 +14,33 @@ training data's own tokenizer is written (the byte tokenizer for the embedded co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
+import numpy as np
 from absl import logging
 
-from zaya_jax import hf
-from zaya_jax.pretrained import load_checkpoint_variables
-from zaya_jax.tokenizer import load_tokenizer
+from zaya_jax import cli, hf
+from zaya_jax.pretrained import checkpoint_tokenizer, load_checkpoint_variables
+from zaya_jax.tokenizer import load_tokenizer, save_for_transformers
+
+
+def skip_bias_warning(variables: dict) -> str | None:
+    """Why transformers would load these weights differently, if it would.
+
+    transformers 5.23's ZayaRouter._init_weights writes balancing_biases[-1] = -1 after the weights
+    are loaded (an unguarded in-place write), so a skip-class bias moved away from its initial -1
+    (balancing update_skip=True) is lost in transformers; our loaders keep it.
+    """
+    skip_l = np.asarray(variables["balancing"]["layers"]["mlp"]["gate"]["balancing_biases"])[:, -1]
+    moved = np.flatnonzero(skip_l != -1.0)
+    if not moved.size:
+        return None
+    return (
+        f"layers {moved.tolist()}: skip-class balancing bias {skip_l[moved].tolist()} != -1; "
+        "transformers==5.23.0 resets it to -1 when loading, so its outputs will differ from ours"
+    )
 
 
 def export(
@@ -31,15 +52,19 @@ def export(
     max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES,
 ) -> dict:
     c, cfg, variables, step = load_checkpoint_variables(checkpoint)
+    tok = checkpoint_tokenizer(c, checkpoint) if tokenizer is None else load_tokenizer(tokenizer)
+    if tok.vocab_size > cfg.vocab_size:
+        raise ValueError(f"tokenizer {tok.name} has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
+    # the special ids transformers' generate and pipelines use are the tokenizer's
+    cfg = dataclasses.replace(cfg, pad_token_id=tok.pad_id, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
     hf.save_pretrained(cfg, variables, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
-    if tokenizer is None:
-        from zaya_jax.data.pipeline import source_tokenizer
-
-        tok = source_tokenizer(c.data.path)
-    else:
-        tok = load_tokenizer(tokenizer)
     tok.save(out)
+    save_for_transformers(tok, out)
+    warning = skip_bias_warning(variables)
+    if warning:
+        logging.warning("export %s: %s", out, warning)
     return {
+        "warnings": [warning] if warning else [],
         "step": step,
         "out": os.path.abspath(out),
         "dtype": dtype,
@@ -49,7 +74,7 @@ def export(
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--checkpoint", required=True, help="WORKDIR (latest step), WORKDIR/checkpoints or .../<step>"
     )
@@ -69,4 +94,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zaya_jax import cli
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.model.transformer import KVCache, ZayaForCausalLM, init_cache
 
@@ -215,7 +216,7 @@ def read_prompts(prompts: Sequence[str] | None, prompts_file: str | None) -> lis
 
 
 def main(argv: Sequence[str] | None = None) -> list[str]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--checkpoint", required=True, help="Orbax WORKDIR[/checkpoints[/STEP]] or an HF directory"
     )
@@ -273,4 +274,4 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -3,6 +3,8 @@
 Writes a transformers ZayaForCausalLM directory as an Orbax training checkpoint: a TrainState at
 step 0 with the HF params and balancing biases and a fresh optimizer state, under
 CKPT_WORKDIR/checkpoints/0, which a run starts from with `--config.train.init_from=CKPT_WORKDIR`.
+The directory's tokenizer (ours or a transformers tokenizer.json + tokenizer_config.json) is stored
+as CKPT_WORKDIR/tokenizer, which evaluate, generate and export then use.
 With --config the model section must describe the same parameter shapes (its compute settings are
 kept); without it the model section comes from the HF config.json.
 """
@@ -19,18 +21,25 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from zaya_jax import balancing as bal
+from zaya_jax import cli
 from zaya_jax import config as config_lib
 from zaya_jax import hf
 from zaya_jax.checkpoint import Checkpointer
 from zaya_jax.model import init_variables
 from zaya_jax.optim.chain import make_optimizer
 from zaya_jax.parallel.mesh import mesh_from_config
+from zaya_jax.pretrained import TOKENIZER_DIR
+from zaya_jax.tokenizer import CONFIG_FILENAME, HF_FILENAME, load_tokenizer
 from zaya_jax.train import balancing_config
 from zaya_jax.train_state import create_train_state, state_shardings
 
 
 def import_hf(hf_dir: str, out: str, c=None) -> dict:
     hf_cfg, variables = hf.load_pretrained(hf_dir)
+    has_tokenizer = any(os.path.isfile(os.path.join(hf_dir, f)) for f in (CONFIG_FILENAME, HF_FILENAME))
+    tok = load_tokenizer(hf_dir) if has_tokenizer else None
+    if tok is not None and tok.vocab_size > hf_cfg.vocab_size:
+        raise ValueError(f"{hf_dir}: tokenizer has {tok.vocab_size} tokens, the model {hf_cfg.vocab_size}")
     if c is None:
         c = config_lib.base_config()
         config_lib.set_model(c, hf_cfg)
@@ -60,7 +69,14 @@ def import_hf(hf_dir: str, out: str, c=None) -> dict:
     ck.save(0, state, {}, json.loads(c.to_json_best_effort()))
     ck.wait()
     ck.close()
-    return {"out": os.path.abspath(out), "step": 0, "checkpoint": os.path.join(ck.directory, "0")}
+    if tok is not None:
+        tok.save(os.path.join(out, TOKENIZER_DIR))
+    return {
+        "out": os.path.abspath(out),
+        "step": 0,
+        "checkpoint": os.path.join(ck.directory, "0"),
+        "tokenizer": None if tok is None else tok.name,
+    }
 
 
 FLAGS = flags.FLAGS
@@ -85,5 +101,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    cli.run_absl(main, _define_flags)

@@ -14,12 +14,12 @@ Prints the path of every file written. Uses matplotlib's Agg backend: no display
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
 from typing import Any
 
+from zaya_jax import cli
 from zaya_jax.metrics import METRICS_FILE, read_metrics
 
 # Record keys holding per-layer [L] values; the first one present is used. The unprefixed names
@@ -147,7 +147,7 @@ def plot_expert_load(records: list[dict[str, Any]], path: Path) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zaya_jax.plot", description=__doc__.split("\n")[0])
+    parser = cli.ArgumentParser(prog="python -m zaya_jax.plot", description=__doc__.split("\n")[0])
     parser.add_argument("workdir", type=Path, help=f"run directory holding {METRICS_FILE}")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: WORKDIR)")
     parser.add_argument("--log-y", action="store_true", help="log-scale loss axis")
@@ -185,4 +185,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -6,14 +6,18 @@
     m.cfg, m.variables, m.tokenizer, m.prefix_id
 
 From an Orbax checkpoint only the params and balancing biases are read (no optimizer state) and
-the model config is rebuilt from the training config saved with it. The tokenizer is the training
-data's own (the byte tokenizer for the embedded corpus); an HF directory carries its tokenizer
-(zaya_tokenizer.json from our export, or a plain tokenizer.json).
+the model config is rebuilt from the training config saved with it. The tokenizer is the one
+import_hf stored beside the checkpoint (WORKDIR/tokenizer), else the training data's own (the byte
+tokenizer for the embedded corpus); an HF directory carries its tokenizer (zaya_tokenizer.json from
+our export, or a transformers tokenizer.json + tokenizer_config.json).
 
 `prefix_id` is the token a document is predicted from when it has no context of its own (an empty
 multiple-choice context, the first token of a perplexity document, a generation prompt's start):
 EOS for models we trained (the packer puts an EOS before every document, see
 zaya_jax/data/pipeline.py), otherwise the tokenizer's BOS as lm-evaluation-harness does, else EOS.
+prefix="none" asks for lm-evaluation-harness's default: no token before a request that has text of
+its own (`prefix_every_request` False); a request without (an empty context, a document's first
+token) still starts from `prefix_id`, lm-eval's `prefix_token_id`: the BOS, else the EOS.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, checkpoint_workdir
 from zaya_jax.model import BALANCING, ZayaConfig, init_variables
 from zaya_jax.parallel.sharding import param_shardings
-from zaya_jax.tokenizer import CONFIG_FILENAME, HF_FILENAME, Tokenizer, load_tokenizer
+from zaya_jax.tokenizer import CONFIG_FILENAME, HF_FILENAME, ByteTokenizer, Tokenizer, load_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +45,7 @@ class Pretrained:
     prefix_id: int
     source: str  # "orbax" | "hf"
     step: int | None = None  # the Orbax step restored
+    prefix_every_request: bool = True  # False for prefix="none"
 
 
 def is_hf_dir(path: str) -> bool:
@@ -89,6 +94,20 @@ def load_checkpoint_variables(path: str, mesh: Mesh | None = None):
     return c, cfg, variables, step
 
 
+TOKENIZER_DIR = "tokenizer"  # WORKDIR/tokenizer: the tokenizer import_hf brought with the weights
+
+
+def checkpoint_tokenizer(c, path: str) -> Tokenizer:
+    """The tokenizer of the Orbax checkpoint at `path` (training ConfigDict `c`): WORKDIR/tokenizer
+    when import_hf wrote one, else the training data's."""
+    stored = os.path.join(checkpoint_workdir(path)[0], TOKENIZER_DIR)
+    if os.path.isdir(stored):
+        return load_tokenizer(stored)
+    from zaya_jax.data.pipeline import source_tokenizer
+
+    return source_tokenizer(c.data.path)
+
+
 def _hf_tokenizer(path: str, vocab_size: int) -> Tokenizer:
     if os.path.isfile(os.path.join(path, CONFIG_FILENAME)) or os.path.isfile(os.path.join(path, HF_FILENAME)):
         return load_tokenizer(path)
@@ -125,30 +144,30 @@ def load_model(
         if mesh is not None:
             variables = jax.device_put(variables, variable_shardings(variables, mesh))
         tok = load_tokenizer(tokenizer) if tokenizer else _hf_tokenizer(path, cfg.vocab_size)
-        ours = os.path.isfile(os.path.join(path, CONFIG_FILENAME))
+        # our export (zaya_tokenizer.json), or its byte tokenizer.json re-saved by transformers
+        stored_byte = not tokenizer and isinstance(tok, ByteTokenizer)
+        ours = os.path.isfile(os.path.join(path, CONFIG_FILENAME)) or stored_byte
         source, step = "hf", None
     else:
         c, cfg, variables, step = load_checkpoint_variables(path, mesh)
         if overrides:
             cfg = dataclasses.replace(cfg, **overrides)
-        if tokenizer:
-            tok = load_tokenizer(tokenizer)
-        else:
-            from zaya_jax.data.pipeline import source_tokenizer
-
-            tok = source_tokenizer(c.data.path)
+        tok = load_tokenizer(tokenizer) if tokenizer else checkpoint_tokenizer(c, path)
         ours, source = True, "orbax"
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(
             f"tokenizer {tok.name} has {tok.vocab_size} tokens but the model's vocab_size is "
             f"{cfg.vocab_size}: wrong tokenizer for {path}"
         )
-    return Pretrained(cfg, variables, tok, resolve_prefix(prefix, tok, ours), source, step)
+    prefix_id = resolve_prefix(prefix, tok, ours)
+    return Pretrained(cfg, variables, tok, prefix_id, source, step, prefix_every_request=prefix != "none")
 
 
 def resolve_prefix(prefix: str | int, tokenizer: Tokenizer, trained_by_us: bool) -> int:
     if isinstance(prefix, int) or (isinstance(prefix, str) and prefix.isdigit()):
         return int(prefix)
+    if prefix == "none":  # lm-evaluation-harness's prefix_token_id
+        return tokenizer.eos_id if tokenizer.bos_id is None else tokenizer.bos_id
     if prefix == "eos":
         return tokenizer.eos_id
     if prefix == "bos":
@@ -156,7 +175,7 @@ def resolve_prefix(prefix: str | int, tokenizer: Tokenizer, trained_by_us: bool)
             raise ValueError(f"prefix 'bos': tokenizer {tokenizer.name} has no BOS token")
         return tokenizer.bos_id
     if prefix != "auto":
-        raise ValueError(f"prefix={prefix!r}: expected 'auto', 'bos', 'eos' or a token id")
+        raise ValueError(f"prefix={prefix!r}: expected 'auto', 'bos', 'eos', 'none' or a token id")
     if trained_by_us or tokenizer.bos_id is None:
         return tokenizer.eos_id
     return tokenizer.bos_id

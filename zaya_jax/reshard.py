@@ -14,18 +14,15 @@ import json
 import os
 from typing import Any
 
-import jax
 import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_dict, config_flags
 
-from zaya_jax import balancing as bal
+from zaya_jax import cli
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, checkpoint_workdir
-from zaya_jax.optim.chain import make_optimizer
 from zaya_jax.parallel.mesh import mesh_from_config
-from zaya_jax.train import balancing_config
-from zaya_jax.train_state import create_train_state, state_shardings
+from zaya_jax.train_state import train_program
 
 MESH_KEYS = ("data", "fsdp", "expert", "zero1")
 
@@ -34,13 +31,7 @@ def abstract_state(c: ml_collections.ConfigDict):
     """(mesh, abstract TrainState with that mesh's shardings) of a training config."""
     cfg = config_lib.validate(c)
     mesh = mesh_from_config(c)
-    tx = make_optimizer(c, total_steps=c.train.steps)
-    bal_cfg = balancing_config(c) or bal.BalancingConfig()
-    shapes = jax.eval_shape(lambda: create_train_state(cfg, tx, bal_cfg, jax.random.key(c.seed)))
-    shardings = state_shardings(shapes, mesh, zero1=c.mesh.zero1)
-    return mesh, jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings
-    )
+    return mesh, train_program(c, cfg, mesh).abstract_state()
 
 
 def reshard(src: str, dst: str, mesh: dict[str, Any], *, step: int | None = None) -> dict[str, Any]:
@@ -97,5 +88,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    cli.run_absl(main, _define_flags)

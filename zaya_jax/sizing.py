@@ -477,6 +477,25 @@ def memory_per_device(
     )
 
 
+def config_micro_batch(c: Any, devices: int) -> int:
+    """Sequences per device per microbatch of training config `c` on `devices` devices."""
+    return max(1, c.train.batch_size // c.train.grad_accum // devices)
+
+
+def config_memory_per_device(c: Any, cfg: ZayaConfig, mesh: Mapping[str, int]) -> MemoryEstimate:
+    """`memory_per_device` of training config `c` (model `cfg`) on `mesh`: its micro-batch, remat,
+    ZeRO-1 and Muon momentum dtype, as `python -m zaya_jax.sizing` reports them."""
+    return memory_per_device(
+        cfg,
+        seq_len=c.train.seq_len,
+        micro_batch=config_micro_batch(c, math.prod(mesh.values())),
+        mesh=dict(mesh),
+        remat=cfg.remat,
+        zero1=c.mesh.zero1,
+        muon_mu_bytes=_DTYPE_BYTES.get(c.optim.muon.mu_dtype, 4),
+    )
+
+
 # ------------------------------------------------------------------------------------ sizing rules
 def gemm_shapes(
     cfg: ZayaConfig, tokens: int, expert_axis: int = 1, head_tokens: int | None = None
@@ -711,10 +730,7 @@ def main(argv) -> None:
     mesh = parse_mesh(f.mesh, num_devices=f.num_devices, default=default)
     devices = math.prod(mesh.values())
     seq_len = c.train.seq_len
-    if f.micro_batch:
-        micro_batch = f.micro_batch
-    else:
-        micro_batch = max(1, c.train.batch_size // c.train.grad_accum // devices)
+    micro_batch = f.micro_batch or config_micro_batch(c, devices)
     from ml_collections import config_flags
 
     header = (
@@ -755,7 +771,7 @@ def _normalise_argv(argv: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     import sys
-    from absl import app
 
-    _define_flags()
-    app.run(main, argv=_normalise_argv(sys.argv))
+    from zaya_jax import cli
+
+    cli.run_absl(main, _define_flags, argv=_normalise_argv(sys.argv))

@@ -13,6 +13,13 @@ data pipeline and the sampling code need:
     None or "byte"                       -> ByteTokenizer
     path/to/tokenizer.json               -> HFTokenizer
     a directory written by `.save()`     -> whichever tokenizer was saved there
+    a transformers tokenizer directory   -> the same (tokenizer.json + tokenizer_config.json)
+
+`save_for_transformers(tok, directory)` writes what `AutoTokenizer.from_pretrained` reads, with
+the ids `encode` gives: the byte tokenizer as a byte-level `tokenizer.json` (specials <pad> 0,
+</s> 1, <s> 2, byte b -> b + 3), an HF tokenizer's own `tokenizer.json` as is, and a
+`tokenizer_config.json` naming the special tokens. `add_special_tokens=True` adds what the
+tokenizer.json's post-processor says: nothing for the byte tokenizer, as our `encode`.
 """
 
 from __future__ import annotations
@@ -30,6 +37,11 @@ import numpy as np
 # File written by `save()` describing the tokenizer (type + special ids).
 CONFIG_FILENAME = "zaya_tokenizer.json"
 HF_FILENAME = "tokenizer.json"
+HF_CONFIG_FILENAME = "tokenizer_config.json"
+# transformers' fast tokenizer over any tokenizer.json; without it AutoTokenizer would pick the
+# class registered for model_type "zaya" (a Gemma tokenizer) and ignore our vocabulary.
+HF_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+BYTE_SPECIAL_TOKENS = ("<pad>", "</s>", "<s>")  # ids 0, 1, 2: pad, eos, bos
 
 # Special tokens looked up (in this order) when an HF tokenizer.json does not say which is which.
 _EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[EOS]", "<EOS>")
@@ -108,6 +120,45 @@ class ByteTokenizer:
 
     def __repr__(self) -> str:
         return "ByteTokenizer()"
+
+
+def byte_level_tokenizer_json() -> str:
+    """ByteTokenizer as a `tokenizers` tokenizer.json: identical ids and decoding.
+
+    A byte-level BPE without merges: each byte is one token (the GPT-2 byte -> character alphabet
+    names them), id byte + 3. The decoder maps them back to bytes and decodes them as UTF-8 with
+    replacement characters, as `ByteTokenizer.decode`.
+    """
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as _HFTokenizer
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # 256 printable characters, one per byte
+    byte_char = {b: c for b, c in enumerate(_gpt2_byte_chars())}
+    assert set(byte_char.values()) == set(alphabet)
+    vocab = {tok: i for i, tok in enumerate(BYTE_SPECIAL_TOKENS)}
+    vocab.update({byte_char[b]: b + ByteTokenizer._OFFSET for b in range(256)})
+    tok = _HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_SPECIAL_TOKENS])
+    return tok.to_str(pretty=True)
+
+
+def _gpt2_byte_chars() -> list[str]:
+    """The byte -> printable character table of GPT-2's byte-level BPE (index = byte)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
 
 
 class HFTokenizer:
@@ -221,6 +272,60 @@ class HFTokenizer:
         return f"HFTokenizer({str(self.path)!r})"
 
 
+def save_for_transformers(tok: Tokenizer, directory: str | os.PathLike) -> list[str]:
+    """Writes tokenizer.json + tokenizer_config.json for `AutoTokenizer.from_pretrained(directory)`
+    (see the module docstring); returns the file names written."""
+    from tokenizers import Tokenizer as _HFTokenizer
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if isinstance(tok, ByteTokenizer):
+        (directory / HF_FILENAME).write_text(byte_level_tokenizer_json())
+    elif isinstance(tok, HFTokenizer):
+        if tok.path.resolve() != (directory / HF_FILENAME).resolve():
+            shutil.copyfile(tok.path, directory / HF_FILENAME)
+    else:
+        raise TypeError(f"save_for_transformers: no transformers form for tokenizer {tok!r}")
+    hf = _HFTokenizer.from_file(str(directory / HF_FILENAME))
+    config = {
+        "tokenizer_class": HF_TOKENIZER_CLASS,
+        "pad_token": hf.id_to_token(tok.pad_id),
+        "eos_token": hf.id_to_token(tok.eos_id),
+        "bos_token": None if tok.bos_id is None else hf.id_to_token(tok.bos_id),
+        "clean_up_tokenization_spaces": False,
+    }
+    if isinstance(tok, ByteTokenizer):
+        # "</s>" typed in a text is five bytes to ByteTokenizer.encode, not the EOS token
+        config["split_special_tokens"] = True
+    (directory / HF_CONFIG_FILENAME).write_text(json.dumps(config, indent=2) + "\n")
+    return [HF_FILENAME, HF_CONFIG_FILENAME]
+
+
+def _load_transformers_dir(directory: Path) -> Tokenizer:
+    """A directory holding tokenizer.json (and maybe tokenizer_config.json naming the specials):
+    the byte tokenizer if it is ours byte for byte, else an HFTokenizer with those specials."""
+    path = directory / HF_FILENAME
+    try:
+        if json.loads(path.read_text()) == json.loads(byte_level_tokenizer_json()):
+            return ByteTokenizer()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read tokenizer file {path}: {e}") from e
+    specials = {}
+    config_path = directory / HF_CONFIG_FILENAME
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except ValueError as e:
+            raise ValueError(f"cannot read {config_path}: {e}") from e
+        for key in ("eos", "bos", "pad"):
+            token = config.get(f"{key}_token")
+            if isinstance(token, dict):  # an AddedToken written by transformers
+                token = token.get("content")
+            if isinstance(token, str):
+                specials[key] = token
+    return HFTokenizer(path, **specials)
+
+
 def _load_config(config_path: Path) -> Tokenizer:
     """Rebuilds a tokenizer from the `zaya_tokenizer.json` written by `save()`."""
     try:
@@ -249,7 +354,7 @@ def load_tokenizer(spec: str | os.PathLike | None) -> Tokenizer:
         if (path / CONFIG_FILENAME).is_file():
             return _load_config(path / CONFIG_FILENAME)
         if (path / HF_FILENAME).is_file():
-            return HFTokenizer(path / HF_FILENAME)
+            return _load_transformers_dir(path)
         raise FileNotFoundError(f"directory {path} contains neither {CONFIG_FILENAME} nor {HF_FILENAME}")
     if path.is_file():
         if path.name == CONFIG_FILENAME:

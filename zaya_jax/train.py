@@ -3,27 +3,27 @@
 Trains a ZAYA1 model: validated config -> data (grain) -> jit-compiled train step with our Muon /
 AdamW chain and aux-loss-free router balancing -> metrics (console, WORKDIR/metrics.jsonl,
 TensorBoard) -> periodic held-out evaluation -> Orbax checkpoints. An existing WORKDIR resumes from
-its latest checkpoint, data position included (an unreadable newest checkpoint is skipped with a
-warning; if none is readable the run stops with an error).
+its latest checkpoint, data position included, read straight into the sharded arrays (a checkpoint
+of another model or optimizer is an error that moves nothing; an unreadable newest checkpoint is
+skipped with a warning; if none is readable the run stops with an error).
 
-Fault handling (config.fault, events in WORKDIR/events.jsonl, see zaya_jax/events.py): SIGTERM /
+Fault handling (config.fault, zaya_jax/fault.py; events in WORKDIR/events.jsonl): SIGTERM /
 SIGINT save at the next step boundary and exit 0; a step watchdog (fault.step_timeout_s) dumps
 all thread stacks and exits 3; non-finite updates are skipped and recorded; a loss spike or
 fault.max_bad_steps consecutive skipped updates roll back to the last checkpoint and skip the
 batches since then. The loss is read back every step for this (one small device->host copy).
+
+`--dry_run` (no --workdir) compiles this train step at full size on simulated CPU devices and
+prints memory per device, collectives and compile time instead (zaya_jax/dry_run.py).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import faulthandler
+import functools
 import json
 import math
 import os
-import signal
-import sys
-import threading
 import time
 from typing import Any, Callable
 
@@ -33,31 +33,31 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zaya_jax import balancing as bal
+from zaya_jax import cli, dry_run, sizing
 from zaya_jax import config as config_lib
-from zaya_jax import sizing
-from zaya_jax.checkpoint import Checkpointer, abstract_like, checkpoint_workdir
+from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
+from zaya_jax.cli import UserError
+from zaya_jax.data import mixture as mixture_lib
+from zaya_jax.data.pipeline import (
+    batch_sequences,
+    load_documents,
+    make_dataset,
+    make_eval_dataset,
+    source_tokenizer,
+)
+from zaya_jax.data.ramp import BatchRamp, parse_batch_ramp
 from zaya_jax.events import EventLog
-from zaya_jax.data.pipeline import make_dataset, make_eval_dataset, source_tokenizer
+from zaya_jax.fault import Lookahead, SpikeDetector, StepWatchdog, StopSignals
 from zaya_jax.metrics import MetricsLogger
-from zaya_jax.optim.chain import lr_schedule, make_optimizer
 from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.parallel.sharding import shard_batch
-from zaya_jax.train_state import (
+from zaya_jax.train_state import (  # noqa: F401  (balancing_config: re-exported for the CLIs)
     TrainState,
-    create_train_state,
+    balancing_config,
     make_eval_step,
-    make_train_step,
-    state_shardings,
+    train_program,
 )
-
-
-def balancing_config(c: ml_collections.ConfigDict) -> bal.BalancingConfig | None:
-    if not c.balancing.enabled:
-        return None
-    fields = {f.name for f in dataclasses.fields(bal.BalancingConfig)}
-    return bal.BalancingConfig(**{k: v for k, v in c.balancing.items() if k in fields}).validate()
 
 
 def _to_python(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -69,9 +69,24 @@ def _to_python(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def evaluate(eval_step, variables, c: ml_collections.ConfigDict, mesh) -> dict[str, float]:
+    """Held-out loss of data.path, or of each mixture source (`eval_loss/<name>`) and the mixture's
+    `eval_loss` = the weight-averaged per-source loss (the expected loss of a held-out token drawn
+    in the training proportions)."""
+    if not c.data.mixture:
+        return _held_out_loss(eval_step, variables, c, mesh, c.data.path)
+    out, loss, tokens = {}, 0.0, 0.0
+    for source in mixture_lib.parse_mixture(c.data.mixture):
+        r = _held_out_loss(eval_step, variables, c, mesh, source.path)
+        out[f"eval_loss/{source.name}"] = r["eval_loss"]
+        loss += source.weight * r["eval_loss"]
+        tokens += r["eval_tokens"]
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0)), "eval_tokens": tokens, **out}
+
+
+def _held_out_loss(eval_step, variables, c: ml_collections.ConfigDict, mesh, path) -> dict[str, float]:
     """Held-out loss over `eval.batches` batches (0 = the whole split); token-weighted mean."""
     ds = make_eval_dataset(
-        c.data.path,
+        path,
         seq_len=c.train.seq_len,
         global_batch_size=c.eval.batch_size,
         process_index=jax.process_index(),
@@ -124,90 +139,16 @@ def downstream_tasks(c: ml_collections.ConfigDict, cfg, tokenizer, mesh) -> Call
     return run
 
 
-class SpikeDetector:
-    """A loss spike: z-score of the new loss against the last `window` accepted losses > `zscore`.
-    Needs a full window before it judges; spikes are not added to the history."""
-
-    def __init__(self, zscore: float, window: int):
-        self.zscore, self.window = zscore, window
-        self.history: collections.deque = collections.deque(maxlen=max(window, 1))
-
-    def check(self, loss: float) -> float | None:
-        """Returns the z-score if `loss` is a spike, else None (and records it)."""
-        if not self.zscore:
-            return None
-        if len(self.history) >= self.window:
-            h = np.asarray(self.history, np.float64)
-            z = (loss - h.mean()) / max(h.std(), 1e-6 * max(abs(h.mean()), 1.0))
-            if z > self.zscore:
-                return float(z)
-        self.history.append(loss)
-        return None
-
-
-class StepWatchdog:
-    """A daemon thread: a step running longer than `timeout_s` dumps every thread's stack to stderr
-    and ends the process with exit code 3 (`os._exit`: no cleanup can hang), so the scheduler
-    restarts the job, which resumes from its last checkpoint."""
-
-    def __init__(self, timeout_s: float, on_timeout: Callable[[int, float], None] | None = None):
-        self.timeout_s = timeout_s
-        self._on_timeout = on_timeout or self._exit
-        self._lock = threading.Lock()
-        self._step, self._since = None, None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="zaya-step-watchdog", daemon=True)
-        self._thread.start()
-
-    def start(self, step: int) -> None:
-        with self._lock:
-            self._step, self._since = step, time.monotonic()
-
-    def stop(self) -> None:
-        with self._lock:
-            self._step, self._since = None, None
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        period = min(max(self.timeout_s / 10, 0.05), 1.0)
-        while not self._stop.wait(period):
-            with self._lock:
-                step, since = self._step, self._since
-            if since is not None and time.monotonic() - since > self.timeout_s:
-                self._on_timeout(step, time.monotonic() - since)
-                self.stop()
-
-    @staticmethod
-    def _exit(step: int, elapsed: float) -> None:
-        sys.stderr.write(
-            f"\nWATCHDOG: step {step} has run {elapsed:.1f}s > fault.step_timeout_s; "
-            "thread stacks follow, then exit 3\n"
-        )
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        os._exit(3)
-
-
-class _StopSignals:
-    """SIGTERM / SIGINT set a flag; the trainer saves at the next step boundary and exits 0."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        del frame
-        self.signum = signum
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+def _lookahead_loss(
+    eval_step, state: TrainState, data_iter: Lookahead, mesh, poison: str | None, vocab_size: int
+) -> float:
+    """The loss of the just-updated model on the next batch, which stays queued for the next step
+    (`poison`: the test hook that step will apply to it)."""
+    batch = data_iter.peek()
+    if poison is not None:
+        batch = _poison(batch, poison, vocab_size)
+    out = jax.device_get(eval_step(state.variables, shard_batch(batch, mesh)))
+    return float(out["loss_sum"]) / max(float(out["weight"]), 1.0)
 
 
 def _poison(batch: dict[str, np.ndarray], kind: str, vocab_size: int) -> dict[str, np.ndarray]:
@@ -233,8 +174,14 @@ def _agree(flags_: list[bool]) -> list[bool]:
 def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Runs (or resumes) the training described by `c` in `workdir`. Returns a summary dict."""
     cfg = config_lib.validate(c)
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise UserError(f"--workdir {workdir} is a file, not a directory")
+    sources = mixture_lib.parse_mixture(c.data.mixture) if c.data.mixture else None
+    tokenizer = source_tokenizer(sources[0].path if sources else c.data.path)
+    check_eval_data(c, sources)  # before step 1, not at the first evaluation
+    if c.train.init_from:
+        _init_from_checkpoint(c.train.init_from)[0].close()  # it exists, checked before anything is built
     os.makedirs(workdir, exist_ok=True)
-    tokenizer = source_tokenizer(c.data.path)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ValueError(
             f"config.model.vocab_size={cfg.vocab_size} is smaller than the data's tokenizer "
@@ -250,25 +197,24 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             f"config.train.batch_size={batch_size} (per microbatch "
             f"{batch_size // c.train.grad_accum}) must be divisible by the {mesh.size} devices"
         )
-    tx = make_optimizer(c, total_steps=steps)
-    schedule = lr_schedule(c, total_steps=steps)
-    bal_cfg = balancing_config(c)
-    create = lambda: create_train_state(cfg, tx, bal_cfg or bal.BalancingConfig(), jax.random.key(c.seed))
-    shardings = state_shardings(jax.eval_shape(create), mesh, zero1=c.mesh.zero1)
-    state = jax.jit(create, out_shardings=shardings)()
-    abstract_state = abstract_like(state)
+    ramp = parse_batch_ramp(c.train.batch_ramp, batch_size)
+    try:
+        ramp.check_divisible(mesh.size, c.train.grad_accum)
+    except ValueError as e:
+        raise ValueError(f"config.train.batch_ramp={c.train.batch_ramp!r}: {e}") from None
+    program = train_program(c, cfg, mesh)
+    # The restore target: a resume reads straight into the sharded arrays, and the fresh state is
+    # built only when there is nothing to restore (one train state in memory, not two).
+    abstract_state = program.abstract_state()
 
-    train_ds = make_dataset(
-        c.data.path,
-        seq_len=seq_len,
-        global_batch_size=batch_size,
-        seed=c.seed,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        num_threads=c.data.num_threads,
-        prefetch_buffer_size=c.data.prefetch,
-    )
-    data_iter = iter(train_ds)
+    train_ds, mixture = _train_dataset(c, sources, ramp)
+    if mixture is not None and primary:
+        print(mixture_lib.epochs_report(sources, mixture, ramp.consumed(steps)), flush=True)
+    data_iter = Lookahead(iter(train_ds))
+
+    train_step = program.train_step
+    eval_step = jax.jit(make_eval_step(cfg, mesh))
+    downstream = downstream_tasks(c, cfg, tokenizer, mesh)
 
     ckpt = Checkpointer(
         workdir,
@@ -278,42 +224,42 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         every_minutes=c.checkpoint.every_minutes,
     )
     on_corrupt = lambda step, msg: events.write(step, "corrupt_checkpoint", error=msg)
-    restored = ckpt.restore_latest(abstract_state, on_corrupt=on_corrupt)
-    if restored is not None:
-        _, state, data_state, _ = restored
-        data_iter.set_state(data_state)
-        events.write(int(state.step), "resume", checkpoint=os.path.join(ckpt.directory, str(restored[0])))
-    elif c.train.init_from:
-        state = _init_from(state, c.train.init_from)
+    config_json = json.loads(c.to_json_best_effort())
+    try:
+        restored = ckpt.restore_latest(abstract_state, on_corrupt=on_corrupt, config=config_json)
+        if restored is not None:
+            _, state, data_state, _ = restored
+            data_iter.set_state(data_state)
+            events.write(int(state.step), "resume", checkpoint=os.path.join(ckpt.directory, str(restored[0])))
+        else:
+            _refuse_fresh_start_after_quarantine(ckpt, c)
+            state = jax.jit(program.create, out_shardings=program.shardings)()
+            if c.train.init_from:
+                state = _init_from(state, c.train.init_from)
+    except BaseException:
+        ckpt.close()  # a clean shutdown of Orbax's threads, whatever the error
+        raise
     start = int(state.step)
 
-    train_step = jax.jit(
-        make_train_step(cfg, tx, bal_cfg, schedule, c.train.grad_accum, mesh),
-        in_shardings=(shardings, None),
-        out_shardings=(shardings, None),
-        donate_argnums=0,
-    )
-    eval_step = jax.jit(make_eval_step(cfg, mesh))
-    downstream = downstream_tasks(c, cfg, tokenizer, mesh)
     peak = sizing.peak_flops_per_device()
-    config_json = json.loads(c.to_json_best_effort())
 
     f = c.fault
     inject = {**{s: "spike" for s in f.inject_spike_at_steps}, **{s: "nan" for s in f.inject_nan_at_steps}}
-    spikes = SpikeDetector(f.spike_zscore, f.spike_window)
+    spikes = SpikeDetector(f.spike_zscore, f.spike_window, f.spike_min_jump)
 
     def on_hang(step: int, elapsed: float) -> None:
         events.write(step, "watchdog", elapsed_s=elapsed, timeout_s=f.step_timeout_s)
         StepWatchdog._exit(step, elapsed)
 
     watchdog = StepWatchdog(f.step_timeout_s, on_timeout=on_hang) if f.step_timeout_s else None
-    stop = _StopSignals()
+    stop = StopSignals()
 
     summary: dict[str, Any] = {
         "start_step": start,
         "mesh": dict(mesh.shape),
         "rollbacks": 0,
         "skipped_updates": 0,
+        "batch_sizes": [],
     }
     # Process 0 owns WORKDIR/metrics.jsonl and TensorBoard; the others keep their own record.
     log_dir = workdir if primary else os.path.join(workdir, f"process_{jax.process_index()}")
@@ -333,15 +279,19 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                 if done in inject:  # test hooks; each fires once
                     host_batch = _poison(host_batch, inject.pop(done), cfg.vocab_size)
                 batch = shard_batch(host_batch, mesh)
-                if watchdog is not None and not first:  # the first step compiles
+                global_batch = host_batch["input_ids"].shape[0] * jax.process_count()
+                # a step at a batch size not seen yet compiles its program (one per size)
+                if watchdog is not None and not first and global_batch in summary["batch_sizes"]:
                     watchdog.start(done)
+                if global_batch not in summary["batch_sizes"]:
+                    summary["batch_sizes"].append(global_batch)
                 state, metrics = train_step(state, batch)
                 loss, skipped = jax.device_get((metrics["loss"], metrics["update_skipped"]))
                 loss, skipped = float(loss), bool(skipped)
                 if watchdog is not None:
                     watchdog.stop()
                 first = False
-                tokens_since += batch_size * seq_len
+                tokens_since += global_batch * seq_len
 
                 rollback_reason = None
                 if skipped:
@@ -352,10 +302,23 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                         rollback_reason = f"{bad_steps} consecutive non-finite steps"
                 else:
                     bad_steps = 0
-                    z = spikes.check(loss)
-                    if z is not None:
-                        events.write(done, "spike", loss=loss, zscore=z, window=list(spikes.history))
-                        rollback_reason = f"loss spike {loss:.4f} (z={z:.1f})"
+                    ahead = None
+                    if f.spike_confirm:  # the next step's batch, as that step will see it (test hooks too)
+                        ahead = functools.partial(
+                            _lookahead_loss,
+                            eval_step,
+                            state,
+                            data_iter,
+                            mesh,
+                            inject.get(done + 1),
+                            cfg.vocab_size,
+                        )
+                    spike = spikes.check(loss, ahead)
+                    if spike is not None:
+                        events.write(done, "spike", loss=loss, **spike, window=list(spikes.history))
+                        rollback_reason = (
+                            f"loss spike {loss:.4f} (z={spike['zscore']:.1f}, +{spike['jump']:.0%})"
+                        )
                 if rollback_reason is not None:
                     ckpt.wait()
                     back = ckpt.restore_latest(abstract_state, max_step=done - 1, on_corrupt=on_corrupt)
@@ -399,6 +362,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                     util = sizing.mfu(m["tokens_per_second"], cfg, seq_len, mesh.size, peak)
                     if util is not None:
                         m["mfu"] = util
+                    m.update(_data_position(data_iter, ramp, mixture, sources, seq_len))
                     logger.log_train(done, m)
                     t_last, tokens_since = now, 0
                     summary["loss"] = m["loss"]
@@ -428,24 +392,86 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         stop.restore()
         if watchdog is not None:
             watchdog.close()
-    ckpt.wait()
-    ckpt.close()
+        ckpt.close()  # waits for the last save; on an error too (no "Event loop is closed")
     summary["final_step"] = int(state.step)
+    summary["train_programs"] = train_step._cache_size()
     return summary
+
+
+def _train_dataset(c: ml_collections.ConfigDict, sources, ramp: BatchRamp):
+    """(this process' training batches, the MixedSequences of data.mixture or None)."""
+    kwargs = dict(
+        global_batch_size=c.train.batch_size,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        ramp=ramp if c.train.batch_ramp else None,
+        num_threads=c.data.num_threads,
+        prefetch_buffer_size=c.data.prefetch,
+    )
+    if sources is None:
+        return make_dataset(c.data.path, seq_len=c.train.seq_len, seed=c.seed, **kwargs), None
+    mixture = mixture_lib.mixed_sequences(sources, seq_len=c.train.seq_len, seed=c.seed)
+    return batch_sequences(mixture, **kwargs), mixture
+
+
+def _data_position(data_iter, ramp: BatchRamp, mixture, sources, seq_len: int) -> dict[str, int]:
+    """batch_size, tokens_seen and mixture/<name> (tokens drawn per source) after the batches drawn
+    so far: pure functions of the data position, so a resume continues them exactly."""
+    drawn = int(data_iter.get_state()["next_index"])  # batches, this step's included
+    consumed = ramp.consumed(drawn)
+    out = {"batch_size": ramp.size(drawn - 1), "tokens_seen": consumed * seq_len}
+    if mixture is not None:
+        for source, n in zip(sources, mixture.counts(consumed)):
+            out[f"mixture/{source.name}"] = n * seq_len
+    return out
+
+
+def check_eval_data(c: ml_collections.ConfigDict, sources) -> None:
+    """The held-out split every evaluation (and the last step) reads exists and is not empty: that of
+    data.path, or of every data.mixture source."""
+    keyed = [("data.mixture", s.path) for s in sources] if sources else [("data.path", c.data.path)]
+    for key, path in keyed:
+        if load_documents(path, "eval").num_docs == 0:
+            raise UserError(
+                f"config.{key}={path}: the 'eval' split has no documents, and the run evaluates "
+                "at its last step; prepare the data again with a held-out split (--eval-fraction > 0)"
+            )
+
+
+def _refuse_fresh_start_after_quarantine(ckpt: Checkpointer, c: ml_collections.ConfigDict) -> None:
+    """A workdir whose checkpoints were all moved aside as unreadable does not silently restart."""
+    if ckpt.quarantined() and not c.checkpoint.allow_fresh_start:
+        raise CheckpointError(
+            f"{ckpt.workdir} has no checkpoint left, but {ckpt.corrupt_directory}/ holds "
+            f"{len(ckpt.quarantined())} unreadable one(s); refusing to start from step 0 over it "
+            "(pass --config.checkpoint.allow_fresh_start=True to start afresh)"
+        )
 
 
 def _init_from(state: TrainState, directory: str) -> TrainState:
     """Phase chaining: params and balancing biases from another run's latest checkpoint; optimizer
     state and step start fresh (a new phase has its own schedule). Only those two fields are read,
     so the source run may have used a different optimizer."""
-    workdir, step = checkpoint_workdir(directory)
-    src = Checkpointer(workdir, read_only=True)
-    step = src.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"config.train.init_from={directory!r}: no complete checkpoint there")
-    part = src.restore_params(step, abstract_like({"params": state.params, "balancing": state.balancing}))
-    src.close()
+    src, step = _init_from_checkpoint(directory)
+    try:
+        part = src.restore_params(step, abstract_like({"params": state.params, "balancing": state.balancing}))
+    finally:
+        src.close()
     return dataclasses.replace(state, params=part["params"], balancing=part["balancing"])
+
+
+def _init_from_checkpoint(directory: str) -> tuple[Checkpointer, int]:
+    """(read-only Checkpointer, step) of config.train.init_from; UserError if there is none."""
+    workdir, step = checkpoint_workdir(directory)
+    try:
+        src = Checkpointer(workdir, read_only=True)
+    except FileNotFoundError as e:
+        raise UserError(f"config.train.init_from={directory!r}: {e}") from None
+    step = src.latest_step() if step is None else step
+    if step is None or step not in src.all_steps():
+        src.close()
+        raise UserError(f"config.train.init_from={directory!r}: no complete checkpoint there")
+    return src, step
 
 
 FLAGS = flags.FLAGS
@@ -458,13 +484,26 @@ def _define_flags() -> None:
         "config", None, "Training config file (configs/<name>.py[:arg]).", lock_config=True
     )
     flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, TensorBoard.")
+    flags.DEFINE_bool(
+        "dry_run",
+        False,
+        "Compile the full-size train step on simulated CPU devices, print memory per device, "
+        "collectives and compile time, and exit; needs no --workdir (zaya_jax/dry_run.py).",
+    )
+    flags.DEFINE_integer(
+        "dry_run_devices", None, "Devices --dry_run simulates (default: the mesh size; 8 if an axis is -1)."
+    )
 
 
 def main(argv):
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
-    initialize_from_env()
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if FLAGS.dry_run and FLAGS.config is not None:  # before jax starts: it picks the simulated devices
+        name = config_flags.get_config_filename(FLAGS["config"])
+        print(dry_run.dry_run(FLAGS.config, FLAGS.dry_run_devices, name), flush=True)
+        return
+    initialize_from_env()
     if FLAGS.config is None or not FLAGS.workdir:
         raise app.UsageError("--config and --workdir are required")
     summary = train(FLAGS.config, FLAGS.workdir)
@@ -472,5 +511,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    cli.run_absl(main, _define_flags)

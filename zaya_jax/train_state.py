@@ -9,11 +9,13 @@ backprop.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import flax
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -21,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 from zaya_jax import balancing as bal
 from zaya_jax.loss import chunked_cross_entropy
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
-from zaya_jax.parallel.sharding import BATCH_AXES, opt_state_shardings, param_shardings
+from zaya_jax.optim.chain import lr_schedule, make_optimizer
+from zaya_jax.parallel.sharding import BATCH_AXES, batch_sharding, opt_state_shardings, param_shardings
 
 Batch = dict[str, jax.Array]  # input_ids / targets int32 [B, S], loss_mask fp32 [B, S]
 
@@ -165,6 +168,57 @@ def make_train_step(
         return new_state, metrics
 
     return train_step
+
+
+def balancing_config(c: ml_collections.ConfigDict) -> bal.BalancingConfig | None:
+    """The training config's `balancing` section (None when disabled)."""
+    if not c.balancing.enabled:
+        return None
+    fields = {f.name for f in dataclasses.fields(bal.BalancingConfig)}
+    return bal.BalancingConfig(**{k: v for k, v in c.balancing.items() if k in fields}).validate()
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainProgram:
+    """What the trainer compiles for one training config on one mesh.
+
+    create()            the initial TrainState (jit it with out_shardings=shardings)
+    shardings           where each part of the state lives (state_shardings)
+    train_step          jax.jit(train_step, state donated): (state, batch) -> (state, metrics)
+    """
+
+    mesh: Mesh
+    create: Callable[[], TrainState]
+    shardings: TrainState
+    train_step: Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
+
+    def abstract_state(self) -> TrainState:
+        """ShapeDtypeStructs carrying the state's shardings: a restore or compile target, nothing
+        allocated."""
+        shapes = jax.eval_shape(self.create)
+        struct = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+        return jax.tree.map(struct, shapes, self.shardings)
+
+
+def abstract_batch(batch_size: int, seq_len: int, mesh: Mesh) -> Batch:
+    """ShapeDtypeStructs of a global batch [B, S] as the data pipeline yields it, laid out as
+    `shard_batch` lays it out."""
+    sharding = batch_sharding(mesh)
+    spec = lambda dtype: jax.ShapeDtypeStruct((batch_size, seq_len), dtype, sharding=sharding)
+    return {"input_ids": spec(jnp.int32), "targets": spec(jnp.int32), "loss_mask": spec(jnp.float32)}
+
+
+def train_program(c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh) -> TrainProgram:
+    """The train step of config `c` (model `cfg`, validated) on `mesh`: the optimizer, LR schedule
+    and balancing of the config, the state laid out by the sharding table (ZeRO-1 per mesh.zero1)."""
+    steps = c.train.steps
+    tx = make_optimizer(c, total_steps=steps)
+    bal_cfg = balancing_config(c)
+    create = lambda: create_train_state(cfg, tx, bal_cfg or bal.BalancingConfig(), jax.random.key(c.seed))
+    shardings = state_shardings(jax.eval_shape(create), mesh, zero1=c.mesh.zero1)
+    step = make_train_step(cfg, tx, bal_cfg, lr_schedule(c, total_steps=steps), c.train.grad_accum, mesh)
+    jitted = jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
+    return TrainProgram(mesh=mesh, create=create, shardings=shardings, train_step=jitted)
 
 
 def make_eval_step(cfg: ZayaConfig, mesh: Mesh | None = None) -> Callable[[Any, Batch], dict[str, jax.Array]]:

@@ -3,6 +3,8 @@
 Submodules:
     zaya_jax.data.prepare   `python -m zaya_jax.data.prepare`: text/jsonl -> token shards on disk
     zaya_jax.data.pipeline  grain pipeline: token documents -> packed, sharded, checkpointable batches
+    zaya_jax.data.mixture   weighted mixtures of prepared datasets (data.mixture)
+    zaya_jax.data.ramp      batch-size ramp (train.batch_ramp) and the batches that follow it
 
 The embedded corpus (see `corpus/README.md` for provenance) lets every config train out of the box,
 with no download: Melville's *Moby-Dick* plus 15 early U.S. State of the Union addresses, ~1.5 MB

@@ -31,7 +31,9 @@ Sharding: global batch k consists of the sequences k*G .. k*G+G-1 (G = global_ba
 p gets the rows with (index mod P) == p, in order, so row r of process p's batch is row r*P + p of
 the single-process global batch (`interleave_process_batches` reassembles it). The global sequence
 count is padded to a multiple of G with all-padding sequences (loss_mask 0), so every process yields
-the same number of batches and no real sequence is dropped.
+the same number of batches and no real sequence is dropped. With a batch-size ramp (zaya_jax.data.ramp)
+batch k holds the next ramp.size(k) sequences instead of G; a weighted mixture of datasets
+(zaya_jax.data.mixture) is one more random-access sequence source; both go through `batch_sequences`.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import numpy as np
 
 from zaya_jax.data import EMBEDDED_EVAL_FRACTION, EMBEDDED_SPLIT_SEED, load_embedded_corpus, split_documents
 from zaya_jax.data.prepare import SPLITS, TokenDocuments, load_split, read_meta
+from zaya_jax.data.ramp import BatchRamp, RampBatches
 from zaya_jax.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 Source = str | os.PathLike | None
@@ -219,6 +222,7 @@ def make_dataset(
     shuffle: bool | None = None,
     num_threads: int = 2,
     prefetch_buffer_size: int = 4,
+    ramp: BatchRamp | None = None,
 ) -> grain.IterDataset:
     """grain IterDataset of this process' share of the packed batches (format in the module doc).
 
@@ -234,6 +238,8 @@ def make_dataset(
         last batch filled up with all-padding rows.
       shuffle: shuffle documents each epoch; defaults to True for "train", False for "eval".
       num_threads, prefetch_buffer_size: grain read threads and how many batches they read ahead.
+      ramp: batch k holds ramp.size(k) sequences (zaya_jax.data.ramp; global_batch_size is then the
+        full size); None = every batch holds global_batch_size.
 
     Iterate with `it = iter(ds)`; `it.get_state()` is a JSON-serialisable dict and
     `it.set_state(state)` on a fresh iterator of the same dataset resumes at the same batch.
@@ -251,6 +257,8 @@ def make_dataset(
     docs = load_documents(source, split)
     if docs.num_docs == 0:
         raise ValueError(f"the {split!r} split of {source or _EMBEDDED} has no documents")
+    if ramp is not None and num_epochs is not None:
+        raise ValueError("a batch-size ramp needs an endless dataset (num_epochs=None)")
     sequences = PackedSequences(
         docs,
         seq_len=seq_len,
@@ -259,10 +267,38 @@ def make_dataset(
         num_epochs=num_epochs,
         pad_to_multiple=global_batch_size,
     )
+    return batch_sequences(
+        sequences,
+        global_batch_size=global_batch_size,
+        process_index=process_index,
+        process_count=process_count,
+        ramp=ramp,
+        num_threads=num_threads,
+        prefetch_buffer_size=prefetch_buffer_size,
+    )
+
+
+def batch_sequences(
+    sequences,
+    *,
+    global_batch_size: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    ramp: BatchRamp | None = None,
+    num_threads: int = 2,
+    prefetch_buffer_size: int = 4,
+) -> grain.IterDataset:
+    """This process' batches of a random-access sequence source (PackedSequences, a mixture).
+
+    Fixed global batches, or with `ramp` the batch sizes of zaya_jax.data.ramp (an endless source).
+    """
     ds = grain.MapDataset.source(sequences)
     ds = ds[process_index::process_count]  # interleaved rows: see "Sharding" in the module doc
-    # The total is a multiple of the global batch, so every local batch is full.
-    ds = ds.batch(global_batch_size // process_count, drop_remainder=True)
+    if ramp is None:
+        # The total is a multiple of the global batch, so every local batch is full.
+        ds = ds.batch(global_batch_size // process_count, drop_remainder=True)
+    else:
+        ds = grain.MapDataset.source(RampBatches(ds, ramp, process_count))
     return ds.to_iter_dataset(
         grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size)
     )
@@ -307,6 +343,7 @@ def interleave_process_batches(batches: Sequence[dict[str, np.ndarray]]) -> dict
 
 __all__ = [
     "PackedSequences",
+    "batch_sequences",
     "interleave_process_batches",
     "load_documents",
     "make_dataset",

@@ -11,7 +11,10 @@ Inputs (optionally gzip-compressed, `.txt.gz` / `.jsonl.gz`):
     .jsonl  one JSON object per line with a string field "text" (`--text-field`); blank lines are
             skipped, anything else is an error naming file:line.
 Whitespace-only documents are skipped. Documents are assigned to train/eval by systematic sampling
-(`zaya_jax.data.is_eval_document`), so the split streams and is deterministic.
+(`zaya_jax.data.is_eval_document`), so the split streams and is deterministic. When that leaves
+the eval split empty (fewer than ~1 / eval_fraction documents, e.g. one .txt file read whole), the
+eval split is the tail of the last document: ceil(eval_fraction * all tokens) of them. Only
+`--eval-fraction 0` writes an empty eval split.
 
 Layout of DIR:
     meta.json                     format version, tokenizer ids, per-split doc/token counts and shard list
@@ -26,12 +29,12 @@ place at the end, so an interrupted run never leaves a directory that looks comp
 
 from __future__ import annotations
 
-import argparse
 import codecs
 import dataclasses
 import gzip
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -43,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from zaya_jax import cli
 from zaya_jax.data import is_eval_document
 from zaya_jax.tokenizer import Tokenizer, load_tokenizer
 
@@ -121,7 +125,10 @@ def read_meta(data_dir: str | os.PathLike) -> dict:
             f"{data_dir} is not a prepared dataset (no {META_FILENAME}); create one with "
             "`python -m zaya_jax.data.prepare --input ... --out DIR`"
         )
-    meta = json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: unreadable ({e}); prepare the dataset again") from None
     if meta.get("format") != FORMAT_NAME or meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"{path}: unsupported dataset format {meta.get('format')!r} version "
@@ -139,8 +146,8 @@ def load_split(data_dir: str | os.PathLike, split: str) -> TokenDocuments:
     tok = meta["tokenizer"]
     shards, doc_shard, doc_start, doc_len = [], [], [], []
     for i, shard in enumerate(meta["splits"][split]["shards"]):
-        tokens = np.load(data_dir / split / shard["tokens"], mmap_mode="r")
-        offsets = np.load(data_dir / split / shard["offsets"])
+        tokens = _load_npy(data_dir / split / shard["tokens"], mmap_mode="r")
+        offsets = _load_npy(data_dir / split / shard["offsets"])
         if offsets[0] != 0 or offsets[-1] != len(tokens) or len(offsets) != shard["num_docs"] + 1:
             raise ValueError(f"{data_dir / split / shard['offsets']}: offsets do not match the shard")
         shards.append(tokens)
@@ -157,6 +164,14 @@ def load_split(data_dir: str | os.PathLike, split: str) -> TokenDocuments:
         pad_id=tok["pad_id"],
         vocab_size=tok["vocab_size"],
     )
+
+
+def _load_npy(path: Path, mmap_mode: str | None = None) -> np.ndarray:
+    """np.load, with a truncated / missing / garbled shard reported under its file name."""
+    try:
+        return np.load(path, mmap_mode=mmap_mode)
+    except (OSError, ValueError, EOFError) as e:
+        raise ValueError(f"{path}: cannot read this shard ({e}); prepare the dataset again") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,6 +279,20 @@ class _ShardWriter:
         return {"num_docs": self.num_docs, "num_tokens": self.num_tokens, "shards": self.shards}
 
 
+def split_tail(doc: np.ndarray, n: int, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """A document (ending in EOS) -> (its head + EOS, its last `n` tokens + EOS); each side keeps at
+    least one token. ValueError if the document is too short to cut."""
+    body = doc[:-1]
+    if len(body) < 2:
+        raise ValueError(
+            "the eval split would be empty: the inputs hold too little text to hold out any "
+            "(add text, or pass --eval-fraction 0 to train without an eval split)"
+        )
+    n = min(max(n, 1), len(body) - 1)
+    eos = np.asarray([eos_id], doc.dtype)
+    return np.concatenate([body[:-n], eos]), np.concatenate([body[-n:], eos])
+
+
 def prepare_dataset(
     inputs: Sequence[str | os.PathLike],
     out_dir: str | os.PathLike,
@@ -306,13 +335,18 @@ def prepare_dataset(
         doc_index = 0
         skipped = 0
         batch: list[str] = []
+        last_train: list[np.ndarray] = []  # written one document late: it may give the eval tokens
 
         def encode_batch() -> None:
             nonlocal doc_index
             for ids in tok.encode_batch(batch):
                 doc = np.asarray(ids + [tok.eos_id], dtype=np.int64)
-                split = "eval" if is_eval_document(doc_index, eval_fraction, split_seed) else "train"
-                writers[split].add(doc)
+                if is_eval_document(doc_index, eval_fraction, split_seed):
+                    writers["eval"].add(doc)
+                else:
+                    if last_train:
+                        writers["train"].add(last_train.pop())
+                    last_train.append(doc)
                 doc_index += 1
             batch.clear()
 
@@ -325,6 +359,17 @@ def prepare_dataset(
                 if len(batch) >= _ENCODE_BATCH:
                     encode_batch()
         encode_batch()
+        held_out_tokens = 0
+        if last_train and writers["eval"].num_docs == 0 and eval_fraction > 0:
+            # Too few documents for a whole one to fall to eval (e.g. one .txt file read whole):
+            # the eval split is the tail of the last document, a fraction of all tokens.
+            total = writers["train"].num_tokens + len(last_train[0])
+            train_part, eval_part = split_tail(last_train.pop(), math.ceil(eval_fraction * total), tok.eos_id)
+            writers["train"].add(train_part)
+            writers["eval"].add(eval_part)
+            held_out_tokens = len(eval_part) - 1
+        if last_train:
+            writers["train"].add(last_train.pop())
         for w in writers.values():
             w.flush()
         if writers["train"].num_docs == 0:
@@ -349,6 +394,7 @@ def prepare_dataset(
             "eval_fraction": eval_fraction,
             "split_seed": split_seed,
             "skipped_empty_docs": skipped,
+            "eval_tail_tokens": held_out_tokens,
             "splits": {s: w.summary() for s, w in writers.items()},
         }
         # meta.json is the last file written: its presence marks a complete dataset.
@@ -380,13 +426,18 @@ def _format_summary(out_dir: Path, meta: dict) -> str:
         )
     if meta["skipped_empty_docs"]:
         lines.append(f"  skipped {meta['skipped_empty_docs']} empty documents")
+    if meta.get("eval_tail_tokens"):
+        lines.append(
+            f"  eval holds the last {meta['eval_tail_tokens']:,d} tokens of the last document "
+            "(too few documents for a whole one; --doc-separator cuts .txt files into documents)"
+        )
     if meta["splits"]["eval"]["num_docs"] == 0:
-        lines.append("  warning: the eval split is empty (raise --eval-fraction or add documents)")
+        lines.append("  the eval split is empty (--eval-fraction 0): training needs one to evaluate")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         prog="python -m zaya_jax.data.prepare",
         description="Tokenize .txt/.jsonl files into train/eval token shards for zaya_jax training.",
     )
@@ -441,4 +492,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -151,6 +151,7 @@ class TaskSuite:
         separator: str | None = None,
         text_field: str = "text",
         limit: int | None = None,
+        prefix_every_request: bool = True,
     ):
         names = [t.name for t in tasks]
         if len(set(names)) != len(names):
@@ -160,7 +161,9 @@ class TaskSuite:
         for task in tasks:
             if task.kind == "mc":
                 examples = load_task(task.path, limit)
-                requests = task_requests(examples, tokenizer, prefix_id, max_len, delimiter)
+                requests = task_requests(
+                    examples, tokenizer, prefix_id, max_len, delimiter, prefix_every_request
+                )
                 finish = functools.partial(task_metrics, examples)
             else:
                 if task.kind == "text":
@@ -224,7 +227,14 @@ def evaluate(
     if batch_size is None:
         batch_size = -(-8 // devices) * devices
     max_len = min(2048, model.cfg.max_position_embeddings) if max_len is None else max_len
-    suite = TaskSuite(tasks, model.tokenizer, model.prefix_id, max_len, **task_options)
+    suite = TaskSuite(
+        tasks,
+        model.tokenizer,
+        model.prefix_id,
+        max_len,
+        prefix_every_request=model.prefix_every_request,
+        **task_options,
+    )
     scorer = Scorer(model.cfg, mesh=mesh_obj, batch_size=batch_size, max_len=max_len, min_bucket=min_bucket)
     results, samples = suite.run(scorer, model.variables, _progress_printer if progress else None)
     return {
@@ -233,6 +243,7 @@ def evaluate(
         "step": model.step,
         "tokenizer": model.tokenizer.name,
         "prefix_id": model.prefix_id,
+        "prefix_every_request": model.prefix_every_request,
         "dtype": model.cfg.dtype,
         "mesh": None if mesh_obj is None else dict(mesh_obj.shape),
         "batch_size": batch_size,

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import jax
 from absl import logging
 
+from zaya_jax import cli
 from zaya_jax.evaluate import evaluate
 from zaya_jax.parallel.distributed import initialize_from_env
 
@@ -46,7 +47,7 @@ def format_table(results: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--checkpoint", required=True, help="Orbax WORKDIR[/checkpoints[/STEP]] or an HF directory"
     )
@@ -65,7 +66,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"), help="compute dtype override")
     ap.add_argument("--tokenizer", default=None, help="override: byte, a tokenizer.json or a saved dir")
-    ap.add_argument("--prefix", default="auto", help="auto | bos | eos | ID: token every request starts with")
+    ap.add_argument(
+        "--prefix",
+        default="auto",
+        help="auto | bos | eos | ID: token every request starts with; none: only requests without "
+        "context (lm-eval's default)",
+    )
     ap.add_argument("--delimiter", default=" ", help="multiple choice: between context and choice")
     ap.add_argument("--separator", default=None, help="text: document separator (blank-line, form-feed, ...)")
     ap.add_argument("--text-field", default="text", help="text .jsonl: the field holding the text")
@@ -120,4 +126,4 @@ def _finite(x):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -8,7 +8,9 @@ optionally with "id". Each choice is scored as the continuation `delimiter + cho
 `_encode_pair`: trailing spaces of the context move to the continuation, the pair is encoded whole
 and the continuation is what follows the context's own tokens. Every request starts with the
 model's prefix token (zaya_jax.pretrained), so an empty context is predicted from a document
-boundary. A context longer than max_len is cut from the left.
+boundary; with prefix_every_request=False (`--prefix none`, lm-eval's default) only a request whose
+context has no tokens does, as lm-eval conditions those on its prefix_token_id. A context longer
+than max_len is cut from the left.
 
 Metrics over examples (mean and standard error, ddof=1, as lm-eval):
     acc       argmax_i  loglik_i                      == answer
@@ -94,7 +96,12 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[
 
 
 def choice_requests(
-    example: Example, tokenizer: Tokenizer, prefix_id: int, max_len: int, delimiter: str = " "
+    example: Example,
+    tokenizer: Tokenizer,
+    prefix_id: int,
+    max_len: int,
+    delimiter: str = " ",
+    prefix_every_request: bool = True,
 ) -> list[Request]:
     out = []
     for choice in example.choices:
@@ -106,7 +113,8 @@ def choice_requests(
                 f"example {example.id}: choice {choice!r} has {len(continuation)} tokens, more than "
                 f"max_len={max_len}"
             )
-        tokens = ([prefix_id] + context + continuation)[-(max_len + 1) :]
+        prefix = [prefix_id] if prefix_every_request or not context else []
+        tokens = (prefix + context + continuation)[-(max_len + 1) :]
         out.append(Request.from_sequence(tokens, len(continuation)))
     return out
 
@@ -117,10 +125,19 @@ def _mean_stderr(x: np.ndarray) -> tuple[float, float]:
 
 
 def task_requests(
-    examples: Sequence[Example], tokenizer: Tokenizer, prefix_id: int, max_len: int, delimiter: str = " "
+    examples: Sequence[Example],
+    tokenizer: Tokenizer,
+    prefix_id: int,
+    max_len: int,
+    delimiter: str = " ",
+    prefix_every_request: bool = True,
 ) -> list[Request]:
     """All choices of all examples, flat, in order."""
-    return [r for e in examples for r in choice_requests(e, tokenizer, prefix_id, max_len, delimiter)]
+    return [
+        r
+        for e in examples
+        for r in choice_requests(e, tokenizer, prefix_id, max_len, delimiter, prefix_every_request)
+    ]
 
 
 def task_metrics(examples: Sequence[Example], scores: Sequence[Score]) -> tuple[dict[str, float], list[dict]]:

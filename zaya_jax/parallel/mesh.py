@@ -68,6 +68,8 @@ def make_mesh(
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
 
 
-def mesh_from_config(c) -> Mesh:
-    """The mesh of a training config (`mesh.data/fsdp/expert`), validated against the devices."""
-    return make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.expert, num_experts=c.model.num_experts)
+def mesh_from_config(c, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The mesh of a training config (`mesh.data/fsdp/expert`) over `devices` (default: all),
+    validated against them."""
+    m = c.mesh
+    return make_mesh(m.data, m.fsdp, m.expert, num_experts=c.model.num_experts, devices=devices)

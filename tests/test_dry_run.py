@@ -1,0 +1,117 @@
+"""`python -m zaya_jax.train --dry_run`: the full-size train step compiled on simulated CPU devices."""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zaya_jax import dry_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECTIONS = ("dry run: ", "Memory per device", "Collectives per device", "Compile: ")
+
+
+def run_dry(cwd, config, *extra):
+    """The CLI in an empty directory, without XLA_FLAGS (the dry run must set the device count), with a
+    compilation cache directory in it (the dry run must not write one)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(cwd, "xla_cache")
+    cmd = [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, config), "--dry_run"]
+    cmd += extra
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=900, env=env)
+
+
+def table(out: str, row: str) -> list[float]:
+    """The numbers of the report row starting with `row`."""
+    line = next(line for line in out.splitlines() if line.strip().startswith(row))
+    return [float(x) for x in re.findall(r"(?<![\w(])\d+(?:\.\d+)?", line[len(row) + 2 :])]
+
+
+def check_report(out: str, devices: int) -> None:
+    for section in SECTIONS:
+        assert section in out, out
+    assert f"on {devices} simulated CPU devices" in out
+    # The state is laid out exactly as sizing assumes: XLA's arguments (state + batch) and outputs
+    # match sizing's params + optimizer per device to within the batch and metrics.
+    xla, ours = table(out, "arguments (state + batch)")
+    assert ours <= xla <= ours * 1.01, out
+    xla, ours = table(out, "alias (outputs in donated arguments)")
+    assert ours * 0.99 <= xla <= ours * 1.01, out  # the donated state is reused for the new state
+    xla, ours = table(out, "temporaries")
+    assert xla > 0 and ours > 0
+    assert table(out, "all-reduce")[0] >= 1  # the data-parallel gradient reduction
+    assert re.search(r"Compile: trace \+ lower [\d.]+ s, XLA compile [\d.]+ s", out)
+
+
+@pytest.mark.slow
+def test_dry_run_tiny_cli(tmp_path):
+    """Tiny config on 8 devices with an expert axis: the report, exit 0, nothing written."""
+    proc = run_dry(tmp_path, "configs/tiny.py", "--config.mesh.expert=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    check_report(out, 8)
+    assert "mesh data=4 fsdp=1 expert=2" in out
+    assert table(out, "all-to-all")[0] >= 2  # tokens to their experts' devices and back
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_dry_run_zaya1_base_phase1(tmp_path):
+    """The full-size model (8.8B params) on 8 simulated devices: ~1 min, ~0.8 GB peak RSS."""
+    proc = run_dry(tmp_path, "configs/zaya1_base.py:phase1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    check_report(out, 8)
+    assert "8,840.5M parameters" in out and "(GiB per device)" in out
+    assert os.listdir(tmp_path) == []
+
+
+def test_device_count():
+    c = ml_collections.ConfigDict({"mesh": {"data": 2, "fsdp": 2, "expert": 4}})
+    assert dry_run.device_count(c) == 16
+    assert dry_run.device_count(c, 4) == 4
+    c.mesh.data = -1
+    assert dry_run.device_count(c) == dry_run.DEFAULT_DEVICES
+    with pytest.raises(ValueError, match="dry_run_devices"):
+        dry_run.device_count(c, 0)
+
+
+def test_simulated_devices_after_start():
+    """jax already started (conftest: 8 CPU devices): its devices are used, too few is an error."""
+    assert len(jax.devices()) == 8  # start jax here, whatever test ran first
+    assert len(dry_run.simulated_devices(4)) == 4
+    with pytest.raises(ValueError, match="needs 64 CPU devices"):
+        dry_run.simulated_devices(64)
+
+
+def test_collectives_counts_bytes_and_loop_trips():
+    """On a compiled program with known collectives: an all-gather of a [8, 16] f32 array once, and a
+    psum of a [4] f32 vector inside a 5-trip scan."""
+    mesh = jax.make_mesh((8,), ("d",), devices=jax.devices()[:8])
+    sharded = NamedSharding(mesh, P("d"))
+
+    def f(x, v):
+        full = jax.lax.with_sharding_constraint(x * 2.0, NamedSharding(mesh, P()))
+
+        def body(acc, _):
+            return acc + jnp.sum(v * acc[0], axis=0), None
+
+        acc, _ = jax.lax.scan(body, jnp.ones((4,)), None, length=5)
+        return full, acc
+
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=sharded)
+    v = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=sharded)
+    compiled = jax.jit(f, out_shardings=(NamedSharding(mesh, P()),) * 2).lower(x, v).compile()
+    stats = dry_run.collectives(compiled.as_text())
+    gather = stats["all-gather"]
+    assert (gather.ops, gather.bytes, gather.ops_per_step) == (1, 8 * 16 * 4, 1)
+    reduce = stats["all-reduce"]
+    assert (reduce.ops, reduce.bytes, reduce.ops_per_step, reduce.bytes_per_step) == (1, 4 * 4, 5, 5 * 4 * 4)

@@ -1,0 +1,142 @@
+"""Loss-spike detection (zaya_jax/fault.py): robust statistics, the relative-jump floor, confirmation
+by the next batch; on the recorded loss sequence of the default demo run and end to end on a
+small-batch run over another text (no spike event), with an injected spike still rolled back."""
+
+import gzip
+import json
+import os
+
+import numpy as np
+import pytest
+
+from zaya_jax.events import read_events
+from zaya_jax.fault import Lookahead, SpikeDetector, confirmed_spikes
+
+from test_train import ROOT, run_train, train_losses
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _full(detector, losses):
+    for x in losses:
+        detector.record(x)
+    return detector
+
+
+def test_judge_robust_z_and_relative_floor():
+    window = [3.0, 2.9, 3.1, 3.0, 2.95, 3.05]
+    d = _full(SpikeDetector(zscore=4.0, window=6, min_jump=0.2), window)
+    assert d.judge(3.5) is None  # z > 4 over a tight window, but only +17%: noise, not a spike
+    spike = d.judge(6.0)
+    assert spike is not None and spike["zscore"] > 4 and spike["median"] == pytest.approx(3.0)
+    assert spike["jump"] == pytest.approx(1.0)
+    # one earlier outlier in the window neither inflates the spread (mean/std would) nor hides a spike
+    d = _full(SpikeDetector(zscore=4.0, window=6, min_jump=0.2), [3.0, 2.9, 9.0, 3.0, 2.95, 3.05])
+    assert d.judge(6.0) is not None
+    # judging records nothing; a spike needs a full window; zscore 0 is off
+    assert len(d.history) == 6
+    assert SpikeDetector(zscore=4.0, window=6).judge(1e9) is None
+    assert _full(SpikeDetector(zscore=0.0, window=2), [1.0, 1.0]).judge(1e9) is None
+    # a flat window: the spread floor (1% of the median) keeps a 0.5% wiggle ordinary
+    d = _full(SpikeDetector(zscore=4.0, window=4, min_jump=0.0), [2.0] * 4)
+    assert d.judge(2.01) is None and d.judge(2.5) is not None
+
+
+def test_check_acts_only_on_a_confirmed_spike():
+    d = _full(SpikeDetector(zscore=4.0, window=6), [3.0, 2.9, 3.1, 3.0, 2.95, 3.05])
+    asked = []
+    ordinary_next = lambda: asked.append(1) or 3.0
+    assert d.check(3.02, ordinary_next) is None and not asked  # not anomalous: no look-ahead
+    assert d.check(6.0, ordinary_next) is None and asked  # a hard batch: the next one is fine
+    assert d.history[-1] == 6.0  # an unconfirmed candidate is an ordinary loss
+    d = _full(SpikeDetector(zscore=4.0, window=6), [3.0, 2.9, 3.1, 3.0, 2.95, 3.05])
+    spike = d.check(6.0, lambda: 5.5)
+    assert spike is not None and spike["next_loss"] == 5.5 and spike["next_zscore"] > 4
+    assert d.history[-1] == 3.05  # a spike does not join the window
+    assert d.check(6.0) is not None  # without a look-ahead an anomalous loss is a spike
+
+
+def test_default_demo_run_has_no_confirmed_spike():
+    """Finding 4 on the recorded loss of every step of the full default run (configs/tiny.py, 300
+    steps): a z-score over mean/std fires at step 162 (an ordinary batch; step 163 is back at the
+    window's level), the default detector acts on nothing."""
+    with open(os.path.join(HERE, "data", "tiny_default_losses.json")) as f:
+        losses = json.load(f)["losses"]
+    assert len(losses) == 300
+    from zaya_jax.config import base_config
+
+    fault = base_config().fault
+    window, zscore = fault.spike_window, fault.spike_zscore
+    mean_std = [
+        i + 1
+        for i in range(window, len(losses))
+        if (losses[i] - np.mean(losses[i - window : i])) / np.std(losses[i - window : i]) > zscore
+    ]
+    assert 162 in mean_std  # the false alarm of the issue
+    unconfirmed = confirmed_spikes(losses, SpikeDetector(zscore, window, fault.spike_min_jump), confirm=False)
+    assert [i + 1 for i in unconfirmed] == [162]  # robust and jump-floored, it is still a candidate
+    assert confirmed_spikes(losses, SpikeDetector(zscore, window, fault.spike_min_jump)) == []
+    # the same loss sequence with a real spike (a damaged model: the next losses stay high) is caught
+    hit = list(losses)
+    hit[200:202] = [4.0, 3.6]
+    assert confirmed_spikes(hit, SpikeDetector(zscore, window, fault.spike_min_jump)) == [200]
+
+
+class _Iter:
+    def __init__(self):
+        self.i = 0
+
+    def __next__(self):
+        self.i += 1
+        return self.i
+
+    def get_state(self):
+        return {"i": self.i}
+
+    def set_state(self, s):
+        self.i = s["i"]
+
+
+def test_lookahead_keeps_the_peeked_batch_and_its_position():
+    it = Lookahead(_Iter())
+    assert next(it) == 1 and it.get_state() == {"i": 1}
+    assert it.peek() == 2 and it.peek() == 2
+    assert it.get_state() == {"i": 1}  # a checkpoint now resumes at the peeked batch
+    assert next(it) == 2 and it.get_state() == {"i": 2} and next(it) == 3
+    it.peek()
+    it.set_state({"i": 0})  # a rollback drops the peeked batch
+    assert next(it) == 1
+
+
+@pytest.mark.slow
+def test_small_batch_run_on_other_text_no_false_spike_injected_one_rolls_back(tmp_path):
+    """End to end with the default detector (window 50, z 6, +20%, confirmed): 100 steps of batch 4
+    on the State of the Union addresses give no spike event but the injected one: two poisoned
+    batches at steps 90-91 are a confirmed spike that rolls back to the step-80 checkpoint."""
+    with gzip.open(os.path.join(ROOT, "zaya_jax/data/corpus/us_state_of_the_union_1790_1864.txt.gz")) as f:
+        text = tmp_path / "sotu.txt"
+        text.write_bytes(f.read())
+    from zaya_jax.data.prepare import main as prepare
+
+    data = tmp_path / "data"
+    assert prepare(["--input", str(text), "--out", str(data), "--doc-separator", "blank-line"]) == 0
+    w = tmp_path / "w"
+    run_train(
+        w,
+        f"--config.data.path={data}",
+        "--config.train.steps=100",
+        "--config.train.batch_size=4",
+        "--config.optim.warmup_steps=10",
+        "--config.eval.every_steps=0",
+        "--config.checkpoint.every_steps=10",
+        "--config.fault.inject_spike_at_steps=(90, 91)",  # a bad stretch of data: two batches
+    )
+    # step 90 is confirmed by the updated model's loss on the (poisoned) batch of step 91; after
+    # the rollback the replayed step 91 gets one more poisoned batch, unconfirmed, and trains on it
+    (spike,) = read_events(str(w), "spike")
+    (rb,) = read_events(str(w), "rollback")
+    assert spike["step"] == rb["step"] == 90 and rb["details"]["to_step"] == 80
+    assert rb["details"]["skipped_batches"] == list(range(81, 91))
+    assert spike["details"]["next_loss"] > spike["details"]["median"] * 1.2
+    losses = train_losses(w)
+    assert sorted(losses) == list(range(1, 101)) and all(np.isfinite(list(losses.values())))

@@ -1,0 +1,269 @@
+"""`python -m zaya_jax.train --config CONFIG --dry_run [--dry_run_devices N]`: compile the real train
+step of any config at full size on simulated CPU devices, without allocating it.
+
+The step is the one the trainer jits (`train_state.train_program`: same optimizer, schedule,
+balancing, shardings and donation), traced from abstract shapes (`jax.eval_shape` of the initial
+state, `jax.ShapeDtypeStruct`s carrying the mesh's NamedShardings), lowered and compiled for a mesh of
+N CPU devices. It prints
+
+  Memory per device   XLA's buffer assignment of the compiled per-device program
+                      (`compiled.memory_analysis()`) next to `zaya_jax.sizing`'s estimate
+  Collectives         every all-reduce / all-gather / reduce-scatter / all-to-all /
+                      collective-permute in the compiled HLO with its result bytes (per device), as
+                      written and as executed per step (ops inside the scanned layers run once per
+                      trip of their while loop)
+  Compile             tracing + lowering and XLA compile times
+
+Devices: N = `--dry_run_devices`, else the config's mesh size when no mesh axis is -1, else 8 (one
+node). The CPU platform is made to simulate N devices by setting
+`XLA_FLAGS=--xla_force_host_platform_device_count=N` (and JAX_PLATFORMS=cpu) in this process before
+jax creates its backends: jax reads both when the first device is requested, not at import, so this
+works from `main()` without re-executing the process (jax 0.10.2). The numbers are those of XLA:CPU's
+program: GPU/TPU compilers fuse and schedule differently (temporaries most of all), and kernels that
+only lower for GPU (`*_impl="pallas"`) cannot be compiled here. Nothing is written to disk (the
+persistent compilation cache is switched off for the dry run).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import os
+import re
+import time
+from typing import Any
+
+import jax
+import ml_collections
+
+from zaya_jax import config as config_lib
+from zaya_jax import sizing
+from zaya_jax.parallel.mesh import MESH_AXES, mesh_from_config
+from zaya_jax.train_state import abstract_batch, train_program
+
+DEFAULT_DEVICES = 8  # a -1 mesh axis: one node, as `python -m zaya_jax.sizing` assumes
+COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+)
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def device_count(c: ml_collections.ConfigDict, requested: int | None = None) -> int:
+    """Devices to simulate: `requested`, else the mesh's size if every axis is fixed, else 8."""
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"--dry_run_devices={requested}: must be >= 1")
+        return requested
+    sizes = [c.mesh[a] for a in MESH_AXES]
+    fixed = all(isinstance(s, int) and s >= 1 for s in sizes)  # else -1, or an error validate names
+    return math.prod(sizes) if fixed else DEFAULT_DEVICES
+
+
+def simulated_devices(n: int) -> list[jax.Device]:
+    """`n` CPU devices. Before jax's backends exist, XLA_FLAGS is set to simulate exactly `n`
+    (replacing any device count already there) and the platform pinned to CPU; afterwards the
+    process' CPU devices are used if there are enough."""
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
+        os.environ["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={n}"])
+        jax.config.update("jax_platforms", "cpu")
+    cpus = jax.devices("cpu")
+    if len(cpus) < n:
+        raise ValueError(
+            f"--dry_run needs {n} CPU devices but jax already started with {len(cpus)}: run it in a "
+            f"fresh process, or with XLA_FLAGS={_DEVICE_COUNT_FLAG}={n}"
+        )
+    return cpus[:n]
+
+
+# ------------------------------------------------------------------------------------ collectives
+@dataclasses.dataclass
+class CollectiveStats:
+    """One collective kind: ops as written in the HLO and as executed per step, result bytes."""
+
+    ops: int = 0
+    bytes: int = 0
+    ops_per_step: int = 0
+    bytes_per_step: int = 0
+
+
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")  # unindented: instructions are indented
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z][\w\-]*)\(")
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+|c64|c128)\[([\d,]*)\]")
+_CALLS = re.compile(r"\b(body|condition|to_apply|calls|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_DTYPE_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
+
+
+def _shape_bytes(text: str) -> int:
+    """Bytes of an HLO result type: an array `f32[8,128]{1,0}` or a tuple of them."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(text):
+        bits = _DTYPE_BITS.get(dtype) or (8 if dtype.startswith("f8") else int(dtype[1:]))
+        total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+    return total
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """{computation name: its instruction lines} and the ENTRY computation's name."""
+    comps: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in hlo.splitlines():
+        m = _COMPUTATION.match(line)
+        if m and not line.startswith("HloModule"):
+            current = m.group(2)
+            comps[current] = []
+            entry = current if m.group(1) else entry
+        elif current is not None and line.strip() == "}":
+            current = None
+        elif current is not None:
+            comps[current].append(line)
+    return comps, entry
+
+
+def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+    """How often each computation runs per call of ENTRY: while bodies x their known trip count
+    (1 when XLA could not infer it); every branch of a conditional counts as taken."""
+    callees: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
+    for name, lines in comps.items():
+        for line in lines:
+            trip = _TRIP_COUNT.search(line)
+            for kind, targets in _CALLS.findall(line):
+                times = int(trip.group(1)) if trip and kind in ("body", "condition") else 1
+                for target in targets.strip("{}").split(","):
+                    target = target.strip().lstrip("%")
+                    if target in comps:
+                        callees[name].append((target, times))
+    runs: dict[str, int] = collections.defaultdict(int)
+
+    def visit(name: str, times: int) -> None:
+        runs[name] += times
+        for callee, k in callees[name]:
+            visit(callee, times * k)
+
+    visit(entry, 1)
+    return runs
+
+
+def collectives(hlo: str) -> dict[str, CollectiveStats]:
+    """The collectives of a compiled (per-device) HLO module by kind. Async pairs count once, by
+    their `-done` (whose result is the collective's output); bytes are result bytes per device."""
+    comps, entry = _computations(hlo)
+    runs = _executions(comps, entry)
+    out: dict[str, CollectiveStats] = {}
+    for name, lines in comps.items():
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if not m:
+                continue
+            result, op = m.groups()
+            if op.endswith("-start"):
+                continue
+            op = op.removesuffix("-done")
+            if op not in COLLECTIVES:
+                continue
+            s = out.setdefault(op, CollectiveStats())
+            nbytes, times = _shape_bytes(result), runs.get(name, 0)
+            s.ops += 1
+            s.bytes += nbytes
+            s.ops_per_step += times
+            s.bytes_per_step += nbytes * times
+    return out
+
+
+# ------------------------------------------------------------------------------------------ report
+def memory_rows(stats: Any, est: sizing.MemoryEstimate) -> list[str]:
+    """XLA's per-device buffers next to sizing's estimate of the same parts (GiB, or MiB when small).
+
+    XLA's total is arguments + outputs - alias + temporaries: the donated state's buffers are
+    reused for the new state. (XLA:CPU's own `peak_memory_in_bytes` leaves the temporaries out.)"""
+    unit, scale = ("GiB", sizing.GIB) if est.total >= sizing.GIB else ("MiB", 2.0**20)
+    state = est.params + est.optimizer
+    xla_total = (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+        + stats.temp_size_in_bytes
+    )
+    rows = [
+        ("arguments (state + batch)", stats.argument_size_in_bytes, state, "params + optimizer"),
+        ("outputs (new state + metrics)", stats.output_size_in_bytes, state, "params + optimizer"),
+        ("alias (outputs in donated arguments)", stats.alias_size_in_bytes, state, "params + optimizer"),
+        ("temporaries", stats.temp_size_in_bytes, est.grads + est.activations, "grads + activations"),
+        ("generated code", stats.generated_code_size_in_bytes, None, ""),
+        ("total (arguments + outputs - alias + temp)", xla_total, est.total, "sizing total"),
+    ]
+    out = [f"  {'(' + unit + ' per device)':<44}{'XLA':>11}{'sizing':>11}"]
+    for name, xla, ours, what in rows:
+        ours_s = f"{ours / scale:>11.3f}   ({what})" if ours is not None else ""
+        out.append(f"  {name:<44}{xla / scale:>11.3f}{ours_s}")
+    out.append(f"  (sizing: remat {est.remat}, micro-batch {est.micro_batch} x {est.seq_len} tokens per device)")
+    return out
+
+
+def collective_rows(stats: dict[str, CollectiveStats]) -> list[str]:
+    if not stats:
+        return ["  none (nothing crosses devices)"]
+    total = CollectiveStats()
+    for s in stats.values():
+        total.ops, total.bytes = total.ops + s.ops, total.bytes + s.bytes
+        total.ops_per_step += s.ops_per_step
+        total.bytes_per_step += s.bytes_per_step
+    rows = [f"  {'op':<22}{'in HLO':>8}{'MiB':>12}{'per step':>10}{'MiB/step':>12}"]
+    for op, s in [*((op, stats[op]) for op in COLLECTIVES if op in stats), ("total", total)]:
+        mib, mib_step = s.bytes / 2**20, s.bytes_per_step / 2**20
+        rows.append(f"  {op:<22}{s.ops:>8}{mib:>12.2f}{s.ops_per_step:>10}{mib_step:>12.2f}")
+    return rows
+
+
+def dry_run(c: ml_collections.ConfigDict, num_devices: int | None = None, name: str = "") -> str:
+    """Compiles config `c`'s train step on simulated CPU devices; returns the report (see module)."""
+    n = device_count(c, num_devices)
+    devices = simulated_devices(n)  # first: validate's backend check would start jax with 1 device
+    cfg = config_lib.validate(c)
+    mesh = mesh_from_config(c, devices=devices)
+    batch_size, seq_len, accum = c.train.batch_size, c.train.seq_len, c.train.grad_accum
+    if batch_size % n or (batch_size // accum) % n:
+        raise ValueError(
+            f"config.train.batch_size={batch_size} (per microbatch {batch_size // accum}) must be "
+            f"divisible by the {n} devices"
+        )
+    # Nothing is written, and the compile time is XLA's: no persistent compilation cache.
+    jax.config.update("jax_enable_compilation_cache", False)
+    program = train_program(c, cfg, mesh)
+    t0 = time.perf_counter()
+    lowered = program.train_step.lower(program.abstract_state(), abstract_batch(batch_size, seq_len, mesh))
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+
+    shape = {a: int(mesh.shape[a]) for a in MESH_AXES}
+    micro_batch = batch_size // accum // n
+    est = sizing.config_memory_per_device(c, cfg, shape)
+    pc = sizing.param_counts(cfg)
+    lines = [
+        f"dry run: {name or 'config'} on {n} simulated CPU devices, mesh "
+        + " ".join(f"{a}={s}" for a, s in shape.items())
+        + f", ZeRO-1 {'on' if c.mesh.zero1 else 'off'}",
+        f"  {pc.total / 1e6:,.1f}M parameters ({pc.active / 1e6:,.1f}M active), global batch {batch_size} x "
+        f"{seq_len} tokens, grad_accum {accum}: {micro_batch} sequences per device per microbatch, "
+        f"remat {cfg.remat}, compute {cfg.dtype}, params {cfg.param_dtype}",
+        "",
+        "Memory per device (XLA: compiled.memory_analysis(); sizing: zaya_jax.sizing's estimate)",
+        *memory_rows(compiled.memory_analysis(), est),
+        "",
+        "Collectives per device (result bytes; per step: x while-loop trips)",
+        *collective_rows(collectives(compiled.as_text())),
+        "",
+        f"Compile: trace + lower {t1 - t0:.1f} s, XLA compile {t2 - t1:.1f} s, total {t2 - t0:.1f} s",
+    ]
+    return "\n".join(lines)

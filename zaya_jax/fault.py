@@ -1,0 +1,186 @@
+"""Fault handling of a training run that does not depend on the model: loss-spike detection, the
+step watchdog and the stop signals.
+
+A loss spike is judged against the last `window` accepted losses with a robust centre and spread
+(median, 1.4826 * median absolute deviation), so one earlier outlier in the window neither hides a
+spike nor makes the next ordinary batch look like one. A loss is *anomalous* when both
+    z = (loss - median) / spread > zscore        (far outside the window's spread), and
+    loss > median * (1 + min_jump)               (a real jump, not a tight window's noise).
+An anomalous loss is only a *candidate*: an ordinary hard batch of a small-batch run can be both.
+The trainer confirms it by the loss of the updated model on the next batch (`confirm`): a batch
+that damaged the model leaves that loss anomalous too, a merely hard batch does not. Only a
+confirmed spike rolls the run back; losses that are not spikes join the window.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+MAD_TO_STD = 1.4826  # the MAD of a normal distribution is 0.6745 sigma
+
+
+@dataclasses.dataclass
+class SpikeDetector:
+    """zscore: 0 turns detection off. window: losses judged against (needs a full window to judge).
+    min_jump: the relative jump over the median a spike must also exceed."""
+
+    zscore: float
+    window: int
+    min_jump: float = 0.2
+
+    def __post_init__(self):
+        self.history: collections.deque = collections.deque(maxlen=max(self.window, 1))
+
+    def judge(self, loss: float) -> dict[str, float] | None:
+        """Statistics of `loss` against the window if it is anomalous, else None. Records nothing."""
+        if not self.zscore or len(self.history) < self.window:
+            return None
+        h = np.asarray(self.history, np.float64)
+        median = float(np.median(h))
+        # the spread is floored at 1% of the median: a flat window must not make noise infinite
+        spread = max(MAD_TO_STD * float(np.median(np.abs(h - median))), 0.01 * abs(median), 1e-6)
+        z = (loss - median) / spread
+        if z > self.zscore and loss > median + self.min_jump * abs(median):
+            return {"zscore": z, "median": median, "spread": spread, "jump": loss / median - 1.0}
+        return None
+
+    def record(self, loss: float) -> None:
+        """Adds an accepted (non-spike) loss to the window."""
+        self.history.append(loss)
+
+    def check(self, loss: float, next_loss: Callable[[], float] | None = None) -> dict[str, float] | None:
+        """One step: the statistics of a confirmed spike, else None after recording `loss`.
+        `next_loss()` (called only for an anomalous loss) gives the loss of the updated model on the
+        next batch; without it an anomalous loss is a spike."""
+        stats = self.judge(loss)
+        if stats is not None and next_loss is not None:
+            ahead_loss = float(next_loss())
+            ahead = self.judge(ahead_loss)
+            if ahead is None:
+                stats = None
+            else:
+                stats = {**stats, "next_loss": ahead_loss, "next_zscore": ahead["zscore"]}
+        if stats is None:
+            self.record(loss)
+        return stats
+
+
+def confirmed_spikes(losses: Sequence[float], detector: SpikeDetector, confirm: bool = True) -> list[int]:
+    """0-based indices where `detector` acts on a recorded loss sequence, confirming with the next
+    recorded loss when `confirm` (the loss of step t+1 is the loss of the model updated at step t
+    on the next batch: what the trainer's look-ahead computes)."""
+    out = []
+    for i, loss in enumerate(losses[:-1] if confirm else losses):
+        nxt = (lambda i=i: losses[i + 1]) if confirm else None
+        if detector.check(loss, nxt) is not None:
+            out.append(i)
+    return out
+
+
+class Lookahead:
+    """An iterator (with grain's get_state / set_state) that can show its next element early:
+    `peek()` reads it, the next `next()` returns it, and `get_state()` meanwhile is the state
+    before it, so a checkpoint saved after a peek resumes at the peeked element."""
+
+    def __init__(self, it: Any):
+        self._it = it
+        self._peeked: Any = None
+        self._state_before: Any = None
+
+    def __iter__(self) -> Lookahead:
+        return self
+
+    def __next__(self) -> Any:
+        if self._peeked is None:
+            return next(self._it)
+        item, self._peeked = self._peeked, None
+        return item
+
+    def peek(self) -> Any:
+        if self._peeked is None:
+            self._state_before = self._it.get_state()
+            self._peeked = next(self._it)
+        return self._peeked
+
+    def get_state(self) -> Any:
+        return self._state_before if self._peeked is not None else self._it.get_state()
+
+    def set_state(self, state: Any) -> None:
+        self._peeked = None
+        self._it.set_state(state)
+
+
+class StepWatchdog:
+    """A daemon thread: a step running longer than `timeout_s` dumps every thread's stack to stderr
+    and ends the process with exit code 3 (`os._exit`: no cleanup can hang), so the scheduler
+    restarts the job, which resumes from its last checkpoint."""
+
+    def __init__(self, timeout_s: float, on_timeout: Callable[[int, float], None] | None = None):
+        self.timeout_s = timeout_s
+        self._on_timeout = on_timeout or self._exit
+        self._lock = threading.Lock()
+        self._step, self._since = None, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="zaya-step-watchdog", daemon=True)
+        self._thread.start()
+
+    def start(self, step: int) -> None:
+        with self._lock:
+            self._step, self._since = step, time.monotonic()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._step, self._since = None, None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        period = min(max(self.timeout_s / 10, 0.05), 1.0)
+        while not self._stop.wait(period):
+            with self._lock:
+                step, since = self._step, self._since
+            if since is not None and time.monotonic() - since > self.timeout_s:
+                self._on_timeout(step, time.monotonic() - since)
+                self.stop()
+
+    @staticmethod
+    def _exit(step: int, elapsed: float) -> None:
+        sys.stderr.write(
+            f"\nWATCHDOG: step {step} has run {elapsed:.1f}s > fault.step_timeout_s; "
+            "thread stacks follow, then exit 3\n"
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(3)
+
+
+class StopSignals:
+    """SIGTERM / SIGINT set a flag; the trainer saves at the next step boundary and exits 0."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        del frame
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
