@@ -17,8 +17,14 @@ same random token batch [B, S] (train.batch_size x train.seq_len):
 
 The timed loop alternates the two sides `--repeats` times (order flipped every repeat, ABBA), each
 time `--warmup` untimed steps then `--steps` timed steps; a side's step time is the median over its
-repeats of (timed wall time / steps), so machine noise hits both sides alike. See
-benchmarks/README.md for the columns.
+repeats of (timed wall time / steps), so machine noise hits both sides alike.
+
+Then (unless `--loop-steps 0`) the real trainer, `zaya_jax.train.train`, runs the same config on
+the embedded corpus in a temporary workdir for 2 x `--loop-steps` steps, logging every
+`--loop-steps` (data pipeline, host loop, metrics.jsonl + TensorBoard, the final eval and
+checkpoint after the timed window; console off): its second logged `tokens_per_second` (compile
+excluded) is the throughput a user sees, and 1 - bare step time / loop step time is the share of
+time spent outside the step. See benchmarks/README.md for the columns.
 """
 
 from __future__ import annotations
@@ -38,10 +44,12 @@ import ast  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import importlib.util  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -65,6 +73,7 @@ from zaya_jax import balancing as bal  # noqa: E402
 from zaya_jax import config as config_lib  # noqa: E402
 from zaya_jax import sizing  # noqa: E402
 from zaya_jax.model import ZayaConfig  # noqa: E402
+from zaya_jax.model.moe import resolve_moe_impl  # noqa: E402
 from zaya_jax.optim.chain import lr_schedule, make_optimizer  # noqa: E402
 from zaya_jax.parallel.mesh import mesh_from_config  # noqa: E402
 from zaya_jax.parallel.sharding import shard_batch  # noqa: E402
@@ -263,6 +272,35 @@ class TorchSide:
         return None if self._loss is None else float(self._loss)
 
 
+def run_trainer_loop(c: ml_collections.ConfigDict, loop_steps: int) -> dict[str, Any]:
+    """`zaya_jax.train.train` for 2 x loop_steps steps in a temporary workdir, logging every
+    loop_steps: the second train record's tokens/s covers steps loop_steps+1..2 loop_steps (the
+    first window holds the compilation). Evaluation and checkpointing happen after that window."""
+    from zaya_jax.train import train  # the trainer pulls in absl, grain and orbax: only when used
+
+    c = ml_collections.ConfigDict(c.to_dict())
+    c.train.steps = 2 * loop_steps
+    # A schedule that fits the short run (the learning rate does not move the step time).
+    c.optim.warmup_steps = min(c.optim.warmup_steps, loop_steps)
+    c.optim.decay_fraction = min(c.optim.decay_fraction, 0.5)
+    c.logging.every_steps = loop_steps
+    c.logging.console = False
+    c.eval.every_steps = 0  # the final evaluation (one batch) still runs, after the timed window
+    c.eval.batches = 1
+    c.checkpoint.every_steps = 0
+    c.checkpoint.every_minutes = 0.0
+    with tempfile.TemporaryDirectory(prefix="train_step_loop_") as workdir:
+        t0 = time.perf_counter()
+        train(c, workdir)
+        wall_s = time.perf_counter() - t0
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    timed = [r for r in records if "tokens_per_second" in r and r.get("step") == 2 * loop_steps]
+    if not timed:
+        raise RuntimeError(f"trainer loop: no train record at step {2 * loop_steps} in metrics.jsonl")
+    return {"steps": loop_steps, "tokens_per_s": timed[-1]["tokens_per_second"], "wall_s": wall_s}
+
+
 # --------------------------------------------------------------------------------------- benchmark
 def _finite_or_none(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
@@ -373,6 +411,19 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     ratio = (
         results[OURS]["tokens_per_s"] / results[TORCH]["tokens_per_s"] if results[TORCH] is not None else None
     )
+    loop = None
+    if args.loop_steps:
+        print(f"running the trainer loop ({2 * args.loop_steps} steps)...", file=sys.stderr, flush=True)
+        loop = run_trainer_loop(c, args.loop_steps)
+        loop_step_s = tokens_per_step / loop["tokens_per_s"]
+        loop.update(
+            step_time_s=loop_step_s,
+            model_tflops_per_s=loop["tokens_per_s"] * flops_per_token / 1e12,
+            outside_step_fraction=1.0 - results[OURS]["step_time_s"] / loop_step_s,
+            ratio_to_torch=(
+                loop["tokens_per_s"] / results[TORCH]["tokens_per_s"] if results[TORCH] is not None else None
+            ),
+        )
     return {
         "config": {
             "config_file": args.config,
@@ -385,12 +436,15 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": args.warmup,
             "repeats": args.repeats,
             "seed": args.seed,
+            "moe_impl": cfg.moe_impl,
+            "moe_impl_resolved": resolve_moe_impl(cfg.moe_impl),
             "flops_per_token": flops_per_token,
             **model_report(cfg, args.set),
         },
         "device": device,
         "results": results,
         "ratio_tokens_per_s": ratio,
+        "loop": loop,
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -415,6 +469,20 @@ def format_table(report: dict[str, Any]) -> str:
                 fmt(r["final_loss"], ".4f"),
             )
         )
+    loop = report.get("loop")
+    if loop is not None:
+        rows.append(
+            (
+                f"{OURS} trainer loop",
+                fmt(1e3 * loop["step_time_s"], ".2f"),
+                fmt(loop["tokens_per_s"], ",.0f"),
+                fmt(loop["model_tflops_per_s"], ".4f"),
+                "-",
+                "-",
+                "-",
+                f"outside step {100 * loop['outside_step_fraction']:.1f}%",
+            )
+        )
     return format_rows(rows)
 
 
@@ -425,12 +493,20 @@ def summary_line(report: dict[str, Any]) -> str:
         f"{cfgd['dtype']}, {report['device']['jax_backend']}"
     )
     ours = f"{OURS} {res[OURS]['tokens_per_s']:,.0f} tok/s"
+    where += f", moe_impl={cfgd['moe_impl']} ({cfgd['moe_impl_resolved']})"
+    loop = report.get("loop")
     if report["ratio_tokens_per_s"] is None:
         return f"train_step: {ours} ({where}; torch skipped)"
-    return (
+    line = (
         f"train_step: {OURS}/torch tokens/s = {report['ratio_tokens_per_s']:.2f}x "
         f"({ours} vs torch {res[TORCH]['tokens_per_s']:,.0f} tok/s; {where})"
     )
+    if loop is not None:
+        line += (
+            f"; trainer loop/torch = {loop['ratio_to_torch']:.2f}x "
+            f"({loop['tokens_per_s']:,.0f} tok/s, {100 * loop['outside_step_fraction']:.1f}% outside the step)"
+        )
+    return line
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -454,6 +530,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--repeats", type=int, default=3, help="alternating ours/torch repeats, median taken (default 3)"
     )
     p.add_argument(
+        "--loop-steps",
+        type=int,
+        default=10,
+        help="timed steps of the real trainer loop (it runs 2x this many; 0 = skip; default 10)",
+    )
+    p.add_argument(
         "--dtype",
         choices=DTYPES,
         default=None,
@@ -471,6 +553,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     require_positive(p, args, ("steps", "repeats"))
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if args.loop_steps < 0:
+        p.error("--loop-steps must be >= 0")
     return args
 
 

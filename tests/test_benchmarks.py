@@ -66,12 +66,13 @@ def _positive_finite(x) -> bool:
 @pytest.mark.slow
 def test_train_step_benchmark_writes_report(tmp_path):
     out = tmp_path / "sub" / "train_step.json"
-    proc = _run(["-m", "benchmarks.train_step", *TOY, "--out", str(out)])
+    proc = _run(["-m", "benchmarks.train_step", *TOY, "--loop-steps", "2", "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "zaya_jax/torch tokens/s =" in proc.stdout, proc.stdout
+    assert "trainer loop/torch =" in proc.stdout and "outside the step" in proc.stdout, proc.stdout
 
     report = json.loads(out.read_text())
-    assert set(report) == {"config", "device", "results", "ratio_tokens_per_s", "timestamp"}
+    assert set(report) == {"config", "device", "results", "ratio_tokens_per_s", "loop", "timestamp"}
     cfg = report["config"]
     assert (cfg["batch_size"], cfg["seq_len"], cfg["steps"], cfg["repeats"]) == (2, 32, 2, 1)
     assert cfg["model"]["num_hidden_layers"] == 1 and cfg["dtype"] == "float32"
@@ -97,6 +98,17 @@ def test_train_step_benchmark_writes_report(tmp_path):
     assert _positive_finite(report["results"]["zaya_jax"]["compile_s"])
     assert report["results"]["torch"]["compile_s"] is None
     assert _positive_finite(report["ratio_tokens_per_s"])
+    assert cfg["moe_impl"] == "auto" and cfg["moe_impl_resolved"] == "tiled"
+
+    # the real trainer loop (zaya_jax.train.train) over the same config: its steady-state window
+    loop = report["loop"]
+    assert loop["steps"] == 2
+    for key in ("tokens_per_s", "step_time_s", "model_tflops_per_s", "ratio_to_torch", "wall_s"):
+        assert _positive_finite(loop[key]), (key, loop[key])
+    assert loop["step_time_s"] == pytest.approx(2 * 32 / loop["tokens_per_s"])
+    assert loop["outside_step_fraction"] == pytest.approx(
+        1 - report["results"]["zaya_jax"]["step_time_s"] / loop["step_time_s"]
+    )
 
 
 def test_train_step_cli_as_script_and_bad_override(tmp_path):

@@ -21,6 +21,7 @@ def load(name, arg=None):
     "name, arg",
     [
         ("tiny", None),
+        ("mid", None),
         ("ablation_1b", None),
         ("zaya1_base", "phase1"),
         ("zaya1_base", "phase2"),
@@ -85,3 +86,11 @@ def test_model_section_round_trips_into_zaya_config():
     c = load("tiny")
     cfg = config_lib.model_config(c)
     assert cfg.hidden_size == c.model.hidden_size and cfg.layer_types is None
+
+
+def test_mid_config_is_the_50_to_100m_benchmark_size():
+    """configs/mid.py: the second size of benchmarks/train_step.py, ~50-100M parameters."""
+    from zaya_jax import sizing
+
+    counts = sizing.param_counts(config_lib.validate(load("mid")))
+    assert 50e6 <= counts.total <= 100e6 and counts.active < counts.total / 4

@@ -5,7 +5,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zaya_jax.model.moe import ACTIVATIONS, dense_moe, group_by_expert, sparse_moe
+from zaya_jax.kernels.tiled_grouped_matmul import num_tiles, pick_tile
+from zaya_jax.model.moe import (
+    ACTIVATIONS,
+    dense_moe,
+    group_by_expert,
+    local_dispatch,
+    resolve_moe_impl,
+    sparse_moe,
+    tiled_moe,
+)
+
+SPARSE = {"ragged_dot": sparse_moe, "tiled": tiled_moe}
 
 
 def _problem(seed, t=37, d=16, i=12, e=5, skip_frac=0.2):
@@ -25,8 +36,10 @@ def test_group_by_expert_sorts_and_counts():
     np.testing.assert_array_equal(np.asarray(expert)[np.asarray(order)], [0, 0, 1, 2, 2, 3])
 
 
+@pytest.mark.parametrize("impl", list(SPARSE))
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_sparse_equals_dense_values_and_grads(seed):
+def test_sparse_equals_dense_values_and_grads(seed, impl):
+    sparse_moe = SPARSE[impl]
     x, expert, gate_up, down = _problem(seed)
     act = ACTIVATIONS["silu"]
     ys, yd = sparse_moe(x, expert, gate_up, down, act), dense_moe(x, expert, gate_up, down, act)
@@ -42,7 +55,9 @@ def test_sparse_equals_dense_values_and_grads(seed):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
 
-def test_empty_experts_and_all_skip():
+@pytest.mark.parametrize("impl", list(SPARSE))
+def test_empty_experts_and_all_skip(impl):
+    sparse_moe = SPARSE[impl]
     x, _, gate_up, down = _problem(3, t=8)
     act = ACTIVATIONS["silu"]
     all_one = jnp.full((8,), 1, jnp.int32)  # experts 0, 2, 3, 4 empty
@@ -72,3 +87,32 @@ def test_sparse_dispatch_is_sparse():
     t, i = x.shape[0], down.shape[1]
     assert cost["sparse_moe"]["transcendentals"] <= t * i
     assert cost["dense_moe"]["transcendentals"] >= 8 * t * i
+
+
+def test_tiled_one_token_values_and_grads():
+    """One token (T=1): the tile is mostly padding; value and gradients still match dense."""
+    x, _, gate_up, down = _problem(4, t=1)
+    act, expert = ACTIVATIONS["silu"], jnp.array([3], jnp.int32)
+    loss = lambda f: lambda x, g, d: jnp.sum(f(x, expert, g, d, act) ** 2)
+    got = jax.value_and_grad(loss(tiled_moe), argnums=(0, 1, 2))(x, gate_up, down)
+    want = jax.value_and_grad(loss(dense_moe), argnums=(0, 1, 2))(x, gate_up, down)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def test_auto_picks_tiled_on_cpu_and_ragged_dot_on_accelerators():
+    assert resolve_moe_impl("auto", "cpu") == "tiled"
+    assert resolve_moe_impl("auto", "gpu") == resolve_moe_impl("auto", "tpu") == "ragged_dot"
+    assert resolve_moe_impl("pallas", "cpu") == "pallas" and resolve_moe_impl("dense", "gpu") == "dense"
+    assert local_dispatch("auto") is (tiled_moe if jax.default_backend() == "cpu" else sparse_moe)
+
+
+def test_tiled_dispatch_is_sparse():
+    """The activation runs once per padded row (P <= T + E * tile), not once per (token, expert)."""
+    x, expert, gate_up, down = _problem(0, t=256, e=8)
+    act = ACTIVATIONS["silu"]
+    cost = jax.jit(tiled_moe, static_argnums=4).lower(x, expert, gate_up, down, act).compile().cost_analysis()
+    t, i, e = x.shape[0], down.shape[1], gate_up.shape[0]
+    padded_rows = num_tiles(t, e, pick_tile(t, e)) * pick_tile(t, e)
+    assert padded_rows < 2 * t
+    assert (cost[0] if isinstance(cost, list) else cost)["transcendentals"] <= padded_rows * i

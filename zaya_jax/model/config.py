@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 
 LAYER_TYPES = ("hybrid", "hybrid_sliding")
-MOE_IMPLS = ("ragged_dot", "pallas", "dense", "auto")
+MOE_IMPLS = ("auto", "tiled", "ragged_dot", "pallas", "dense")
 ATTENTION_IMPLS = ("xla", "pallas", "auto")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
@@ -57,8 +57,10 @@ class ZayaConfig:
     dtype: str = "float32"  # matmul compute dtype; softmax, norms, router and residual stream stay fp32
     param_dtype: str = "float32"
     # Kernels: "auto" = Pallas (Triton) on GPU, XLA elsewhere; "pallas" off GPU runs interpreted.
-    # moe_impl "dense" runs every expert on every token: a test reference only.
-    moe_impl: str = "ragged_dot"
+    # moe_impl: "auto" = "tiled" (the plain-XLA tiled grouped matmul) on CPU, where ragged_dot is
+    # expanded into dense matmuls, and "ragged_dot" on GPU/TPU; "dense" runs every expert on every
+    # token: a test reference only (zaya_jax/model/moe.py).
+    moe_impl: str = "auto"
     # Expert parallelism: None = dropless; f = each device sends at most ceil(f * T / n) tokens to
     # each expert-axis peer, dropping (and counting) the rest (zaya_jax/parallel/expert.py).
     moe_capacity_factor: float | None = None

@@ -3,10 +3,15 @@
 Params: gate_up_proj [E, d, 2I] (gate columns first, HF's [E, 2I, d] transposed), down_proj [E, I, d].
   Expert_e(x) = (silu(x G_e) * (x U_e)) D_e
 
-`ragged_dot` (default) sorts the T tokens by chosen expert and runs one grouped matmul over the
-contiguous groups: each token is multiplied by its own expert only. Tokens routed to the skip class
-sort last, fall outside every group and cost nothing (ragged_dot leaves rows past sum(group_sizes)
-zero). `dense` runs every expert on every token and selects; it exists as the test reference.
+`ragged_dot` sorts the T tokens by chosen expert and runs one grouped matmul over the contiguous
+groups: each token is multiplied by its own expert only. Tokens routed to the skip class sort last,
+fall outside every group and cost nothing (ragged_dot leaves rows past sum(group_sizes) zero).
+XLA:CPU, though, expands ragged_dot into masked dense matmuls (every expert on every token), so
+`tiled` lays the sorted tokens out in row tiles, each group padded to whole tiles, and runs each
+tile with its own expert's weights (zaya_jax/kernels/tiled_grouped_matmul.py): sparse on every
+backend. `auto` (default) is `tiled` on CPU and ragged_dot where it is a native grouped GEMM
+(GPU, TPU); `pallas` is the Triton kernel. `dense` runs every expert on every token and selects;
+it exists as the test reference.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import jax.numpy as jnp
 
 from jax.sharding import Mesh
 
-from zaya_jax.kernels import default_interpret, swiglu_grouped_pallas, use_pallas
+from zaya_jax.kernels import default_interpret, swiglu_grouped_pallas
+from zaya_jax.kernels.tiled_grouped_matmul import gather_rows, pick_tile, tile_layout, tiled_matmul
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.parallel.expert import expert_parallel_moe
 
@@ -75,6 +81,30 @@ def sparse_moe(
     return y_sorted[inverse]
 
 
+def tiled_moe(
+    x_td: jax.Array,
+    expert_t: jax.Array,
+    gate_up_edf: jax.Array,
+    down_efd: jax.Array,
+    act: Callable,
+    tile: int | None = None,
+) -> jax.Array:
+    """`sparse_moe` on the tiled grouped matmul: y[t] = Expert_{expert[t]}(x[t]), 0 for the skip
+    class. fp32 [T, d]. Tokens go straight into the padded tile layout [P, d] (P <= T + E * tile)
+    and back, one gather each way; padding rows are zero, so act(0) * 0 leaves them zero."""
+    t, e = x_td.shape[0], gate_up_edf.shape[0]
+    order, group_sizes = group_by_expert(expert_t, e)
+    layout = tile_layout(group_sizes, t, tile or pick_tile(t, e))
+    token_p = jnp.take(order, layout.src, mode="fill", fill_value=t)  # [P]; T (a zero row) for padding
+    x_pd = gather_rows(x_td, token_p)
+    h = tiled_matmul(x_pd, gate_up_edf, layout.tile_group, preferred_element_type=jnp.float32)
+    gate, up = jnp.split(h, 2, axis=-1)
+    a = (act(gate) * up).astype(x_td.dtype)
+    y_pd = tiled_matmul(a, down_efd, layout.tile_group, preferred_element_type=jnp.float32)
+    row_t = jnp.zeros_like(layout.dst).at[order].set(layout.dst)  # padded row of each token, P if skipped
+    return gather_rows(y_pd, row_t)
+
+
 def dense_moe(
     x_td: jax.Array, expert_t: jax.Array, gate_up_edf: jax.Array, down_efd: jax.Array, act: Callable
 ) -> jax.Array:
@@ -87,11 +117,22 @@ def dense_moe(
     return jnp.einsum("te,etd->td", onehot_te, y_etd)
 
 
+def resolve_moe_impl(moe_impl: str, backend: str | None = None) -> str:
+    """`auto` -> "tiled" on CPU (where ragged_dot is expanded densely), "ragged_dot" on GPU/TPU
+    (a native grouped GEMM there); any other value is returned as is."""
+    if moe_impl != "auto":
+        return moe_impl
+    return "tiled" if (backend or jax.default_backend()) == "cpu" else "ragged_dot"
+
+
 def local_dispatch(moe_impl: str) -> Callable:
     """The single-device MoE function for a config's `moe_impl`."""
-    if moe_impl == "dense":
+    impl = resolve_moe_impl(moe_impl)
+    if impl == "dense":
         return dense_moe
-    if use_pallas(moe_impl):
+    if impl == "tiled":
+        return tiled_moe
+    if impl == "pallas":
         return functools.partial(
             sparse_moe, swiglu=functools.partial(swiglu_grouped_pallas, interpret=default_interpret())
         )

@@ -6,7 +6,8 @@ E/n experts (n = size of the "expert" axis; device r owns experts [r*E/n, (r+1)*
   1. bucket the T tokens by owner rank into a send buffer [n, C, d] (C slots per destination;
      skip-class tokens go nowhere);
   2. all_to_all over "expert": device r receives [n, C, d], the tokens every peer sent it;
-  3. run its local experts on them (the same sorted ragged_dot dispatch as the single-device path);
+  3. run its local experts on them (the same `local_moe` dispatch as the single-device path:
+     tiled, ragged_dot or Pallas per `moe_impl`);
   4. all_to_all the results back into the senders' slots and un-bucket.
 
 Dropless by default: C = T, so even if every token of a device picks one rank nothing is dropped
