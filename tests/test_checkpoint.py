@@ -20,7 +20,7 @@ from zaya_jax.events import EventLog, read_events
 from zaya_jax.metrics import read_metrics
 from zaya_jax.fault import StepWatchdog
 
-from test_train import ROOT, SMALL, run_train, train_losses
+from test_train import ROOT, SMALL, run_train, tiny_config, train_losses
 
 
 def _state(step):
@@ -313,19 +313,10 @@ def test_resume_holds_one_train_state(tmp_path, monkeypatch):
     """A resume restores straight into abstract sharded arrays: while it restores, the process holds
     one train state, not a fresh one plus the restored one (8 devices, ZeRO-1 sharding)."""
     import gc
-    import importlib.util
 
     from zaya_jax import train as train_lib
 
-    spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs/tiny.py"))
-    tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tiny)
-    c = tiny.get_config()
-    for arg in SMALL + FAULT_ARGS:
-        key, value = arg[len("--config.") :].split("=")
-        section, name = key.split(".")
-        c[section][name] = type(c[section][name])(value == "True" if value in ("True", "False") else value)
-    c.logging.console = False
+    c = tiny_config(*SMALL, *FAULT_ARGS)
     c.train.steps = 3
     w = str(tmp_path / "w")
     train_lib.train(c, w)

@@ -6,13 +6,14 @@ import gzip
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
 from zaya_jax.events import read_events
 from zaya_jax.fault import Lookahead, SpikeDetector, confirmed_spikes
 
-from test_train import ROOT, run_train, train_losses
+from test_train import ROOT, run_train, summary_of, train_losses
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -140,3 +141,56 @@ def test_small_batch_run_on_other_text_no_false_spike_injected_one_rolls_back(tm
     assert spike["details"]["next_loss"] > spike["details"]["median"] * 1.2
     losses = train_losses(w)
     assert sorted(losses) == list(range(1, 101)) and all(np.isfinite(list(losses.values())))
+
+
+@pytest.mark.slow
+def test_rollback_decided_a_step_late_equals_the_synchronous_loop(tmp_path):
+    """The loop reads step n's loss after dispatching step n + 1: a NaN at step 5 is skipped and a
+    confirmed spike at step 9 (read after step 10 ran, confirmed by step 10's loss) restores the
+    same checkpoint, skips the same batches and trains to the same parameters as the loop that
+    reads every loss before the next dispatch (train.sync_every_step) and confirms with an eval step."""
+    from test_checkpoint import _final_params
+
+    args = [
+        "--config.train.steps=12",
+        "--config.checkpoint.every_steps=4",
+        "--config.eval.every_steps=0",
+        "--config.logging.every_steps=6",  # steps 5, 9 and 10 are judged a step late
+        "--config.fault.inject_nan_at_steps=(5,)",
+        "--config.fault.inject_spike_at_steps=(9, 10)",
+        "--config.fault.spike_window=4",
+        "--config.fault.spike_zscore=3.0",
+    ]
+    runs = {}
+    for mode in ("late", "sync"):
+        w = tmp_path / mode
+        summary = summary_of(run_train(w, *args, f"--config.train.sync_every_step={mode == 'sync'}"))
+        events = {kind: read_events(str(w), kind) for kind in ("skipped_update", "spike", "rollback", "save")}
+        runs[mode] = (summary, events, train_losses(w), _final_params(w))
+    (s_late, ev_late, loss_late, (step_late, p_late)), (s_sync, ev_sync, loss_sync, (step_sync, p_sync)) = (
+        runs["late"],
+        runs["sync"],
+    )
+    (rb,) = ev_late["rollback"]
+    assert rb["step"] == 9 and rb["details"]["to_step"] == 8 and rb["details"]["skipped_batches"] == [9]
+    assert [e["step"] for e in ev_late["skipped_update"]] == [5]
+    for kind in ("skipped_update", "rollback", "save"):
+        assert [
+            (e["step"], e["details"].get("to_step"), e["details"].get("skipped_batches"))
+            for e in ev_late[kind]
+        ] == [
+            (e["step"], e["details"].get("to_step"), e["details"].get("skipped_batches"))
+            for e in ev_sync[kind]
+        ], kind
+    assert [e["step"] for e in ev_late["spike"]] == [e["step"] for e in ev_sync["spike"]] == [9]
+    late, sync = ev_late["spike"][0]["details"], ev_sync["spike"][0]["details"]
+    assert late["loss"] == sync["loss"] and late["window"] == sync["window"]
+    # the confirmation: step 10's train loss (late) vs an eval step on batch 10 (sync), fp32
+    assert late["next_loss"] == pytest.approx(sync["next_loss"], rel=1e-5)
+    assert {k: s_late[k] for k in ("final_step", "rollbacks", "skipped_updates", "loss", "eval_loss")} == {
+        k: s_sync[k] for k in ("final_step", "rollbacks", "skipped_updates", "loss", "eval_loss")
+    }
+    assert sorted(loss_late) == [6, 12] and loss_late == loss_sync
+    assert step_late == step_sync == 12
+    for x, y in zip(jax.tree.leaves(p_late), jax.tree.leaves(p_sync), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

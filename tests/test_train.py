@@ -1,5 +1,6 @@
 """`python -m zaya_jax.train` end to end (subprocesses, as a user runs it)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -57,6 +58,22 @@ def train_losses(workdir):
 
 def summary_of(proc):
     return json.loads(proc.stdout.strip().splitlines()[-1])["summary"]
+
+
+def tiny_config(*args):
+    """configs/tiny.py with `--config.SECTION.KEY=VALUE` overrides, for an in-process `train()`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs/tiny.py"))
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    c = tiny.get_config()
+    for arg in args:
+        key, value = arg[len("--config.") :].split("=")
+        section, name = key.split(".")
+        c[section][name] = type(c[section][name])(value == "True" if value in ("True", "False") else value)
+    c.logging.console = False
+    return c
 
 
 @pytest.mark.slow
@@ -220,3 +237,44 @@ def test_two_processes_match_one_eight_device_process(tmp_path):
     assert written["mesh"] == {"data": 2, "fsdp": 1, "expert": 4}
     assert written["results"]["task"]["acc"] == evals[0]["eval_task/acc"]
     assert written["results"]["task"]["acc_norm"] == evals[0]["eval_task/acc_norm"]
+
+
+@pytest.mark.slow
+def test_the_loop_reads_each_loss_one_step_late(tmp_path, monkeypatch):
+    """The host dispatches step n + 1 before it reads step n's loss, except where something must see
+    step n's verdict first (a log line, an evaluation, a checkpoint, the last step)."""
+    from zaya_jax import train as train_lib
+
+    order = []
+
+    class Recorded:  # the jitted train step, its calls recorded
+        def __init__(self, step):
+            self.step, self.calls = step, 0
+
+        def __call__(self, state, batch):
+            self.calls += 1
+            order.append(("dispatch", self.calls))
+            return self.step(state, batch)
+
+        def _cache_size(self):
+            return self.step._cache_size()
+
+    def program(*args):
+        p = real_program(*args)
+        return dataclasses.replace(p, train_step=Recorded(p.train_step))
+
+    def read(p):
+        order.append(("read", p.step))
+        return real_read(p)
+
+    real_program, real_read = train_lib.train_program, train_lib._read
+    monkeypatch.setattr(train_lib, "train_program", program)
+    monkeypatch.setattr(train_lib, "_read", read)
+    c = tiny_config(*SMALL, "--config.train.steps=6", "--config.logging.every_steps=3")
+    c.eval.every_steps, c.checkpoint.every_steps = 0, 0
+    summary = train_lib.train(c, str(tmp_path / "w"))
+    assert summary["final_step"] == 6
+    d, r = (lambda n: ("dispatch", n)), (lambda n: ("read", n))
+    # steps 3 and 6 are logged (6 is also evaluated and saved): read before the next dispatch
+    assert order == [d(1), d(2), r(1), d(3), r(2), r(3), d(4), d(5), r(4), d(6), r(5), r(6)]
+    assert sorted(train_losses(tmp_path / "w")) == [3, 6]

@@ -16,6 +16,8 @@ overrides any key (`--config.train.steps=100`). Sections:
   train.batch_ramp          "START,INCREMENT,RAMP_SEQUENCES": Megatron's batch-size ramp up to batch_size
                             (zaya_jax/data/ramp.py); unset = batch_size from the first step
   train.init_from           a checkpoint directory whose params start this run (phase chaining); unset = random
+  train.sync_every_step     read each step's loss before the next step is dispatched (the host then
+                            waits for the device every step); off = one step late (zaya_jax/train.py)
   optim.*                   see zaya_jax.optim.chain (lr, schedule, warmup, muon.*, adamw.*, clipping)
   balancing.*               aux-loss-free router balancing (zaya_jax.balancing)
   mesh.data / mesh.fsdp / mesh.expert   device mesh; one may be -1 = the remaining devices
@@ -77,6 +79,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.grad_accum = 1
     c.train.init_from = config_dict.placeholder(str)
     c.train.batch_ramp = config_dict.placeholder(str)
+    c.train.sync_every_step = False
 
     c.optim = default_optim_config()
 
@@ -245,6 +248,11 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
         section, name = key.split(".")
         value = c[section][name]
         _check(isinstance(value, (int, float)) and value >= 0, key, f"must be a number >= 0, got {value!r}")
+    _check(
+        isinstance(c.train.sync_every_step, bool),
+        "train.sync_every_step",
+        f"must be True or False, got {c.train.sync_every_step!r}",
+    )
     _check(
         isinstance(c.fault.spike_confirm, bool),
         "fault.spike_confirm",

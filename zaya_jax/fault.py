@@ -184,3 +184,34 @@ class StopSignals:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class StepJudge:
+    """The verdict on one finished step, in step order: a skipped (non-finite) update counts toward
+    `max_bad_steps` consecutive ones; an accepted one goes to the spike detector. Returns the reason
+    to roll back, or None; `event(step, kind, **details)` records what it saw."""
+
+    def __init__(self, spikes: SpikeDetector, max_bad_steps: int, event: Callable[..., None]):
+        self.spikes, self.max_bad_steps, self._event = spikes, max_bad_steps, event
+        self.bad_steps = 0
+        self.skipped_updates = 0
+
+    def __call__(
+        self, step: int, loss: float, skipped: bool, next_loss: Callable[[], float] | None
+    ) -> str | None:
+        if skipped:
+            self.bad_steps += 1
+            self.skipped_updates += 1
+            self._event(step, "skipped_update", loss=loss, consecutive=self.bad_steps)
+            if self.max_bad_steps and self.bad_steps >= self.max_bad_steps:
+                return f"{self.bad_steps} consecutive non-finite steps"
+            return None
+        self.bad_steps = 0
+        spike = self.spikes.check(loss, next_loss)
+        if spike is None:
+            return None
+        self._event(step, "spike", loss=loss, **spike, window=list(self.spikes.history))
+        return f"loss spike {loss:.4f} (z={spike['zscore']:.1f}, +{spike['jump']:.0%})"
+
+    def rolled_back(self) -> None:
+        self.bad_steps = 0

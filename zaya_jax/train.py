@@ -11,7 +11,17 @@ Fault handling (config.fault, zaya_jax/fault.py; events in WORKDIR/events.jsonl)
 SIGINT save at the next step boundary and exit 0; a step watchdog (fault.step_timeout_s) dumps
 all thread stacks and exits 3; non-finite updates are skipped and recorded; a loss spike or
 fault.max_bad_steps consecutive skipped updates roll back to the last checkpoint and skip the
-batches since then. The loss is read back every step for this (one small device->host copy).
+batches since then.
+
+The host never waits for the device inside the loop: step n + 1 is dispatched (its batch fetched and
+put on the devices while step n ran) before step n's loss and skip flag are read, so the read
+overlaps step n + 1, and step n + 1's train loss (computed before its update) is the updated
+model's loss on the next batch that confirms a spike at step n. A rollback decided then restores
+the checkpoint before step n and skips the batches since, step n's included, exactly as a
+synchronous loop would, and drops step n + 1's result. A step that is logged, evaluated, saved or
+stopped at, and the last step, is read before anything else is dispatched (a checkpoint is never
+written for a step whose loss was not checked); its spike confirmation is an eval step on the
+next batch. `train.sync_every_step` reads every step that way.
 
 `--dry_run` (no --workdir) compiles this train step at full size on simulated CPU devices and
 prints memory per device, collectives and compile time instead (zaya_jax/dry_run.py).
@@ -20,7 +30,6 @@ prints memory per device, collectives and compile time instead (zaya_jax/dry_run
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -47,7 +56,7 @@ from zaya_jax.data.pipeline import (
 )
 from zaya_jax.data.ramp import BatchRamp, parse_batch_ramp
 from zaya_jax.events import EventLog
-from zaya_jax.fault import Lookahead, SpikeDetector, StepWatchdog, StopSignals
+from zaya_jax.fault import Lookahead, SpikeDetector, StepJudge, StepWatchdog, StopSignals
 from zaya_jax.metrics import MetricsLogger
 from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.mesh import mesh_from_config
@@ -139,15 +148,33 @@ def downstream_tasks(c: ml_collections.ConfigDict, cfg, tokenizer, mesh) -> Call
     return run
 
 
-def _lookahead_loss(
-    eval_step, state: TrainState, data_iter: Lookahead, mesh, poison: str | None, vocab_size: int
-) -> float:
-    """The loss of the just-updated model on the next batch, which stays queued for the next step
-    (`poison`: the test hook that step will apply to it)."""
-    batch = data_iter.peek()
-    if poison is not None:
-        batch = _poison(batch, poison, vocab_size)
-    out = jax.device_get(eval_step(state.variables, shard_batch(batch, mesh)))
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """Step `step`'s batch on the devices, and its global size (sequences)."""
+
+    step: int
+    batch: dict[str, jax.Array]
+    global_batch: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    """A dispatched train step: its metrics are device arrays until read."""
+
+    step: int
+    metrics: dict[str, jax.Array]
+    global_batch: int
+
+
+def _read(p: _InFlight) -> tuple[float, bool]:
+    """(loss, update skipped) of a dispatched step: waits for the step to finish."""
+    loss, skipped = jax.device_get((p.metrics["loss"], p.metrics["update_skipped"]))
+    return float(loss), bool(skipped)
+
+
+def _lookahead_loss(eval_step, state: TrainState, batch: dict[str, jax.Array]) -> float:
+    """The loss of the just-updated model on the next step's batch (as that step will see it)."""
+    out = jax.device_get(eval_step(state.variables, batch))
     return float(out["loss_sum"]) / max(float(out["weight"]), 1.0)
 
 
@@ -246,6 +273,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     f = c.fault
     inject = {**{s: "spike" for s in f.inject_spike_at_steps}, **{s: "nan" for s in f.inject_nan_at_steps}}
     spikes = SpikeDetector(f.spike_zscore, f.spike_window, f.spike_min_jump)
+    judge = StepJudge(spikes, f.max_bad_steps, events.write)
 
     def on_hang(step: int, elapsed: float) -> None:
         events.write(step, "watchdog", elapsed_s=elapsed, timeout_s=f.step_timeout_s)
@@ -253,6 +281,14 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
     watchdog = StepWatchdog(f.step_timeout_s, on_timeout=on_hang) if f.step_timeout_s else None
     stop = StopSignals()
+
+    def fetch(n: int) -> _Batch:
+        """Step n's batch on the devices: the iterator's next element, peeked (a checkpoint saved
+        meanwhile resumes at it), with step n's test hook applied."""
+        host = data_iter.peek()
+        if n in inject:
+            host = _poison(host, inject[n], cfg.vocab_size)
+        return _Batch(n, shard_batch(host, mesh), host["input_ids"].shape[0] * jax.process_count())
 
     summary: dict[str, Any] = {
         "start_step": start,
@@ -272,89 +308,102 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             resume_step=start,
         ) as logger:
             t_last, tokens_since = time.perf_counter(), 0
-            step, bad_steps, first = start, 0, True
+            step, first = start, True
+            ahead: _Batch | None = None  # the next step's batch, put on the devices while a step runs
+            pending: _InFlight | None = None  # a dispatched step whose loss is not read yet
+
+            def verdict(
+                p: _InFlight, loss: float, skipped: bool, next_loss: Callable[[], float]
+            ) -> str | None:
+                nonlocal tokens_since
+                inject.pop(p.step, None)  # a test hook fires once, on a step that was judged
+                tokens_since += p.global_batch * seq_len
+                return judge(p.step, loss, skipped, next_loss if f.spike_confirm else None)
+
+            def roll_back(k: int, reason: str) -> bool:
+                """Restores the last checkpoint before step k and skips the batches of the steps
+                since, k's included; False if there is none."""
+                nonlocal state, step, t_last, tokens_since, ahead
+                ckpt.wait()
+                back = ckpt.restore_latest(abstract_state, max_step=k - 1, on_corrupt=on_corrupt)
+                if back is None:
+                    events.write(k, "rollback_impossible", reason=reason)
+                    logging.warning("%s at step %d but no checkpoint to roll back to; continuing", reason, k)
+                    return False
+                to, state, data_state, _ = back
+                data_iter.set_state(data_state)  # drops a prefetched batch
+                ahead = None
+                for _ in range(k - to):  # the batches of steps to+1..k, the offending one included
+                    next(data_iter)
+                events.write(
+                    k, "rollback", reason=reason, to_step=to, skipped_batches=list(range(to + 1, k + 1))
+                )
+                print(
+                    f"ROLLBACK at step {k}: {reason}; restored step {to}, skipped the batches of "
+                    f"steps {to + 1}..{k}",
+                    flush=True,
+                )
+                summary["rollbacks"] += 1
+                logger.truncate_after(to)
+                judge.rolled_back()
+                step = to
+                t_last, tokens_since = time.perf_counter(), 0
+                return True
+
             while step < steps:
                 done = step + 1
-                host_batch = next(data_iter)
-                if done in inject:  # test hooks; each fires once
-                    host_batch = _poison(host_batch, inject.pop(done), cfg.vocab_size)
-                batch = shard_batch(host_batch, mesh)
-                global_batch = host_batch["input_ids"].shape[0] * jax.process_count()
-                # a step at a batch size not seen yet compiles its program (one per size)
-                if watchdog is not None and not first and global_batch in summary["batch_sizes"]:
-                    watchdog.start(done)
+                if ahead is None or ahead.step != done:
+                    ahead = fetch(done)
+                current_batch, ahead = ahead, None
+                next(data_iter)  # the peeked batch, now this step's
+                global_batch = current_batch.global_batch
+                # a step at a batch size not seen yet compiles its program (one per size): not a hang
+                if watchdog is not None:
+                    if not first and global_batch in summary["batch_sizes"]:
+                        watchdog.start(done)
+                    else:
+                        watchdog.stop()
                 if global_batch not in summary["batch_sizes"]:
                     summary["batch_sizes"].append(global_batch)
-                state, metrics = train_step(state, batch)
-                loss, skipped = jax.device_get((metrics["loss"], metrics["update_skipped"]))
-                loss, skipped = float(loss), bool(skipped)
+                state, metrics = train_step(state, current_batch.batch)  # returns before the step ends
+                first = False
+                current = _InFlight(done, metrics, global_batch)
+                if done < steps:
+                    ahead = fetch(done + 1)  # while step `done` runs
+
+                if pending is not None:  # the previous step's verdict, read while this one runs
+                    loss, skipped = _read(pending)
+                    # the train loss of step `done` is the updated model's loss on the next batch
+                    next_loss = lambda p=current: float(jax.device_get(p.metrics["loss"]))
+                    reason = verdict(pending, loss, skipped, next_loss)
+                    pending = None
+                    if reason is not None and roll_back(done - 1, reason):
+                        continue  # step `done` ran on a discarded state: its result is dropped
+                pending, step = current, done
+                stopping, due = _agree([stop.signum is not None, ckpt.due(done)])
+                log_due = done % c.logging.every_steps == 0 or done == steps
+                eval_due = (c.eval.every_steps and done % c.eval.every_steps == 0) or done == steps
+                if not (c.train.sync_every_step or stopping or due or log_due or eval_due):
+                    continue  # step `done` is judged after step done + 1 is dispatched
+
+                # What follows must see this step's verdict (a checkpoint is never written for a
+                # step whose loss was not checked): read it now.
+                pending = None
+                loss, skipped = _read(current)
                 if watchdog is not None:
                     watchdog.stop()
-                first = False
-                tokens_since += global_batch * seq_len
 
-                rollback_reason = None
-                if skipped:
-                    bad_steps += 1
-                    summary["skipped_updates"] += 1
-                    events.write(done, "skipped_update", loss=loss, consecutive=bad_steps)
-                    if f.max_bad_steps and bad_steps >= f.max_bad_steps:
-                        rollback_reason = f"{bad_steps} consecutive non-finite steps"
-                else:
-                    bad_steps = 0
-                    ahead = None
-                    if f.spike_confirm:  # the next step's batch, as that step will see it (test hooks too)
-                        ahead = functools.partial(
-                            _lookahead_loss,
-                            eval_step,
-                            state,
-                            data_iter,
-                            mesh,
-                            inject.get(done + 1),
-                            cfg.vocab_size,
-                        )
-                    spike = spikes.check(loss, ahead)
-                    if spike is not None:
-                        events.write(done, "spike", loss=loss, **spike, window=list(spikes.history))
-                        rollback_reason = (
-                            f"loss spike {loss:.4f} (z={spike['zscore']:.1f}, +{spike['jump']:.0%})"
-                        )
-                if rollback_reason is not None:
-                    ckpt.wait()
-                    back = ckpt.restore_latest(abstract_state, max_step=done - 1, on_corrupt=on_corrupt)
-                    if back is None:
-                        events.write(done, "rollback_impossible", reason=rollback_reason)
-                        logging.warning(
-                            "%s at step %d but no checkpoint to roll back to; continuing",
-                            rollback_reason,
-                            done,
-                        )
-                    else:
-                        to, state, data_state, _ = back
-                        data_iter.set_state(data_state)
-                        for _ in range(
-                            done - to
-                        ):  # skip the batches of steps to+1..done, the offending one included
-                            next(data_iter)
-                        events.write(
-                            done,
-                            "rollback",
-                            reason=rollback_reason,
-                            to_step=to,
-                            skipped_batches=list(range(to + 1, done + 1)),
-                        )
-                        print(
-                            f"ROLLBACK at step {done}: {rollback_reason}; restored step {to}, skipped the batches of "
-                            f"steps {to + 1}..{done}",
-                            flush=True,
-                        )
-                        summary["rollbacks"] += 1
-                        logger.truncate_after(to)
-                        step, bad_steps = to, 0
-                        t_last, tokens_since = time.perf_counter(), 0
-                        continue
+                def eval_next_loss(n: int = done + 1, updated: TrainState = state) -> float:
+                    nonlocal ahead  # no next step in flight: the eval step measures the loss
+                    if ahead is None:
+                        ahead = fetch(n)
+                    return _lookahead_loss(eval_step, updated, ahead.batch)
 
-                if done % c.logging.every_steps == 0 or done == steps:
+                reason = verdict(current, loss, skipped, eval_next_loss)
+                if reason is not None and roll_back(done, reason):
+                    continue
+
+                if log_due:
                     m = _to_python(metrics)
                     now = time.perf_counter()
                     m["tokens_per_second"] = tokens_since / max(now - t_last, 1e-9)
@@ -366,14 +415,13 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                     logger.log_train(done, m)
                     t_last, tokens_since = now, 0
                     summary["loss"] = m["loss"]
-                if (c.eval.every_steps and done % c.eval.every_steps == 0) or done == steps:
+                if eval_due:
                     ev = evaluate(eval_step, state.variables, c, mesh)
                     if downstream is not None:
                         ev.update(downstream(state.variables))
                     logger.log_eval(done, ev)
                     summary.update(ev)
                     t_last = time.perf_counter()  # evaluation time is not training throughput
-                stopping, due = _agree([stop.signum is not None, ckpt.due(done)])
                 if due or done == steps or stopping:
                     ckpt.save(done, state, data_iter.get_state(), config_json)
                     events.write(
@@ -381,7 +429,6 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                         "save",
                         reason="signal" if stopping else ("final" if done == steps else "periodic"),
                     )
-                step = done
                 if stopping:
                     ckpt.wait()
                     events.write(done, "sigterm", signal=stop.signum)
@@ -393,6 +440,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         if watchdog is not None:
             watchdog.close()
         ckpt.close()  # waits for the last save; on an error too (no "Event loop is closed")
+    summary["skipped_updates"] = judge.skipped_updates
     summary["final_step"] = int(state.step)
     summary["train_programs"] = train_step._cache_size()
     return summary
