@@ -14,13 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-
-from zaya_jax.checkpoint import CheckpointError, Checkpointer, abstract_like, checkpoint_workdir
-from zaya_jax.events import EventLog, read_events
-from zaya_jax.metrics import read_metrics
-from zaya_jax.fault import StepWatchdog
-
 from test_train import ROOT, SMALL, run_train, tiny_config, train_losses
+
+from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
+from zaya_jax.events import EventLog, read_events
+from zaya_jax.fault import StepWatchdog
+from zaya_jax.metrics import read_metrics
 
 
 def _state(step):
@@ -176,25 +175,28 @@ def _wait_for_step(proc, workdir, step, timeout=300):
     raise AssertionError("timed out")
 
 
+def kill_9_after_step(cmd, workdir, step) -> int | None:
+    """Runs `cmd` (a training command into `workdir`), kills it with SIGKILL once `step` is logged,
+    and returns the latest checkpoint step it left."""
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    _wait_for_step(proc, workdir, step)
+    proc.kill()
+    proc.wait()
+    ck = Checkpointer(str(workdir), read_only=True)
+    try:
+        return ck.latest_step()
+    finally:
+        ck.close()
+
+
 @pytest.mark.slow
 def test_kill_9_and_restart_matches_an_uninterrupted_run(tmp_path):
     ref = tmp_path / "ref"
     run_train(ref, *FAULT_ARGS)
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(
-        _cmd(killed, "--config.fault.spike_zscore=0"),
-        cwd=ROOT,
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    _wait_for_step(proc, killed, 5)
-    proc.kill()
-    proc.wait()
-    ck = Checkpointer(str(killed), read_only=True)
-    resumed_from = ck.latest_step()
-    ck.close()
+    resumed_from = kill_9_after_step(_cmd(killed, "--config.fault.spike_zscore=0"), killed, 5)
     assert resumed_from is not None and resumed_from < 10
     run_train(killed, *FAULT_ARGS)
     resume = [e for e in read_events(str(killed), "resume")]

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_kernels_gmm import operands
 
 from zaya_jax.kernels.tiled_grouped_matmul import (
     num_tiles,
@@ -27,14 +28,6 @@ TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
-def operands(t, k, n, g, dtype, seed=0):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
-    lhs = jax.random.normal(ks[0], (t, k), jnp.float32).astype(dtype)
-    rhs = jax.random.normal(ks[1], (g, k, n), jnp.float32).astype(dtype)
-    dout = jax.random.normal(ks[2], (t, n), jnp.float32)
-    return lhs, rhs, dout
 
 
 def value_and_grads(f, lhs, rhs, dout, gs, out_dtype):

@@ -4,14 +4,16 @@ mid-mixture / mid-ramp training run that resumes with identical losses."""
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+from test_checkpoint import kill_9_after_step
+from test_config import load
+from test_data import assert_batches_equal, take
+from test_train import ROOT, SMALL, run_train, train_losses
 
 from zaya_jax import config as config_lib
-from zaya_jax.checkpoint import Checkpointer
 from zaya_jax.data.mixture import mixed_sequences, parse_mixture
 from zaya_jax.data.pipeline import (
     PackedSequences,
@@ -23,11 +25,6 @@ from zaya_jax.data.prepare import prepare_dataset
 from zaya_jax.data.ramp import BatchRamp, parse_batch_ramp
 from zaya_jax.events import read_events
 from zaya_jax.metrics import read_metrics
-
-from test_checkpoint import _env, _wait_for_step
-from test_config import load
-from test_data import assert_batches_equal, take
-from test_train import ROOT, SMALL, run_train, train_losses
 
 # Two sources told apart by their alphabets: every row of a batch shows which one it came from.
 ALPHABETS = {"web": "abcdefgh ", "code": "0123456789+="}
@@ -285,20 +282,7 @@ def test_kill_9_mid_mixture_and_mid_ramp_resumes_with_identical_losses(sources, 
     summary = json.loads(out.stdout.strip().splitlines()[-1])["summary"]
     assert summary["batch_sizes"] == [2, 4, 6, 8] and summary["train_programs"] == 4
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(
-        _train_cmd(killed, *args),
-        cwd=ROOT,
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    _wait_for_step(proc, killed, 5)
-    proc.kill()
-    proc.wait()
-    ck = Checkpointer(str(killed), read_only=True)
-    resumed_from = ck.latest_step()
-    ck.close()
+    resumed_from = kill_9_after_step(_train_cmd(killed, *args), killed, 5)
     assert resumed_from is not None and 2 <= resumed_from <= 6  # mid-ramp: the full batch starts at step 9
     run_train(killed, *args)
     assert read_events(str(killed), "resume")[-1]["step"] == resumed_from
