@@ -40,7 +40,7 @@ import ml_collections
 from zaya_jax import config as config_lib
 from zaya_jax import sizing
 from zaya_jax.parallel.mesh import MESH_AXES, mesh_from_config
-from zaya_jax.train_state import abstract_batch, train_program
+from zaya_jax.train_state import abstract_batch, check_batch_divides, train_program
 
 DEFAULT_DEVICES = 8  # a -1 mesh axis: one node, as `python -m zaya_jax.sizing` assumes
 COLLECTIVES = (
@@ -206,7 +206,9 @@ def memory_rows(stats: Any, est: sizing.MemoryEstimate) -> list[str]:
     for name, xla, ours, what in rows:
         ours_s = f"{ours / scale:>11.3f}   ({what})" if ours is not None else ""
         out.append(f"  {name:<44}{xla / scale:>11.3f}{ours_s}")
-    out.append(f"  (sizing: remat {est.remat}, micro-batch {est.micro_batch} x {est.seq_len} tokens per device)")
+    out.append(
+        f"  (sizing: remat {est.remat}, micro-batch {est.micro_batch} x {est.seq_len} tokens per device)"
+    )
     return out
 
 
@@ -231,12 +233,8 @@ def dry_run(c: ml_collections.ConfigDict, num_devices: int | None = None, name: 
     devices = simulated_devices(n)  # first: validate's backend check would start jax with 1 device
     cfg = config_lib.validate(c)
     mesh = mesh_from_config(c, devices=devices)
+    check_batch_divides(c, n)
     batch_size, seq_len, accum = c.train.batch_size, c.train.seq_len, c.train.grad_accum
-    if batch_size % n or (batch_size // accum) % n:
-        raise ValueError(
-            f"config.train.batch_size={batch_size} (per microbatch {batch_size // accum}) must be "
-            f"divisible by the {n} devices"
-        )
     # Nothing is written, and the compile time is XLA's: no persistent compilation cache.
     jax.config.update("jax_enable_compilation_cache", False)
     program = train_program(c, cfg, mesh)
@@ -247,7 +245,7 @@ def dry_run(c: ml_collections.ConfigDict, num_devices: int | None = None, name: 
     t2 = time.perf_counter()
 
     shape = {a: int(mesh.shape[a]) for a in MESH_AXES}
-    micro_batch = batch_size // accum // n
+    micro_batch = sizing.config_micro_batch(c, n)
     est = sizing.config_memory_per_device(c, cfg, shape)
     pc = sizing.param_counts(cfg)
     lines = [

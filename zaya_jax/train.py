@@ -64,6 +64,7 @@ from zaya_jax.parallel.sharding import shard_batch
 from zaya_jax.train_state import (  # noqa: F401  (balancing_config: re-exported for the CLIs)
     TrainState,
     balancing_config,
+    check_batch_divides,
     make_eval_step,
     train_program,
 )
@@ -219,11 +220,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     events = EventLog(workdir, enabled=primary)
 
     mesh = mesh_from_config(c)
-    if batch_size % mesh.size or (batch_size // c.train.grad_accum) % mesh.size:
-        raise ValueError(
-            f"config.train.batch_size={batch_size} (per microbatch "
-            f"{batch_size // c.train.grad_accum}) must be divisible by the {mesh.size} devices"
-        )
+    check_batch_divides(c, mesh.size)
     ramp = parse_batch_ramp(c.train.batch_ramp, batch_size)
     try:
         ramp.check_divisible(mesh.size, c.train.grad_accum)

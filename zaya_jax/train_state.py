@@ -208,6 +208,17 @@ def abstract_batch(batch_size: int, seq_len: int, mesh: Mesh) -> Batch:
     return {"input_ids": spec(jnp.int32), "targets": spec(jnp.int32), "loss_mask": spec(jnp.float32)}
 
 
+def check_batch_divides(c: ml_collections.ConfigDict, devices: int) -> None:
+    """train.batch_size, and each of its grad_accum microbatches, divide over `devices` (ValueError
+    naming the key otherwise): the trainer and the dry run check it before building the step."""
+    batch_size, micro = c.train.batch_size, c.train.batch_size // c.train.grad_accum
+    if batch_size % devices or micro % devices:
+        raise ValueError(
+            f"config.train.batch_size={batch_size} (per microbatch {micro}) must be divisible by the "
+            f"{devices} devices"
+        )
+
+
 def train_program(c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh) -> TrainProgram:
     """The train step of config `c` (model `cfg`, validated) on `mesh`: the optimizer, LR schedule
     and balancing of the config, the state laid out by the sharding table (ZeRO-1 per mesh.zero1)."""
