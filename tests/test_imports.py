@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 from typing import NamedTuple
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -389,3 +390,18 @@ def test_fake_package_init_runs_are_edges_and_unplaced_modules_fail(tmp_path):
         "import cycle: fake.a -> fake.sub -> fake.a",
         "upward import: fake.a imports fake.sub.leaf (line 1), via fake.sub/__init__: layer 'mid' is below 'high'",
     ]
+
+
+def layer_table(markdown: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The rows (layer, modules) of the table under the "## Layers" heading of architecture.md."""
+    section = markdown.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].isdigit():
+            rows.append((cells[1], tuple(re.findall(r"`([\w.]+)`", cells[2]))))
+    return tuple(rows)
+
+
+def test_architecture_doc_has_the_layer_table():
+    assert layer_table((REPO / "docs" / "architecture.md").read_text()) == LAYERS
