@@ -2,7 +2,7 @@
 
 - Every citation "docs/<file>.md §N" in the code (zaya_jax/, configs/, benchmarks/, launch/,
   tests/, the READMEs) resolves to a heading carrying §N in that file; a range "§1-2" resolves at both ends.
-- Every docs/ path the code names exists.
+- Every docs/ path the code names exists, and a section is cited with "§" (not "docs/model.md 2.1").
 - Every "SPEC §N" citation (the model spec the code cites today, outside the repository) has its
   section in docs/model.md, under the same number, so rewriting "SPEC §N" to "docs/model.md §N"
   keeps every reference true.
@@ -22,6 +22,7 @@ SECTION = r"§\s*(\d+(?:\.\d+)*)(?:\s*[-–]\s*§?\s*(\d+(?:\.\d+)*))?"
 DOC_CITATION = re.compile(r"(?<![\w/.-])docs/([\w./-]+?\.md)\s*" + SECTION)
 LOCAL_CITATION = re.compile(r"(?<![\w/.-])(?:docs/)?([\w-]+\.md)\s*" + SECTION)
 SPEC_CITATION = re.compile(r"\bSPEC(?:\.md)?\s*§?\s*(\d+(?:\.\d+)*)(?:\s*-\s*(\d+(?:\.\d+)*))?")
+BARE_NUMBER = re.compile(r"(?<![\w/.-])docs/([\w./-]+?\.md)\s+(\d+(?:\.\d+)+)")  # "docs/model.md 2.1.8"
 DOC_PATH = re.compile(r"(?<![\w/.-])docs/[\w./-]*[\w/]")
 DOC_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 HEADING = re.compile(r"^#{1,6}\s+§(\d+(?:\.\d+)*)(?=\s|$)", re.MULTILINE)
@@ -64,6 +65,8 @@ def code_problems(root: pathlib.Path) -> list[str]:
                     problems.append(
                         f"{_where(path, root, text, m.start())}: docs/{m.group(1)} has no heading §{number}"
                     )
+        for m in BARE_NUMBER.finditer(text):
+            problems.append(f"{_where(path, root, text, m.start())}: write docs/{m.group(1)} §{m.group(2)}")
         for m in DOC_PATH.finditer(text):
             if not (root / m.group(0).rstrip(".")).exists():
                 problems.append(f"{_where(path, root, text, m.start())}: {m.group(0)} does not exist")
@@ -122,11 +125,13 @@ def test_broken_references_are_caught(tmp_path):
         '"""docs/model.md §2.1.8 and docs/model.md §1-2."""\n'
         "# docs/model.md §9 and docs/extra.md §1; see docs/notes/\n"
         "x = 1  # SPEC §2.1.8, SPEC 2.1.5\n"
+        "y = 2  # docs/model.md 2.1.8\n"
     )
     assert code_problems(tmp_path) == [
         "zaya_jax/a.py:1: docs/model.md has no heading §2",
         "zaya_jax/a.py:2: docs/model.md has no heading §9",
         "zaya_jax/a.py:2: docs/extra.md has no heading §1",
+        "zaya_jax/a.py:4: write docs/model.md §2.1.8",
         "zaya_jax/a.py:2: docs/extra.md does not exist",
         "zaya_jax/a.py:2: docs/notes/ does not exist",
         "zaya_jax/a.py:3: SPEC §2.1.5 is not a section of docs/model.md",
