@@ -377,6 +377,41 @@ def plot(rows: list[dict[str, Any]], out_dir: str, device_kind: str) -> dict[str
     return paths
 
 
+def format_exchange_table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'factor':>8}{'MiB/block':>14}{'ideal MiB':>14}{'x ideal':>9}{'spill MiB':>14}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['exchange_factor']:>8g}{r['bytes_per_block'] / 2**20:>14,.2f}"
+            f"{r['ideal_bytes_per_block'] / 2**20:>14,.2f}{r['ratio_to_ideal']:>9.2f}"
+            f"{r['spill_bytes_per_block'] / 2**20:>14,.2f}"
+        )
+    return "\n".join(lines)
+
+
+def expert_exchange_main(args: argparse.Namespace) -> dict[str, Any]:
+    """--expert-exchange: the `expert_exchange` rows of a config, printed and written to --out."""
+    import jax
+
+    from benchmarks.train_step import load_config
+
+    c = load_config(args.expert_exchange)
+    if args.exchange_mesh:
+        c.mesh.data, c.mesh.fsdp, c.mesh.expert = (int(v) for v in args.exchange_mesh.split(","))
+    n = c.mesh.expert if c.mesh.expert > 0 else jax.device_count()
+    factors = [float(f) for f in (args.exchange_factors or f"1.5,{n}").split(",")]
+    rows = expert_exchange(c, factors, jax.devices())
+    result = {"benchmark": "expert_exchange", "config": args.expert_exchange, "results": rows}
+    print(
+        f"{args.expert_exchange}: mesh {rows[0]['mesh']}, {rows[0]['tokens_per_device']} tokens per device, "
+        f"remat {rows[0]['remat']} (forward exchanges run twice under remat)"
+    )
+    print(format_exchange_table(rows))
+    if args.out:
+        write_report(result, args.out, "expert_exchange")
+    return result
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -400,6 +435,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="simulate N CPU devices (sets XLA_FLAGS before jax loads; implies JAX_PLATFORMS=cpu)",
     )
+    p.add_argument(
+        "--expert-exchange",
+        metavar="CONFIG",
+        default=None,
+        help="instead of the sweep: all-to-all bytes per MoE block of CONFIG's compiled train step "
+        "(file.py[:arg]) against the ideal 4 x T x d x itemsize",
+    )
+    p.add_argument("--exchange-mesh", default=None, help="data,fsdp,expert for --expert-exchange")
+    p.add_argument(
+        "--exchange-factors", default=None, help="comma list of moe_exchange_capacity_factor (default 1.5,n)"
+    )
     p.add_argument("--distributed", action="store_true", help="jax.distributed.initialize() (auto-detect)")
     p.add_argument("--coordinator", default=os.environ.get("ZAYA_COORDINATOR"))
     p.add_argument("--num-processes", type=int, default=None)
@@ -413,6 +459,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     import jax
 
     _initialize_distributed(args)
+    if args.expert_exchange:
+        return expert_exchange_main(args)
     names = [c.strip() for c in args.collectives.split(",") if c.strip()]
     for c in names:
         busbw_factor(c, 2)  # validates the name

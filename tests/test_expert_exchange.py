@@ -6,6 +6,7 @@ train step's all-to-all bytes per MoE block stay within 2x the ideal 4 x T x d x
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +15,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks.collectives import all_to_all_bytes, expert_exchange, ideal_exchange_bytes
-from zaya_jax.config import base_config, set_model
+from benchmarks import collectives
+from benchmarks.collectives import all_to_all_bytes, ideal_exchange_bytes
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
 from zaya_jax.model.moe import dense_moe, tiled_moe
 from zaya_jax.parallel import make_mesh
@@ -145,29 +146,41 @@ def test_model_with_skewed_router_matches_single_device(mesh_shape, model_case):
         )
 
 
-def _exchange_config(batch_size=8, seq_len=64):
+EXCHANGE_CONFIG = """
+from zaya_jax.config import base_config, set_model
+from zaya_jax.model import ZayaConfig
+
+
+def get_config():
     c = base_config()
-    set_model(c, CFG)
-    c.train.batch_size, c.train.seq_len = batch_size, seq_len
-    c.mesh.data, c.mesh.fsdp, c.mesh.expert = 2, 1, 4
+    set_model(c, ZayaConfig.tiny(hidden_size=64, num_hidden_layers=2, num_experts=8,
+                                 moe_intermediate_size=32, vocab_size=128))
+    c.train.batch_size, c.train.seq_len = 8, 64
     return c
+"""
 
 
 @pytest.mark.slow
-def test_train_step_all_to_all_bytes_near_ideal():
-    """From the compiled train step at data=2 x expert=4 (64 tokens per device, fp32): the main path
-    moves C = 24 slots per peer (1.5 x T/n, rounded to 8) each way, forward and backward, i.e. 1.5x
-    the ideal plus one byte per slot for the expert ids; the spill (in the cond) has T - C = 40.
-    The C = T exchange (factor 4 = n, main before issue 17) moves 4x the ideal."""
+def test_train_step_all_to_all_bytes_near_ideal(tmp_path, capsys):
+    """`python -m benchmarks.collectives --expert-exchange CONFIG` (in process) on the compiled train
+    step at data=2 x expert=4 (64 tokens per device, fp32): the main path moves C = 24 slots per peer
+    (1.5 x T/n, rounded to 8) each way, forward and backward, i.e. 1.5x the ideal plus one byte per
+    slot for the expert ids; the spill (in the cond) has T - C = 40. The C = T exchange (factor
+    4 = n, main before issue 17) moves 4x the ideal."""
+    (tmp_path / "exchange.py").write_text(EXCHANGE_CONFIG)
+    argv = ["--expert-exchange", str(tmp_path / "exchange.py"), "--exchange-mesh", "2,1,4"]
+    rows = collectives.main([*argv, "--out", str(tmp_path)])["results"]
     n, t, d, itemsize = 4, 64, CFG.hidden_size, 4
-    rows = expert_exchange(_exchange_config(), [1.5, 4.0], jax.devices())
     ideal = ideal_exchange_bytes(t, d, itemsize)
+    assert [r["exchange_factor"] for r in rows] == [1.5, 4.0]  # default: 1.5 and n
     for row, cap in zip(rows, (24, 64)):
         assert row["tokens_per_device"] == t and row["ideal_bytes_per_block"] == ideal
         assert row["bytes_per_block"] == 4 * n * cap * d * itemsize + n * cap  # x / ids / y / dy / dx
         assert row["spill_bytes_per_block"] == (4 * n * (t - cap) * d * itemsize + n * (t - cap))
     assert rows[0]["ratio_to_ideal"] <= 2.0
     assert rows[1]["ratio_to_ideal"] >= 4.0
+    assert "x ideal" in capsys.readouterr().out
+    assert json.loads((tmp_path / "expert_exchange.json").read_text())["results"] == rows
 
 
 def test_all_to_all_bytes_main_path_and_spill():

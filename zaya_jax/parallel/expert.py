@@ -21,9 +21,9 @@ the common case no bucket overflows and the spill costs that one scalar all-redu
 is the same `cond` on the saved flag, so the gradient exchange is spill-free too.
 
 Why this spill and not another (issue 17):
-  - `jax.lax.ragged_all_to_all` (exact sizes) has no XLA:CPU lowering (jax 0.10.2) and measured
-    slower than padded all-to-all on GPU (marin-community/marin #7012, #8077; #7780 chose fixed
-    capacity with spill for that reason).
+  - `jax.lax.ragged_all_to_all` (exact sizes) has no XLA:CPU lowering (jax 0.10.2), and on GPU
+    it measured slow in marin-community/marin #7012 / #8077 (XLA's one-shot transfer ran one
+    thread block per peer), after which marin #7780 took fixed capacity with spill.
   - A cond that re-runs the whole exchange at C = T on overflow would pay n x T x d then and throw
     the main exchange away; the spill round only sends the overflowing tokens and the main round's
     work is kept (T - C slots instead of T).
@@ -33,9 +33,11 @@ Why this spill and not another (issue 17):
 Bytes per MoE block of the compiled train step (dispatch + combine, forward + backward; read by
 benchmarks/collectives.py `all_to_all_bytes`, asserted in tests/test_expert_exchange.py): at
 data=2 x expert=4 with the tiny test model in fp32 (64 tokens per device) the C = T exchange moved
-4.0x the ideal 4 x T x d x itemsize (n x, plus int32 ids); the main path now moves 1.5x (C = 24 of
-64 slots; f = 1.5) plus one byte per slot of int8 expert ids. The combine returns fp32 expert
-outputs (as the single-device path does), so in bf16 it moves twice the dispatch bytes.
+4.0x the ideal 4 x T x d x itemsize (n x); the main path now moves 1.5x (C = 24 of 64 slots) plus
+one byte per slot of int8 expert ids. configs/zaya1_base.py:phase1 at data=2 x expert=4: 12.0x
+before, 4.5x now (remat "full" repeats the forward exchange, and XLA:CPU moves bf16 all-to-alls
+as fp32; benchmarks/README.md "expert exchange"). The combine returns fp32 expert outputs (as the
+single-device path does), so in bf16 it moves twice the dispatch bytes.
 
 With `capacity_factor` f (the dropping mode), C = ceil(f * T / n) rounded up to a multiple of 8 and
 there is no spill: tokens past a bucket's capacity get a zero expert output (the residual carries
