@@ -200,3 +200,18 @@ def test_all_to_all_bytes_main_path_and_spill():
     x = jax.device_put(jnp.ones((64, 4)), NamedSharding(mesh, P("expert")))
     main, spill = all_to_all_bytes(jax.jit(fn).lower(x).compile().as_text())
     assert (main, spill) == (3 * 8 * 4 * 4 + 8 * 4 * 4, 16 * 4 * 4)
+
+
+def test_bad_exchange_capacity_factor_is_a_one_line_error(tmp_path):
+    """`--config.model.moe_exchange_capacity_factor=0`: one `error:` line naming the key, exit 2,
+    and no workdir created."""
+    from test_cli_errors import TINY, assert_one_line_error, run_cli
+
+    workdir = tmp_path / "run"
+    proc = run_cli(
+        "train", "--config", TINY, "--config.model.moe_exchange_capacity_factor=0", "--workdir", workdir
+    )
+    assert_one_line_error(proc, "moe_exchange_capacity_factor")
+    assert not workdir.exists()
+    with pytest.raises(ValueError, match="moe_exchange_capacity_factor=-1.0 must be > 0"):
+        CFG.replace(moe_exchange_capacity_factor=-1.0)
