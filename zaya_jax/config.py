@@ -19,8 +19,11 @@ overrides any key (`--config.train.steps=100`). Sections:
   train.sync_every_step     read each step's loss before the next step is dispatched (the host then
                             waits for the device every step); off = one step late (zaya_jax/train.py)
   optim.*                   see zaya_jax.optim.chain (lr, schedule, warmup, muon.*, adamw.*, clipping)
-  balancing.*               aux-loss-free router balancing (zaya_jax.balancing)
-  mesh.data / mesh.fsdp / mesh.expert   device mesh; one may be -1 = the remaining devices
+  balancing.*               aux-loss-free router balancing: `enabled` plus one key per field of
+                            zaya_jax.balancing.BalancingConfig (lr, b1, b2, eps, weight_decay,
+                            update_skip, skip_target, fraction_of), derived from the dataclass
+  mesh.data / mesh.fsdp / mesh.expert   device mesh, one key per axis of zaya_jax.parallel.mesh.MESH_AXES;
+                            one may be -1 = the remaining devices
   mesh.zero1                optimizer state split over the data axis (ZeRO-1)
   checkpoint.every_steps, checkpoint.every_minutes   periodic saves under WORKDIR/checkpoints (by
                             step count and/or wall time; 0 = off); the last step is always saved

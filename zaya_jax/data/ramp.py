@@ -95,11 +95,13 @@ class BatchRamp:
         config checks grad_accum alone with devices=1; the trainer again once the mesh is built)."""
         for size in self.sizes:
             if size % grad_accum or (size // grad_accum) % devices:
-                over = f" over the {devices} devices" if devices > 1 else ""
+                # Over devices the per-microbatch size is what must divide; alone, grad_accum is.
+                per, over = (f" (per microbatch {size / grad_accum:g})", f" over the {devices} devices")
+                per, over = (per, over) if devices > 1 else ("", "")
                 raise ValueError(
-                    f"batch size {size} of the ramp is not divisible into train.grad_accum={grad_accum} "
-                    f"microbatches{over} (per microbatch {size / grad_accum:g}; ramp {self.start},"
-                    f"{self.increment},{self.ramp_sequences} -> {self.full}, sizes {list(self.sizes)})"
+                    f"batch size {size}{per} of the ramp is not divisible into train.grad_accum="
+                    f"{grad_accum} microbatches{over} (ramp {self.start},{self.increment},"
+                    f"{self.ramp_sequences} -> {self.full}, sizes {list(self.sizes)})"
                 )
 
 
