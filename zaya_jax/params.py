@@ -6,9 +6,9 @@ For each variable path (under its collection, "params" or "balancing") one `Para
              rules from logical to mesh axes are in zaya_jax/parallel/sharding.py
   optimizer  the `Rule` routing it to Muon or AdamW, with the reason (None: not trained by the
              optimizer chain, e.g. the balancing biases, which their own controller moves)
-  hf         its tensor name in a transformers `ZayaForCausalLM` checkpoint ("{k}" = block index),
-             `layout` the named transform between the two layouts and `when` the condition under
-             which the checkpoint has it (both resolved in zaya_jax/hf/names.py)
+  hf         its tensor name in a transformers `ZayaForCausalLM` checkpoint (docs/model.md §3;
+             "{k}" = block index), `layout` the named transform between the two layouts and `when`
+             the condition under which the checkpoint has it (both resolved in zaya_jax/hf/names.py)
   legacy     its name in the legacy ZAYA1-base checkpoint (None: absent there); placeholders {attn}
              / {moe} = the half-layers 2k / 2k+1 of block k, {after_moe} = the half-layer after
              them ("model.layers.{2k+2}." or "model." after the last block), {e} = expert index
@@ -19,8 +19,9 @@ dimensions that is not in it is an error in every one of them (`lookup`), so a n
 never be silently replicated, sent to the wrong optimizer or left out of a checkpoint. Scalars and
 vectors not in it are replicated and go to AdamW without decay: they can never be orthogonalised.
 
-Block parameters live under `layers/` with a leading scanned l axis (docs/model.md §1); expert
-weights add an e axis.
+Block parameters live under `layers/` with a leading l axis (the blocks are one nn.scan, docs/model.md
+§2); expert weights add an e axis. Every vector the HF mapping needs is listed too: a checkpoint
+would silently lack an unlisted one, so zaya_jax.hf rejects any unlisted variable.
 """
 
 from __future__ import annotations
