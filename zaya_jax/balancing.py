@@ -92,6 +92,15 @@ class BalancingConfig:
         return self
 
 
+def from_config(section: Any) -> BalancingConfig | None:
+    """The validated BalancingConfig of a training config's `balancing` section (its keys are this
+    dataclass's fields plus `enabled`; zaya_jax/config.py derives them); None when not enabled."""
+    if not section.enabled:
+        return None
+    fields = {f.name for f in dataclasses.fields(BalancingConfig)}
+    return BalancingConfig(**{k: v for k, v in section.items() if k in fields}).validate()
+
+
 def _optimizer(cfg: BalancingConfig) -> optax.GradientTransformation:
     return optax.adamw(cfg.lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
