@@ -83,22 +83,6 @@ KNOWN_VIOLATIONS: set[tuple[str, str, str]] = {
         "i16speed: the XLA Newton-Schulz moves into kernels (cycle with optim.chain -> kernels)",
     ),
     (
-        "zaya_jax.parallel.sharding",
-        "zaya_jax.optim.chain",
-        "i15reg: param_path moves into the parameter registry (importing the model pulled in the optimizer)",
-    ),
-    (
-        "zaya_jax.config",
-        "zaya_jax.evaluate",
-        "i15reg: parse_data_spec moves below config (config -> evaluate -> pretrained -> config cycle)",
-    ),
-    (
-        "zaya_jax.model.attention",
-        "zaya_jax.parallel.mesh",
-        "i17cp: on the cycle parallel/__init__ -> sharding -> optim.chain -> kernels -> flash_attention -> "
-        "model.attention; the deferred import goes",
-    ),
-    (
         "zaya_jax.import_hf",
         "zaya_jax.train",
         "i15train: balancing_config moves out of the trainer (a CLI imports the trainer for a helper)",
