@@ -1,4 +1,4 @@
-"""Aux-loss-free load balancing of the ZAYA1 router (SPEC §2.2).
+"""Aux-loss-free load balancing of the ZAYA1 router (docs/model.md §2.2.4).
 
 Each block's router picks ``argmax(stop_gradient(p) + balancing_biases)``; the biases [E+1] change
 *which* class wins, never the routing weight, and get no gradient from the loss. After every
