@@ -23,6 +23,12 @@ stopped at, and the last step, is read before anything else is dispatched (a che
 written for a step whose loss was not checked); its spike confirmation is an eval step on the
 next batch. `train.sync_every_step` reads every step that way.
 
+Where things are: this module holds the CLI and `Trainer` (set-up helpers, then a loop of next
+batch, step, faults, log, evaluate, save); zaya_jax/train_state.py the train state, its abstract
+sharded form and the jitted train / eval steps; zaya_jax/fault.py every fault decision
+(`FaultMonitor.after_step`); zaya_jax/train_eval.py the evaluations; zaya_jax/checkpoint.py the
+Orbax checkpoints; zaya_jax/metrics.py the metric records.
+
 `--dry_run` (no --workdir) compiles this train step at full size on simulated CPU devices and
 prints memory per device, collectives and compile time instead (zaya_jax/dry_run.py).
 """
@@ -32,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 import time
 from typing import Any, Callable
@@ -51,7 +56,6 @@ from zaya_jax.data.pipeline import (
     batch_sequences,
     load_documents,
     make_dataset,
-    make_eval_dataset,
     source_tokenizer,
 )
 from zaya_jax.data.ramp import BatchRamp, parse_batch_ramp
@@ -61,78 +65,8 @@ from zaya_jax.metrics import MetricsLogger, to_python
 from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.parallel.sharding import shard_batch
+from zaya_jax.train_eval import downstream_tasks, evaluate
 from zaya_jax.train_state import TrainState, check_batch_divides, make_eval_step, train_program
-
-
-def evaluate(eval_step, variables, c: ml_collections.ConfigDict, mesh) -> dict[str, float]:
-    """Held-out loss of data.path, or of each mixture source (`eval_loss/<name>`) and the mixture's
-    `eval_loss` = the weight-averaged per-source loss (the expected loss of a held-out token drawn
-    in the training proportions)."""
-    if not c.data.mixture:
-        return _held_out_loss(eval_step, variables, c, mesh, c.data.path)
-    out, loss, tokens = {}, 0.0, 0.0
-    for source in mixture_lib.parse_mixture(c.data.mixture):
-        r = _held_out_loss(eval_step, variables, c, mesh, source.path)
-        out[f"eval_loss/{source.name}"] = r["eval_loss"]
-        loss += source.weight * r["eval_loss"]
-        tokens += r["eval_tokens"]
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0)), "eval_tokens": tokens, **out}
-
-
-def _held_out_loss(eval_step, variables, c: ml_collections.ConfigDict, mesh, path) -> dict[str, float]:
-    """Held-out loss over `eval.batches` batches (0 = the whole split); token-weighted mean."""
-    ds = make_eval_dataset(
-        path,
-        seq_len=c.train.seq_len,
-        global_batch_size=c.eval.batch_size,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        num_threads=c.data.num_threads,
-    )
-    loss_sum, weight = 0.0, 0.0
-    for i, batch in enumerate(ds):
-        if c.eval.batches and i >= c.eval.batches:
-            break
-        out = jax.device_get(eval_step(variables, shard_batch(batch, mesh)))
-        loss_sum += float(out["loss_sum"])
-        weight += float(out["weight"])
-    loss = loss_sum / max(weight, 1.0)
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0)), "eval_tokens": weight}
-
-
-# the metrics of each downstream task kind logged at every evaluation
-TASK_METRICS = {
-    "mc": ("acc", "acc_norm"),
-    "text": ("bits_per_byte", "loss"),
-    "tokens": ("bits_per_byte", "loss"),
-}
-
-
-def downstream_tasks(c: ml_collections.ConfigDict, cfg, tokenizer, mesh) -> Callable[[Any], dict] | None:
-    """eval.tasks read and tokenised once -> fn(variables) -> {task: {metric: value}} (None if none).
-
-    Scored like `python -m zaya_jax.evaluate` (zaya_jax/evaluate), on the training mesh, from the
-    document boundary the packer uses (EOS)."""
-    if not c.eval.tasks:
-        return None
-    from zaya_jax.evaluate import Scorer, TaskSuite, parse_data_spec
-
-    max_len = c.eval.task_max_len or c.train.seq_len
-    suite = TaskSuite(
-        [parse_data_spec(s) for s in c.eval.tasks],
-        tokenizer,
-        tokenizer.eos_id,
-        max_len,
-        limit=c.eval.task_limit or None,
-    )
-    batch = -(-c.eval.batch_size // mesh.size) * mesh.size
-    scorer = Scorer(cfg, mesh=mesh, batch_size=batch, max_len=max_len, min_bucket=min(64, max_len))
-
-    def run(variables) -> dict:
-        results, _ = suite.run(scorer, variables)
-        return {name: {k: r[k] for k in TASK_METRICS[r["kind"]]} for name, r in results.items()}
-
-    return run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,8 +451,7 @@ FLAGS = flags.FLAGS
 
 
 def _define_flags() -> None:
-    """CLI flags, defined only when run as a program, so that other CLIs (export, import_hf,
-    reshard) can import this module and define their own --config."""
+    """CLI flags, defined only when run as a program: importing this module defines none."""
     config_flags.DEFINE_config_file(
         "config", None, "Training config file (configs/<name>.py[:arg]).", lock_config=True
     )
