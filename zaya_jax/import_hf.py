@@ -76,7 +76,7 @@ FLAGS = flags.FLAGS
 
 
 def _define_flags() -> None:
-    """CLI flags, defined only when run as a program (zaya_jax.train owns --config when imported)."""
+    """CLI flags, defined only when run as a program."""
     config_flags.DEFINE_config_file(
         "config", None, "Training config file whose model section matches.", lock_config=True
     )
