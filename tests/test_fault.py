@@ -274,7 +274,7 @@ def test_poison_hooks_fire_until_their_step_is_judged():
 
 
 def test_boundary_agrees_on_a_stop_signal_and_close_restores_handlers():
-    assert agree([True, False]) == [True, False]  # one process: its own flags
+    assert agree([True, False], 0) == [True, False]  # one process: its own flags
     before = signal.getsignal(signal.SIGTERM)
     m = _monitor([])
     try:

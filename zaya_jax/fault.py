@@ -231,16 +231,31 @@ def poison(batch: dict[str, np.ndarray], kind: str, vocab_size: int) -> dict[str
     return batch
 
 
-def agree(flags_: list[bool]) -> list[bool]:
-    """Every process takes the same decision (OR over processes); a no-op with one process."""
+AGREE_TIMEOUT_MS = 3_600_000  # a process waits this long for the others to reach the step boundary
+
+
+def agree(flags_: list[bool], round_: int) -> list[bool]:
+    """Every process takes the same decision: the OR over processes of each flag (a no-op with one
+    process). `round_` numbers the calls (the same sequence on every process).
+
+    The exchange goes through the coordination service's key-value store on the hosts, not a device
+    collective: at a step boundary the step just dispatched is still running, and where the runtime
+    runs two executables at once (XLA:CPU does) a device all-gather can pair with that step's
+    collectives on another process (seen: "distributed collective mismatch", an abort)."""
     import jax  # deferred: the rest of this module needs no accelerator runtime
 
     if jax.process_count() == 1:
         return flags_
-    from jax.experimental import multihost_utils
+    from jax._src import distributed  # the client jax.distributed.initialize connected
 
-    got = multihost_utils.process_allgather(np.asarray(flags_, np.int32))
-    return [bool(v) for v in np.asarray(got).reshape(-1, len(flags_)).any(axis=0)]
+    client = distributed.global_state.client
+    me, n = jax.process_index(), jax.process_count()
+    key = lambda r, p: f"zaya_jax/agree/{r}/{p}"
+    client.key_value_set(key(round_, me), "".join("1" if f else "0" for f in flags_))
+    got = [client.blocking_key_value_get(key(round_, p), AGREE_TIMEOUT_MS) for p in range(n)]
+    if round_ > 0:  # every process has set round_, so all have read round_ - 1: drop ours
+        client.key_value_delete(key(round_ - 1, me))
+    return [any(g[i] == "1" for g in got) for i in range(len(flags_))]
 
 
 class Do(enum.Enum):
@@ -291,6 +306,7 @@ class FaultMonitor:
         self._timeout_s = f.step_timeout_s
         self.watchdog = StepWatchdog(f.step_timeout_s, on_timeout=self._on_hang) if f.step_timeout_s else None
         self.stop = StopSignals()
+        self._rounds = 0  # agree() calls so far
 
     def poison(self, step: int, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if step in self._inject:
@@ -309,7 +325,8 @@ class FaultMonitor:
         return Action(Do.CONTINUE if reason is None else Do.ROLL_BACK, step, reason)
 
     def boundary(self, step: int, save_due: bool) -> Boundary:
-        stop, save = agree([self.stop.signum is not None, save_due])
+        stop, save = agree([self.stop.signum is not None, save_due], self._rounds)
+        self._rounds += 1
         return Boundary(stop=stop, save=save)
 
     def watch(self, step: int, known_program: bool) -> None:
