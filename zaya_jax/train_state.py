@@ -247,11 +247,11 @@ def abstract_train_state(
     c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh | None = None
 ) -> TrainState:
     """The train state of config `c` (model `cfg`) as ShapeDtypeStructs carrying its shardings on
-    `mesh` (default: one device), nothing allocated: the restore target of the trainer, reshard
-    and every checkpoint reader (its `.variables`), the compile target of the dry run. The one
-    builder; `train_program(...).abstract_state()` is the same tree."""
+    `mesh` (default: this process's first device), nothing allocated: the restore target of the
+    trainer, reshard and every checkpoint reader (its `.variables`), the compile target of the dry
+    run. The one builder; `train_program(...).abstract_state()` is the same tree."""
     if mesh is None:
-        mesh = make_mesh(data=1, fsdp=1, expert=1, devices=jax.devices()[:1])
+        mesh = make_mesh(data=1, fsdp=1, expert=1, devices=jax.local_devices()[:1])
     return _state_layout(c, cfg, mesh).abstract
 
 
