@@ -14,7 +14,7 @@ import pytest
 
 from zaya_jax.events import read_events
 from zaya_jax.config import base_config
-from zaya_jax.fault import Do, FaultMonitor, Lookahead, SpikeDetector, agree, confirmed_spikes
+from zaya_jax.fault import Do, FaultMonitor, SpikeDetector, agree, confirmed_spikes
 
 from test_train import ROOT, run_train, summary_of, train_losses
 
@@ -82,32 +82,6 @@ def test_default_demo_run_has_no_confirmed_spike():
     hit = list(losses)
     hit[200:202] = [4.0, 3.6]
     assert confirmed_spikes(hit, SpikeDetector(zscore, window, fault.spike_min_jump)) == [200]
-
-
-class _Iter:
-    def __init__(self):
-        self.i = 0
-
-    def __next__(self):
-        self.i += 1
-        return self.i
-
-    def get_state(self):
-        return {"i": self.i}
-
-    def set_state(self, s):
-        self.i = s["i"]
-
-
-def test_lookahead_keeps_the_peeked_batch_and_its_position():
-    it = Lookahead(_Iter())
-    assert next(it) == 1 and it.get_state() == {"i": 1}
-    assert it.peek() == 2 and it.peek() == 2
-    assert it.get_state() == {"i": 1}  # a checkpoint now resumes at the peeked batch
-    assert next(it) == 2 and it.get_state() == {"i": 2} and next(it) == 3
-    it.peek()
-    it.set_state({"i": 0})  # a rollback drops the peeked batch
-    assert next(it) == 1
 
 
 @pytest.mark.slow

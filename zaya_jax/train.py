@@ -53,6 +53,7 @@ from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, ch
 from zaya_jax.cli import UserError
 from zaya_jax.data import mixture as mixture_lib
 from zaya_jax.data.pipeline import (
+    Lookahead,
     batch_sequences,
     load_documents,
     make_dataset,
@@ -60,7 +61,7 @@ from zaya_jax.data.pipeline import (
 )
 from zaya_jax.data.ramp import BatchRamp, parse_batch_ramp
 from zaya_jax.events import EventLog
-from zaya_jax.fault import Do, FaultMonitor, Lookahead
+from zaya_jax.fault import Do, FaultMonitor
 from zaya_jax.metrics import MetricsLogger, to_python
 from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.mesh import mesh_from_config
