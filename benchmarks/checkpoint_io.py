@@ -80,7 +80,7 @@ def run(args) -> dict[str, Any]:
     from zaya_jax.checkpoint import Checkpointer, abstract_like
     from zaya_jax.optim.chain import lr_schedule, make_optimizer
     from zaya_jax.parallel.mesh import mesh_from_config
-    from zaya_jax.train import balancing_config
+    from zaya_jax.train_state import balancing_config
     from zaya_jax.train_state import create_train_state, make_train_step, state_shardings
 
     import importlib.util

@@ -281,3 +281,13 @@ def test_other_clis_missing_paths(tmp_path):
 def test_debug_env_shows_the_traceback(tmp_path):
     proc = run_cli("plot", tmp_path / "missing", env={"ZAYA_DEBUG": "1"})
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_the_checkpoint_clis_do_not_import_the_trainer():
+    """reshard, import_hf and export take their helpers from train_state, not from the trainer."""
+    code = (
+        "import sys, zaya_jax.reshard, zaya_jax.import_hf, zaya_jax.export; "
+        "assert 'zaya_jax.train' not in sys.modules, sorted(m for m in sys.modules if m.startswith('zaya_jax'))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

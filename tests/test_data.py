@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from zaya_jax.data import EMBEDDED_EVAL_FRACTION, EMBEDDED_SPLIT_SEED, load_embedded_corpus, split_documents
 from zaya_jax.data.pipeline import (
+    Lookahead,
     PackedSequences,
     interleave_process_batches,
     load_documents,
@@ -348,3 +349,29 @@ def test_eval_dataset_is_finite_and_padded(byte_data_dir):
     expected = np.concatenate([held_out.doc_tokens(d) for d in range(held_out.num_docs)])
     np.testing.assert_array_equal(targets[mask == 1], expected)  # stored order, one pass
     assert mask[-1].sum() < 16
+
+
+class _Iter:
+    def __init__(self):
+        self.i = 0
+
+    def __next__(self):
+        self.i += 1
+        return self.i
+
+    def get_state(self):
+        return {"i": self.i}
+
+    def set_state(self, s):
+        self.i = s["i"]
+
+
+def test_lookahead_keeps_the_peeked_batch_and_its_position():
+    it = Lookahead(_Iter())
+    assert next(it) == 1 and it.get_state() == {"i": 1}
+    assert it.peek() == 2 and it.peek() == 2
+    assert it.get_state() == {"i": 1}  # a checkpoint now resumes at the peeked batch
+    assert next(it) == 2 and it.get_state() == {"i": 2} and next(it) == 3
+    it.peek()
+    it.set_state({"i": 0})  # a rollback drops the peeked batch
+    assert next(it) == 1

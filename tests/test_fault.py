@@ -5,13 +5,16 @@ small-batch run over another text (no spike event), with an injected spike still
 import gzip
 import json
 import os
+import signal
+import time
 
 import jax
 import numpy as np
 import pytest
 
 from zaya_jax.events import read_events
-from zaya_jax.fault import Lookahead, SpikeDetector, confirmed_spikes
+from zaya_jax.config import base_config
+from zaya_jax.fault import Do, FaultMonitor, SpikeDetector, agree, confirmed_spikes
 
 from test_train import ROOT, run_train, summary_of, train_losses
 
@@ -64,8 +67,6 @@ def test_default_demo_run_has_no_confirmed_spike():
     with open(os.path.join(HERE, "data", "tiny_default_losses.json")) as f:
         losses = json.load(f)["losses"]
     assert len(losses) == 300
-    from zaya_jax.config import base_config
-
     fault = base_config().fault
     window, zscore = fault.spike_window, fault.spike_zscore
     mean_std = [
@@ -81,32 +82,6 @@ def test_default_demo_run_has_no_confirmed_spike():
     hit = list(losses)
     hit[200:202] = [4.0, 3.6]
     assert confirmed_spikes(hit, SpikeDetector(zscore, window, fault.spike_min_jump)) == [200]
-
-
-class _Iter:
-    def __init__(self):
-        self.i = 0
-
-    def __next__(self):
-        self.i += 1
-        return self.i
-
-    def get_state(self):
-        return {"i": self.i}
-
-    def set_state(self, s):
-        self.i = s["i"]
-
-
-def test_lookahead_keeps_the_peeked_batch_and_its_position():
-    it = Lookahead(_Iter())
-    assert next(it) == 1 and it.get_state() == {"i": 1}
-    assert it.peek() == 2 and it.peek() == 2
-    assert it.get_state() == {"i": 1}  # a checkpoint now resumes at the peeked batch
-    assert next(it) == 2 and it.get_state() == {"i": 2} and next(it) == 3
-    it.peek()
-    it.set_state({"i": 0})  # a rollback drops the peeked batch
-    assert next(it) == 1
 
 
 @pytest.mark.slow
@@ -194,3 +169,113 @@ def test_rollback_decided_a_step_late_equals_the_synchronous_loop(tmp_path):
     assert step_late == step_sync == 12
     for x, y in zip(jax.tree.leaves(p_late), jax.tree.leaves(p_sync), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _fault_config(**overrides):
+    f = base_config().fault
+    f.update(overrides)
+    return f
+
+
+def _monitor(events, **overrides):
+    record = lambda step, kind, **details: events.append((step, kind, details))
+    return FaultMonitor(_fault_config(**overrides), record, vocab_size=16)
+
+
+def test_after_step_rolls_back_on_consecutive_skipped_updates():
+    events = []
+    m = _monitor(events, max_bad_steps=2, spike_zscore=0.0)
+    try:
+        assert m.after_step(1, 3.0, False).do is Do.CONTINUE
+        assert m.after_step(2, float("nan"), True).do is Do.CONTINUE  # one skipped update
+        assert m.after_step(3, 3.0, False).do is Do.CONTINUE  # an accepted one resets the count
+        assert m.after_step(4, float("nan"), True).do is Do.CONTINUE
+        action = m.after_step(5, float("nan"), True)
+        assert (action.do, action.step) == (Do.ROLL_BACK, 5) and "2 consecutive" in action.reason
+        m.rolled_back()  # the count starts again after a rollback
+        assert m.after_step(4, float("nan"), True).do is Do.CONTINUE
+        assert m.skipped_updates == 4
+        assert [(s, k) for s, k, _ in events] == [
+            (2, "skipped_update"),
+            (4, "skipped_update"),
+            (5, "skipped_update"),
+            (4, "skipped_update"),
+        ]
+    finally:
+        m.close()
+
+
+def test_after_step_rolls_back_only_on_a_confirmed_spike():
+    """The delayed verdict: after_step(step n) asks the next loss only for an anomalous loss; with
+    spike_confirm a hard batch followed by an ordinary loss continues, a damaged model rolls back;
+    without it the anomalous loss alone rolls back."""
+    window = [3.0, 2.9, 3.1, 3.0, 2.95, 3.05]
+    for confirm, next_loss, expected in [
+        (True, 3.0, Do.CONTINUE),
+        (True, 5.5, Do.ROLL_BACK),
+        (False, 3.0, Do.ROLL_BACK),
+    ]:
+        events, asked = [], []
+        m = _monitor(events, spike_window=6, spike_zscore=4.0, spike_confirm=confirm)
+        try:
+            for step, loss in enumerate(window, start=1):
+                assert m.after_step(step, loss, False, lambda: asked.append(0) or 99.0).do is Do.CONTINUE
+            assert not asked  # ordinary losses never ask for the look-ahead
+            action = m.after_step(7, 6.0, False, lambda: next_loss)
+            assert action.do is expected and action.step == 7
+            assert [k for _, k, _ in events] == (["spike"] if expected is Do.ROLL_BACK else [])
+        finally:
+            m.close()
+
+
+def test_poison_hooks_fire_until_their_step_is_judged():
+    events = []
+    m = _monitor(events, inject_nan_at_steps=(2,), inject_spike_at_steps=(3,))
+    batch = {
+        "input_ids": np.zeros((2, 4), np.int32),
+        "targets": np.ones((2, 4), np.int32),
+        "loss_mask": np.ones((2, 4), np.float32),
+    }
+    try:
+        assert m.poison(1, batch) is batch
+        assert np.isnan(m.poison(2, batch)["loss_mask"]).all()
+        spiked = m.poison(3, batch)
+        assert (spiked["targets"] == 15).all() and (batch["targets"] == 1).all()  # a copy, last id
+        m.after_step(2, 3.0, False)  # judged: a replay of step 2 (after a rollback) is clean
+        assert m.poison(2, batch) is batch and m.poison(3, batch) is not batch
+    finally:
+        m.close()
+
+
+def test_boundary_agrees_on_a_stop_signal_and_close_restores_handlers():
+    assert agree([True, False], 0) == [True, False]  # one process: its own flags
+    before = signal.getsignal(signal.SIGTERM)
+    m = _monitor([])
+    try:
+        b = m.boundary(1, save_due=True)
+        assert (b.stop, b.save) == (False, True)
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: a flag, the process keeps running
+        b = m.boundary(2, save_due=False)
+        assert (b.stop, b.save) == (True, False) and m.stop.signum == signal.SIGTERM
+    finally:
+        m.close()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_watchdog_is_armed_only_for_a_known_program():
+    hung = []
+    m = _monitor([], step_timeout_s=0.2)
+    m.watchdog._on_timeout = lambda step, elapsed: hung.append(step)  # instead of exiting
+    try:
+        m.watch(1, known_program=False)  # compiling: not a hang
+        time.sleep(0.5)
+        assert hung == []
+        m.watch(2, known_program=True)
+        time.sleep(0.6)
+        assert hung == [2]
+        m.watch(3, known_program=True)
+        m.unwatch()
+        time.sleep(0.5)
+        assert hung == [2]
+    finally:
+        m.close()

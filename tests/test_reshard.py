@@ -12,8 +12,10 @@ import pytest
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer
 from zaya_jax.metrics import read_metrics
-from zaya_jax.reshard import abstract_state, reshard
+from zaya_jax.parallel.mesh import mesh_from_config
+from zaya_jax.reshard import reshard
 from zaya_jax.train import train
+from zaya_jax.train_state import abstract_train_state
 
 from test_export import tiny_config
 
@@ -28,7 +30,7 @@ def _losses(w):
 def _params(w, step):
     ck = Checkpointer(str(w), read_only=True)
     c = config_lib.from_json(ck.restore_config(step))
-    _, target = abstract_state(c)
+    target = abstract_train_state(c, config_lib.validate(c), mesh_from_config(c))
     state, _, _ = ck.restore(step, target)
     ck.close()
     return jax.tree.map(np.asarray, (state.params, state.opt_state, state.balancing))

@@ -106,3 +106,38 @@ def test_tiled_moe_step_equals_ragged_dot_step():
     np.testing.assert_allclose(
         bal.get_balancing_biases(got.variables), bal.get_balancing_biases(ref.variables), atol=1e-6
     )
+
+
+def test_one_abstract_train_state_for_the_trainer_and_every_checkpoint_reader():
+    """abstract_train_state (reshard, import_hf, export / load_model, the trainer's restore target,
+    the dry run) is the train program's abstract state: the eval_shape of the initial state with
+    the mesh's shardings (the variables' from variable_shardings), and allocates nothing."""
+    from zaya_jax import config as config_lib
+    from zaya_jax.parallel.mesh import make_mesh
+    from zaya_jax.train_state import abstract_train_state, train_program, variable_shardings
+
+    c = base_config()
+    config_lib.set_model(c, CFG)
+    mesh = make_mesh(data=2, fsdp=2, expert=2)
+    live = len(jax.live_arrays())
+    abstract = abstract_train_state(c, CFG, mesh)
+    assert len(jax.live_arrays()) == live
+    leaves = jax.tree.leaves(abstract)
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    program = train_program(c, CFG, mesh)
+    assert jax.tree.structure(abstract) == jax.tree.structure(program.abstract_state())
+    for a, b in zip(leaves, jax.tree.leaves(program.abstract_state()), strict=True):
+        assert (a.shape, a.dtype, a.sharding) == (b.shape, b.dtype, b.sharding)
+    shapes = jax.eval_shape(program.create)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == jax.tree.map(
+        lambda x: (x.shape, x.dtype), abstract
+    )
+    want = variable_shardings(shapes.variables, mesh)
+    got = jax.tree.map(lambda x: x.sharding, abstract.variables)
+    assert got == want
+    # ZeRO-1: some optimizer state is split over `data` where its param is not
+    specs = [x.sharding.spec for x in jax.tree.leaves(abstract.opt_state)]
+    assert any("data" in jax.tree.leaves(tuple(s)) for s in specs)
+    # without a mesh (a checkpoint read onto one device): everything on the first device
+    single = abstract_train_state(c, CFG)
+    assert {d for x in jax.tree.leaves(single) for d in x.sharding.device_set} == {jax.devices()[0]}

@@ -1,5 +1,7 @@
 """Fault handling of a training run that does not depend on the model: loss-spike detection, the
-step watchdog and the stop signals.
+step watchdog, the stop signals, cross-process agreement and the test hooks that poison a batch,
+behind one `FaultMonitor` whose `after_step(...)` turns a step's (possibly one step late) loss and
+skip flag into what the training loop must do: continue, or roll back.
 
 A loss spike is judged against the last `window` accepted losses with a robust centre and spread
 (median, 1.4826 * median absolute deviation), so one earlier outlier in the window neither hides a
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import faulthandler
 import os
 import signal
@@ -86,39 +89,6 @@ def confirmed_spikes(losses: Sequence[float], detector: SpikeDetector, confirm: 
         if detector.check(loss, nxt) is not None:
             out.append(i)
     return out
-
-
-class Lookahead:
-    """An iterator (with grain's get_state / set_state) that can show its next element early:
-    `peek()` reads it, the next `next()` returns it, and `get_state()` meanwhile is the state
-    before it, so a checkpoint saved after a peek resumes at the peeked element."""
-
-    def __init__(self, it: Any):
-        self._it = it
-        self._peeked: Any = None
-        self._state_before: Any = None
-
-    def __iter__(self) -> Lookahead:
-        return self
-
-    def __next__(self) -> Any:
-        if self._peeked is None:
-            return next(self._it)
-        item, self._peeked = self._peeked, None
-        return item
-
-    def peek(self) -> Any:
-        if self._peeked is None:
-            self._state_before = self._it.get_state()
-            self._peeked = next(self._it)
-        return self._peeked
-
-    def get_state(self) -> Any:
-        return self._state_before if self._peeked is not None else self._it.get_state()
-
-    def set_state(self, state: Any) -> None:
-        self._peeked = None
-        self._it.set_state(state)
 
 
 class StepWatchdog:
@@ -215,3 +185,142 @@ class StepJudge:
 
     def rolled_back(self) -> None:
         self.bad_steps = 0
+
+
+def poison(batch: dict[str, np.ndarray], kind: str, vocab_size: int) -> dict[str, np.ndarray]:
+    """Test hooks (fault.inject_*_at_steps): a NaN loss (loss_mask * NaN), or a large finite one
+    (every target the unused last id)."""
+    batch = dict(batch)
+    if kind == "nan":
+        batch["loss_mask"] = np.asarray(batch["loss_mask"]) * np.float32("nan")
+    else:
+        batch["targets"] = np.full_like(np.asarray(batch["targets"]), vocab_size - 1)
+    return batch
+
+
+AGREE_TIMEOUT_MS = 3_600_000  # a process waits this long for the others to reach the step boundary
+
+
+def agree(flags_: list[bool], round_: int) -> list[bool]:
+    """Every process takes the same decision: the OR over processes of each flag (a no-op with one
+    process). `round_` numbers the calls (the same sequence on every process).
+
+    The exchange goes through the coordination service's key-value store on the hosts, not a device
+    collective: at a step boundary the step just dispatched is still running, and where the runtime
+    runs two executables at once (XLA:CPU does) a device all-gather can pair with that step's
+    collectives on another process (seen: "distributed collective mismatch", an abort)."""
+    import jax  # deferred: the rest of this module needs no accelerator runtime
+
+    if jax.process_count() == 1:
+        return flags_
+    from jax._src import distributed  # the client jax.distributed.initialize connected
+
+    client = distributed.global_state.client
+    me, n = jax.process_index(), jax.process_count()
+    key = lambda r, p: f"zaya_jax/agree/{r}/{p}"
+    client.key_value_set(key(round_, me), "".join("1" if f else "0" for f in flags_))
+    got = [client.blocking_key_value_get(key(round_, p), AGREE_TIMEOUT_MS) for p in range(n)]
+    if round_ > 0:  # every process has set round_, so all have read round_ - 1: drop ours
+        client.key_value_delete(key(round_ - 1, me))
+    return [any(g[i] == "1" for g in got) for i in range(len(flags_))]
+
+
+class Do(enum.Enum):
+    """What the training loop does after a step's verdict."""
+
+    CONTINUE = "continue"
+    ROLL_BACK = "roll_back"  # to the last checkpoint before `step`, skipping the batches since
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """after_step's answer; a stop is decided at the step boundary (`FaultMonitor.boundary`)."""
+
+    do: Do
+    step: int
+    reason: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    """The decisions every process takes together at a step boundary."""
+
+    stop: bool  # a stop signal arrived (on any process)
+    save: bool  # the checkpoint schedule is due (on any process)
+
+
+class FaultMonitor:
+    """All fault handling of one run, from its `config.fault` section.
+
+    poison(step, batch)       the test hook of that step applied (fault.inject_*_at_steps)
+    after_step(step, ...)     the verdict on a finished step, in step order -> Action
+    boundary(step, save_due)  stop / save, agreed over processes
+    watch(step, known)        arms the watchdog for a step (not for one that compiles)
+    rolled_back(), close()
+    `event(step, kind, **details)` records what it saw (events.jsonl).
+    """
+
+    def __init__(self, f: Any, event: Callable[..., None], vocab_size: int):
+        self._event, self._vocab_size = event, vocab_size
+        self._inject = {
+            **{s: "spike" for s in f.inject_spike_at_steps},
+            **{s: "nan" for s in f.inject_nan_at_steps},
+        }
+        self._confirm = bool(f.spike_confirm)
+        self.judge = StepJudge(
+            SpikeDetector(f.spike_zscore, f.spike_window, f.spike_min_jump), f.max_bad_steps, event
+        )
+        self._timeout_s = f.step_timeout_s
+        self.watchdog = StepWatchdog(f.step_timeout_s, on_timeout=self._on_hang) if f.step_timeout_s else None
+        self.stop = StopSignals()
+        self._rounds = 0  # agree() calls so far
+
+    def poison(self, step: int, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if step in self._inject:
+            return poison(batch, self._inject[step], self._vocab_size)
+        return batch
+
+    def after_step(
+        self, step: int, loss: float, skipped: bool, next_loss: Callable[[], float] | None = None
+    ) -> Action:
+        """Step `step`'s verdict from its loss and skip flag: ROLL_BACK (with the reason) on
+        `max_bad_steps` consecutive skipped updates or a spike, which `next_loss()` (the updated
+        model's loss on the next batch, asked for only for an anomalous loss) confirms when
+        fault.spike_confirm; else CONTINUE."""
+        self._inject.pop(step, None)  # a test hook fires once, on a step that was judged
+        reason = self.judge(step, loss, skipped, next_loss if self._confirm else None)
+        return Action(Do.CONTINUE if reason is None else Do.ROLL_BACK, step, reason)
+
+    def boundary(self, step: int, save_due: bool) -> Boundary:
+        stop, save = agree([self.stop.signum is not None, save_due], self._rounds)
+        self._rounds += 1
+        return Boundary(stop=stop, save=save)
+
+    def watch(self, step: int, known_program: bool) -> None:
+        """A step at a batch size not seen yet compiles its program (one per size): not a hang."""
+        if self.watchdog is None:
+            return
+        if known_program:
+            self.watchdog.start(step)
+        else:
+            self.watchdog.stop()
+
+    def unwatch(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+    def rolled_back(self) -> None:
+        self.judge.rolled_back()
+
+    @property
+    def skipped_updates(self) -> int:
+        return self.judge.skipped_updates
+
+    def close(self) -> None:
+        self.stop.restore()
+        if self.watchdog is not None:
+            self.watchdog.close()
+
+    def _on_hang(self, step: int, elapsed: float) -> None:
+        self._event(step, "watchdog", elapsed_s=elapsed, timeout_s=self._timeout_s)
+        StepWatchdog._exit(step, elapsed)

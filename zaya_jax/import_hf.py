@@ -20,18 +20,13 @@ import jax.numpy as jnp
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zaya_jax import balancing as bal
-from zaya_jax import cli
+from zaya_jax import cli, hf
 from zaya_jax import config as config_lib
-from zaya_jax import hf
 from zaya_jax.checkpoint import Checkpointer
-from zaya_jax.model import init_variables
-from zaya_jax.optim.chain import make_optimizer
 from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.pretrained import TOKENIZER_DIR
 from zaya_jax.tokenizer import CONFIG_FILENAME, HF_FILENAME, load_tokenizer
-from zaya_jax.train import balancing_config
-from zaya_jax.train_state import create_train_state, state_shardings
+from zaya_jax.train_state import train_program
 
 
 def import_hf(hf_dir: str, out: str, c=None) -> dict:
@@ -44,24 +39,22 @@ def import_hf(hf_dir: str, out: str, c=None) -> dict:
         c = config_lib.base_config()
         config_lib.set_model(c, hf_cfg)
     cfg = config_lib.validate(c)
-    want = jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0)))
+    # the config's train program (optimizer, balancing, shardings): its abstract state is what the
+    # HF tensors must match, its fresh state takes them in place of the random ones
+    program = train_program(c, cfg, mesh_from_config(c))
+    want = program.abstract_state().variables
     got_shapes = jax.tree.map(lambda x: tuple(x.shape), variables)
     want_shapes = jax.tree.map(lambda x: tuple(x.shape), want)
     if got_shapes != want_shapes:
         raise ValueError(
             f"{hf_dir}: its tensors do not match config.model (compare config.json with the --config)"
         )
-    mesh = mesh_from_config(c)
-    tx = make_optimizer(c, total_steps=c.train.steps)
-    bal_cfg = balancing_config(c) or bal.BalancingConfig()
-    create = lambda: create_train_state(cfg, tx, bal_cfg, jax.random.key(c.seed))
-    shardings = state_shardings(jax.eval_shape(create), mesh, zero1=c.mesh.zero1)
-    state = jax.jit(create, out_shardings=shardings)()
+    state = jax.jit(program.create, out_shardings=program.shardings)()
     cast = lambda new, old, s: jax.device_put(jnp.asarray(new, old.dtype), s)
     state = dataclasses.replace(
         state,
-        params=jax.tree.map(cast, variables["params"], state.params, shardings.params),
-        balancing=jax.tree.map(cast, variables["balancing"], state.balancing, shardings.balancing),
+        params=jax.tree.map(cast, variables["params"], state.params, program.shardings.params),
+        balancing=jax.tree.map(cast, variables["balancing"], state.balancing, program.shardings.balancing),
     )
     ck = Checkpointer(out, keep=0, async_save=False)
     if ck.latest_step() is not None:
@@ -83,7 +76,7 @@ FLAGS = flags.FLAGS
 
 
 def _define_flags() -> None:
-    """CLI flags, defined only when run as a program (zaya_jax.train owns --config when imported)."""
+    """CLI flags, defined only when run as a program."""
     config_flags.DEFINE_config_file(
         "config", None, "Training config file whose model section matches.", lock_config=True
     )

@@ -27,14 +27,13 @@ import os
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, checkpoint_workdir
-from zaya_jax.model import BALANCING, ZayaConfig, init_variables
-from zaya_jax.parallel.sharding import param_shardings
+from zaya_jax.model import ZayaConfig
 from zaya_jax.tokenizer import CONFIG_FILENAME, HF_FILENAME, ByteTokenizer, Tokenizer, load_tokenizer
+from zaya_jax.train_state import abstract_train_state, variable_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,14 +49,6 @@ class Pretrained:
 
 def is_hf_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json"))
-
-
-def variable_shardings(variables: Any, mesh: Mesh) -> dict[str, Any]:
-    """Params by the sharding table (FSDP / expert axes); the small balancing biases replicated."""
-    return {
-        "params": param_shardings(variables["params"], mesh),
-        BALANCING: jax.tree.map(lambda _: NamedSharding(mesh, P()), variables[BALANCING]),
-    }
 
 
 def load_checkpoint_variables(path: str, mesh: Mesh | None = None):
@@ -79,16 +70,7 @@ def load_checkpoint_variables(path: str, mesh: Mesh | None = None):
             )
         c = config_lib.from_json(ck.restore_config(step))
         cfg = config_lib.model_config(c)
-        shapes = jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0)))
-        if mesh is None:
-            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            shardings = jax.tree.map(lambda _: device, shapes)
-        else:
-            shardings = variable_shardings(shapes, mesh)
-        abstract = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
-        )
-        variables = ck.restore_params(step, abstract)
+        variables = ck.restore_params(step, abstract_train_state(c, cfg, mesh).variables)
     finally:
         ck.close()
     return c, cfg, variables, step

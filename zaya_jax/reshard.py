@@ -3,7 +3,7 @@
 Restores a training checkpoint (WORKDIR, WORKDIR/checkpoints or .../<step>) onto a different device
 mesh and saves it under DST (same step, same data position; the saved config gets the new mesh).
 Orbax reads each array straight into the shards of the new layout: the restore target is the
-abstract TrainState carrying `train_state.state_shardings(..., new_mesh)`. Mesh keys not given keep
+abstract TrainState of the new mesh (`train_state.abstract_train_state`). Mesh keys not given keep
 the source's values. `--config.mesh.zero1` may be changed too. A run on the new mesh then
 resumes from DST (`python -m zaya_jax.train --workdir DST ...` with the same config and new mesh).
 """
@@ -22,16 +22,9 @@ from zaya_jax import cli
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, checkpoint_workdir
 from zaya_jax.parallel.mesh import mesh_from_config
-from zaya_jax.train_state import train_program
+from zaya_jax.train_state import abstract_train_state
 
 MESH_KEYS = ("data", "fsdp", "expert", "zero1")
-
-
-def abstract_state(c: ml_collections.ConfigDict):
-    """(mesh, abstract TrainState with that mesh's shardings) of a training config."""
-    cfg = config_lib.validate(c)
-    mesh = mesh_from_config(c)
-    return mesh, train_program(c, cfg, mesh).abstract_state()
 
 
 def reshard(src: str, dst: str, mesh: dict[str, Any], *, step: int | None = None) -> dict[str, Any]:
@@ -45,7 +38,9 @@ def reshard(src: str, dst: str, mesh: dict[str, Any], *, step: int | None = None
     for k, v in mesh.items():
         if v is not None:
             c.mesh[k] = v
-    new_mesh, target = abstract_state(c)
+    cfg = config_lib.validate(c)
+    new_mesh = mesh_from_config(c)
+    target = abstract_train_state(c, cfg, new_mesh)
     state, data_state, _ = ck.restore(step, target)
     ck.close()
     out = Checkpointer(dst, keep=0, async_save=False)

@@ -23,6 +23,12 @@ stopped at, and the last step, is read before anything else is dispatched (a che
 written for a step whose loss was not checked); its spike confirmation is an eval step on the
 next batch. `train.sync_every_step` reads every step that way.
 
+Where things are: this module holds the CLI and `Trainer` (set-up helpers, then a loop of next
+batch, step, faults, log, evaluate, save); zaya_jax/train_state.py the train state, its abstract
+sharded form and the jitted train / eval steps; zaya_jax/fault.py every fault decision
+(`FaultMonitor.after_step`); zaya_jax/train_eval.py the evaluations; zaya_jax/checkpoint.py the
+Orbax checkpoints; zaya_jax/metrics.py the metric records.
+
 `--dry_run` (no --workdir) compiles this train step at full size on simulated CPU devices and
 prints memory per device, collectives and compile time instead (zaya_jax/dry_run.py).
 """
@@ -30,15 +36,14 @@ prints memory per device, collectives and compile time instead (zaya_jax/dry_run
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-import math
 import os
 import time
 from typing import Any, Callable
 
 import jax
 import ml_collections
-import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -48,105 +53,21 @@ from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, ch
 from zaya_jax.cli import UserError
 from zaya_jax.data import mixture as mixture_lib
 from zaya_jax.data.pipeline import (
+    Lookahead,
     batch_sequences,
     load_documents,
     make_dataset,
-    make_eval_dataset,
     source_tokenizer,
 )
 from zaya_jax.data.ramp import BatchRamp, parse_batch_ramp
 from zaya_jax.events import EventLog
-from zaya_jax.fault import Lookahead, SpikeDetector, StepJudge, StepWatchdog, StopSignals
-from zaya_jax.metrics import MetricsLogger
+from zaya_jax.fault import Do, FaultMonitor
+from zaya_jax.metrics import MetricsLogger, to_python
 from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.parallel.sharding import shard_batch
-from zaya_jax.train_state import (  # noqa: F401  (balancing_config: re-exported for the CLIs)
-    TrainState,
-    balancing_config,
-    check_batch_divides,
-    make_eval_step,
-    train_program,
-)
-
-
-def _to_python(metrics: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for k, v in jax.device_get(metrics).items():
-        v = np.asarray(v)
-        out[k] = v.tolist() if v.ndim else v.item()
-    return out
-
-
-def evaluate(eval_step, variables, c: ml_collections.ConfigDict, mesh) -> dict[str, float]:
-    """Held-out loss of data.path, or of each mixture source (`eval_loss/<name>`) and the mixture's
-    `eval_loss` = the weight-averaged per-source loss (the expected loss of a held-out token drawn
-    in the training proportions)."""
-    if not c.data.mixture:
-        return _held_out_loss(eval_step, variables, c, mesh, c.data.path)
-    out, loss, tokens = {}, 0.0, 0.0
-    for source in mixture_lib.parse_mixture(c.data.mixture):
-        r = _held_out_loss(eval_step, variables, c, mesh, source.path)
-        out[f"eval_loss/{source.name}"] = r["eval_loss"]
-        loss += source.weight * r["eval_loss"]
-        tokens += r["eval_tokens"]
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0)), "eval_tokens": tokens, **out}
-
-
-def _held_out_loss(eval_step, variables, c: ml_collections.ConfigDict, mesh, path) -> dict[str, float]:
-    """Held-out loss over `eval.batches` batches (0 = the whole split); token-weighted mean."""
-    ds = make_eval_dataset(
-        path,
-        seq_len=c.train.seq_len,
-        global_batch_size=c.eval.batch_size,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        num_threads=c.data.num_threads,
-    )
-    loss_sum, weight = 0.0, 0.0
-    for i, batch in enumerate(ds):
-        if c.eval.batches and i >= c.eval.batches:
-            break
-        out = jax.device_get(eval_step(variables, shard_batch(batch, mesh)))
-        loss_sum += float(out["loss_sum"])
-        weight += float(out["weight"])
-    loss = loss_sum / max(weight, 1.0)
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0)), "eval_tokens": weight}
-
-
-# the metrics of each downstream task kind logged at every evaluation
-TASK_METRICS = {
-    "mc": ("acc", "acc_norm"),
-    "text": ("bits_per_byte", "loss"),
-    "tokens": ("bits_per_byte", "loss"),
-}
-
-
-def downstream_tasks(c: ml_collections.ConfigDict, cfg, tokenizer, mesh) -> Callable[[Any], dict] | None:
-    """eval.tasks read and tokenised once -> fn(variables) -> {task: {metric: value}} (None if none).
-
-    Scored like `python -m zaya_jax.evaluate` (zaya_jax/evaluate), on the training mesh, from the
-    document boundary the packer uses (EOS)."""
-    if not c.eval.tasks:
-        return None
-    from zaya_jax.evaluate import Scorer, TaskSuite, parse_data_spec
-
-    max_len = c.eval.task_max_len or c.train.seq_len
-    suite = TaskSuite(
-        [parse_data_spec(s) for s in c.eval.tasks],
-        tokenizer,
-        tokenizer.eos_id,
-        max_len,
-        limit=c.eval.task_limit or None,
-    )
-    batch = -(-c.eval.batch_size // mesh.size) * mesh.size
-    scorer = Scorer(cfg, mesh=mesh, batch_size=batch, max_len=max_len, min_bucket=min(64, max_len))
-
-    def run(variables) -> dict:
-        results, _ = suite.run(scorer, variables)
-        return {name: {k: r[k] for k in TASK_METRICS[r["kind"]]} for name, r in results.items()}
-
-    return run
+from zaya_jax.train_eval import downstream_tasks, evaluate
+from zaya_jax.train_state import TrainState, check_batch_divides, make_eval_step, train_program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,28 +100,241 @@ def _lookahead_loss(eval_step, state: TrainState, batch: dict[str, jax.Array]) -
     return float(out["loss_sum"]) / max(float(out["weight"]), 1.0)
 
 
-def _poison(batch: dict[str, np.ndarray], kind: str, vocab_size: int) -> dict[str, np.ndarray]:
-    """Test hooks: a NaN loss (loss_mask * NaN) or a large finite one (every target the unused last id)."""
-    batch = dict(batch)
-    if kind == "nan":
-        batch["loss_mask"] = np.asarray(batch["loss_mask"]) * np.float32("nan")
-    else:
-        batch["targets"] = np.full_like(np.asarray(batch["targets"]), vocab_size - 1)
-    return batch
-
-
-def _agree(flags_: list[bool]) -> list[bool]:
-    """Every process takes the same decision (OR over processes); a no-op with one process."""
-    if jax.process_count() == 1:
-        return flags_
-    from jax.experimental import multihost_utils
-
-    got = multihost_utils.process_allgather(np.asarray(flags_, np.int32))
-    return [bool(v) for v in np.asarray(got).reshape(-1, len(flags_)).any(axis=0)]
+def _train_loss(p: _InFlight) -> float:
+    """A dispatched step's train loss (computed before its update): the previous update's model on
+    this step's batch, which confirms or clears a spike of the previous step."""
+    return float(jax.device_get(p.metrics["loss"]))
 
 
 def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Runs (or resumes) the training described by `c` in `workdir`. Returns a summary dict."""
+    return Trainer(c, workdir).run()
+
+
+class Trainer:
+    """One training run (module docstring): the set-up in __init__ (validated inputs, mesh, train
+    program, data, checkpoints, the state restored or created), the loop in `run`.
+
+    Loop state: `step` (the last step dispatched and kept), `state` (the train state after it),
+    `ahead` (the next step's batch, put on the devices while a step runs), `pending` (a dispatched
+    step whose loss is not read yet), `tokens_since` / `t_last` (throughput since the last log).
+    """
+
+    def __init__(self, c: ml_collections.ConfigDict, workdir: str):
+        self.c, self.workdir = c, workdir
+        self.cfg, self.sources, tokenizer = _checked_inputs(c, workdir)
+        self.seq_len, self.steps = c.train.seq_len, c.train.steps
+        self.primary = jax.process_index() == 0
+        self.events = EventLog(workdir, enabled=self.primary)
+        self.mesh = mesh_from_config(c)
+        check_batch_divides(c, self.mesh.size)
+        self.ramp = _batch_ramp(c, self.mesh.size)
+        self.program = train_program(c, self.cfg, self.mesh)
+        # The restore target: a resume reads straight into the sharded arrays, and the fresh state is
+        # built only when there is nothing to restore (one train state in memory, not two).
+        self.abstract_state = self.program.abstract_state()
+        train_ds, self.mixture = _train_dataset(c, self.sources, self.ramp)
+        if self.mixture is not None and self.primary:
+            print(
+                mixture_lib.epochs_report(self.sources, self.mixture, self.ramp.consumed(self.steps)),
+                flush=True,
+            )
+        self.data = Lookahead(iter(train_ds))
+        self.eval_step = jax.jit(make_eval_step(self.cfg, self.mesh))
+        self.downstream = downstream_tasks(c, self.cfg, tokenizer, self.mesh)
+        self.ckpt = _checkpointer(c, workdir)
+        self.config_json = json.loads(c.to_json_best_effort())
+        self.state = self._restore_or_create()
+        self.step = start = int(self.state.step)
+        self.peak = sizing.peak_flops_per_device()
+        self.summary: dict[str, Any] = {
+            "start_step": start,
+            "mesh": dict(self.mesh.shape),
+            "rollbacks": 0,
+            "skipped_updates": 0,
+            "batch_sizes": [],
+        }
+        self.ahead: _Batch | None = None
+        self.pending: _InFlight | None = None
+        self.t_last, self.tokens_since = time.perf_counter(), 0
+
+    def run(self) -> dict[str, Any]:
+        self.faults = FaultMonitor(self.c.fault, self.events.write, self.cfg.vocab_size)
+        # Process 0 owns WORKDIR/metrics.jsonl and TensorBoard; the others keep their own record.
+        log_dir = (
+            self.workdir if self.primary else os.path.join(self.workdir, f"process_{jax.process_index()}")
+        )
+        try:
+            with MetricsLogger(
+                log_dir,
+                total_steps=self.steps,
+                tensorboard=self.c.logging.tensorboard and self.primary,
+                console=self.c.logging.console,
+                resume_step=self.step,
+            ) as self.logger:
+                self.t_last, self.tokens_since = time.perf_counter(), 0
+                self._loop()
+        finally:
+            self.faults.close()
+            self.ckpt.close()  # waits for the last save; on an error too (no "Event loop is closed")
+        self.summary["skipped_updates"] = self.faults.skipped_updates
+        self.summary["final_step"] = int(self.state.step)
+        self.summary["train_programs"] = self.program.train_step._cache_size()
+        return self.summary
+
+    def _loop(self) -> None:
+        """Next batch, step, faults, log, evaluate, save; see the module docstring for the order."""
+        c, steps = self.c, self.steps
+        while self.step < steps:
+            done = self.step + 1
+            current = self._dispatch(done)  # returns before the step ends
+            if self.pending is not None:  # the previous step's verdict, read while this one runs
+                pending, self.pending = self.pending, None
+                if self._judge(pending, *_read(pending), functools.partial(_train_loss, current)):
+                    continue  # step `done` ran on a discarded state: its result is dropped
+            self.pending, self.step = current, done
+            at = self.faults.boundary(done, self.ckpt.due(done))
+            log_due = done % c.logging.every_steps == 0 or done == steps
+            eval_due = bool(c.eval.every_steps and done % c.eval.every_steps == 0) or done == steps
+            if not (c.train.sync_every_step or at.stop or at.save or log_due or eval_due):
+                continue  # step `done` is judged after step done + 1 is dispatched
+            # What follows must see this step's verdict (a checkpoint is never written for a step
+            # whose loss was not checked): read it now.
+            self.pending = None
+            loss, skipped = _read(current)
+            self.faults.unwatch()
+            next_loss = functools.partial(self._eval_next_loss, done + 1, self.state)
+            if self._judge(current, loss, skipped, next_loss):
+                continue
+            if log_due:
+                self._log(done, current.metrics)
+            if eval_due:
+                self._evaluate(done)
+            if at.save or at.stop or done == steps:
+                self._save(done, "signal" if at.stop else ("final" if done == steps else "periodic"))
+            if at.stop:
+                self._stop(done)
+                break
+
+    def _fetch(self, n: int) -> _Batch:
+        """Step n's batch on the devices: the iterator's next element, peeked (a checkpoint saved
+        meanwhile resumes at it), with step n's test hook applied."""
+        host = self.faults.poison(n, self.data.peek())
+        return _Batch(n, shard_batch(host, self.mesh), host["input_ids"].shape[0] * jax.process_count())
+
+    def _dispatch(self, n: int) -> _InFlight:
+        """Dispatches step n on its batch, and fetches step n + 1's while it runs."""
+        if self.ahead is None or self.ahead.step != n:
+            self.ahead = self._fetch(n)
+        batch, self.ahead = self.ahead, None
+        next(self.data)  # the peeked batch, now this step's
+        seen = self.summary["batch_sizes"]
+        self.faults.watch(n, known_program=batch.global_batch in seen)
+        if batch.global_batch not in seen:
+            seen.append(batch.global_batch)
+        self.state, metrics = self.program.train_step(self.state, batch.batch)
+        if n < self.steps:
+            self.ahead = self._fetch(n + 1)
+        return _InFlight(n, metrics, batch.global_batch)
+
+    def _judge(self, p: _InFlight, loss: float, skipped: bool, next_loss: Callable[[], float]) -> bool:
+        """Step p's verdict; True if it rolled the run back."""
+        self.tokens_since += p.global_batch * self.seq_len
+        action = self.faults.after_step(p.step, loss, skipped, next_loss)
+        return action.do is Do.ROLL_BACK and self._roll_back(action.step, action.reason)
+
+    def _eval_next_loss(self, n: int, updated: TrainState) -> float:
+        """No step n in flight: an eval step measures the updated model's loss on its batch."""
+        if self.ahead is None:
+            self.ahead = self._fetch(n)
+        return _lookahead_loss(self.eval_step, updated, self.ahead.batch)
+
+    def _roll_back(self, k: int, reason: str) -> bool:
+        """Restores the last checkpoint before step k and skips the batches of the steps since, k's
+        included; False if there is none."""
+        self.ckpt.wait()
+        back = self.ckpt.restore_latest(self.abstract_state, max_step=k - 1, on_corrupt=self._on_corrupt)
+        if back is None:
+            self.events.write(k, "rollback_impossible", reason=reason)
+            logging.warning("%s at step %d but no checkpoint to roll back to; continuing", reason, k)
+            return False
+        to, self.state, data_state, _ = back
+        self.data.set_state(data_state)  # drops a prefetched batch
+        self.ahead = None
+        for _ in range(k - to):  # the batches of steps to+1..k, the offending one included
+            next(self.data)
+        skipped = list(range(to + 1, k + 1))
+        self.events.write(k, "rollback", reason=reason, to_step=to, skipped_batches=skipped)
+        print(
+            f"ROLLBACK at step {k}: {reason}; restored step {to}, skipped the batches of steps {to + 1}..{k}",
+            flush=True,
+        )
+        self.summary["rollbacks"] += 1
+        self.logger.truncate_after(to)
+        self.faults.rolled_back()
+        self.step = to
+        self.t_last, self.tokens_since = time.perf_counter(), 0
+        return True
+
+    def _log(self, step: int, metrics: dict[str, jax.Array]) -> None:
+        m = {k: to_python(v) for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        m["tokens_per_second"] = self.tokens_since / max(now - self.t_last, 1e-9)
+        m["skipped_steps"] = int(self.state.skipped_steps)
+        util = sizing.mfu(m["tokens_per_second"], self.cfg, self.seq_len, self.mesh.size, self.peak)
+        if util is not None:
+            m["mfu"] = util
+        m.update(_data_position(self.data, self.ramp, self.mixture, self.sources, self.seq_len))
+        self.logger.log_train(step, m)
+        self.t_last, self.tokens_since = now, 0
+        self.summary["loss"] = m["loss"]
+
+    def _evaluate(self, step: int) -> None:
+        ev = evaluate(self.eval_step, self.state.variables, self.c, self.mesh)
+        if self.downstream is not None:
+            ev.update(self.downstream(self.state.variables))
+        self.logger.log_eval(step, ev)
+        self.summary.update(ev)
+        self.t_last = time.perf_counter()  # evaluation time is not training throughput
+
+    def _save(self, step: int, reason: str) -> None:
+        self.ckpt.save(step, self.state, self.data.get_state(), self.config_json)
+        self.events.write(step, "save", reason=reason)
+
+    def _stop(self, step: int) -> None:
+        self.ckpt.wait()
+        signum = self.faults.stop.signum
+        self.events.write(step, "sigterm", signal=signum)
+        print(f"signal {signum}: saved step {step}, exiting", flush=True)
+        self.summary["stopped_by_signal"] = signum
+
+    def _on_corrupt(self, step: int, msg: str) -> None:
+        self.events.write(step, "corrupt_checkpoint", error=msg)
+
+    def _restore_or_create(self) -> TrainState:
+        """The latest readable checkpoint (data position included), else a fresh state (from
+        train.init_from when set)."""
+        try:
+            restored = self.ckpt.restore_latest(
+                self.abstract_state, on_corrupt=self._on_corrupt, config=self.config_json
+            )
+            if restored is not None:
+                step, state, data_state, _ = restored
+                self.data.set_state(data_state)
+                path = os.path.join(self.ckpt.directory, str(step))
+                self.events.write(int(state.step), "resume", checkpoint=path)
+                return state
+            _refuse_fresh_start_after_quarantine(self.ckpt, self.c)
+            state = jax.jit(self.program.create, out_shardings=self.program.shardings)()
+            return _init_from(state, self.c.train.init_from) if self.c.train.init_from else state
+        except BaseException:
+            self.ckpt.close()  # a clean shutdown of Orbax's threads, whatever the error
+            raise
+
+
+def _checked_inputs(c: ml_collections.ConfigDict, workdir: str):
+    """(validated ZayaConfig, data.mixture sources or None, the data's tokenizer), every input
+    checked before anything is built; creates `workdir`."""
     cfg = config_lib.validate(c)
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise UserError(f"--workdir {workdir} is a file, not a directory")
@@ -215,232 +349,27 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             f"config.model.vocab_size={cfg.vocab_size} is smaller than the data's tokenizer "
             f"vocabulary ({tokenizer.vocab_size}, {tokenizer.name})"
         )
-    steps, seq_len, batch_size = c.train.steps, c.train.seq_len, c.train.batch_size
-    primary = jax.process_index() == 0
-    events = EventLog(workdir, enabled=primary)
+    return cfg, sources, tokenizer
 
-    mesh = mesh_from_config(c)
-    check_batch_divides(c, mesh.size)
-    ramp = parse_batch_ramp(c.train.batch_ramp, batch_size)
+
+def _batch_ramp(c: ml_collections.ConfigDict, devices: int) -> BatchRamp:
+    ramp = parse_batch_ramp(c.train.batch_ramp, c.train.batch_size)
     try:
-        ramp.check_divisible(mesh.size, c.train.grad_accum)
+        ramp.check_divisible(devices, c.train.grad_accum)
     except ValueError as e:
         raise ValueError(f"config.train.batch_ramp={c.train.batch_ramp!r}: {e}") from None
-    program = train_program(c, cfg, mesh)
-    # The restore target: a resume reads straight into the sharded arrays, and the fresh state is
-    # built only when there is nothing to restore (one train state in memory, not two).
-    abstract_state = program.abstract_state()
+    return ramp
 
-    train_ds, mixture = _train_dataset(c, sources, ramp)
-    if mixture is not None and primary:
-        print(mixture_lib.epochs_report(sources, mixture, ramp.consumed(steps)), flush=True)
-    data_iter = Lookahead(iter(train_ds))
 
-    train_step = program.train_step
-    eval_step = jax.jit(make_eval_step(cfg, mesh))
-    downstream = downstream_tasks(c, cfg, tokenizer, mesh)
-
-    ckpt = Checkpointer(
+def _checkpointer(c: ml_collections.ConfigDict, workdir: str) -> Checkpointer:
+    k = c.checkpoint
+    return Checkpointer(
         workdir,
-        keep=c.checkpoint.keep,
-        keep_period=c.checkpoint.keep_period,
-        every_steps=c.checkpoint.every_steps,
-        every_minutes=c.checkpoint.every_minutes,
+        keep=k.keep,
+        keep_period=k.keep_period,
+        every_steps=k.every_steps,
+        every_minutes=k.every_minutes,
     )
-    on_corrupt = lambda step, msg: events.write(step, "corrupt_checkpoint", error=msg)
-    config_json = json.loads(c.to_json_best_effort())
-    try:
-        restored = ckpt.restore_latest(abstract_state, on_corrupt=on_corrupt, config=config_json)
-        if restored is not None:
-            _, state, data_state, _ = restored
-            data_iter.set_state(data_state)
-            events.write(int(state.step), "resume", checkpoint=os.path.join(ckpt.directory, str(restored[0])))
-        else:
-            _refuse_fresh_start_after_quarantine(ckpt, c)
-            state = jax.jit(program.create, out_shardings=program.shardings)()
-            if c.train.init_from:
-                state = _init_from(state, c.train.init_from)
-    except BaseException:
-        ckpt.close()  # a clean shutdown of Orbax's threads, whatever the error
-        raise
-    start = int(state.step)
-
-    peak = sizing.peak_flops_per_device()
-
-    f = c.fault
-    inject = {**{s: "spike" for s in f.inject_spike_at_steps}, **{s: "nan" for s in f.inject_nan_at_steps}}
-    spikes = SpikeDetector(f.spike_zscore, f.spike_window, f.spike_min_jump)
-    judge = StepJudge(spikes, f.max_bad_steps, events.write)
-
-    def on_hang(step: int, elapsed: float) -> None:
-        events.write(step, "watchdog", elapsed_s=elapsed, timeout_s=f.step_timeout_s)
-        StepWatchdog._exit(step, elapsed)
-
-    watchdog = StepWatchdog(f.step_timeout_s, on_timeout=on_hang) if f.step_timeout_s else None
-    stop = StopSignals()
-
-    def fetch(n: int) -> _Batch:
-        """Step n's batch on the devices: the iterator's next element, peeked (a checkpoint saved
-        meanwhile resumes at it), with step n's test hook applied."""
-        host = data_iter.peek()
-        if n in inject:
-            host = _poison(host, inject[n], cfg.vocab_size)
-        return _Batch(n, shard_batch(host, mesh), host["input_ids"].shape[0] * jax.process_count())
-
-    summary: dict[str, Any] = {
-        "start_step": start,
-        "mesh": dict(mesh.shape),
-        "rollbacks": 0,
-        "skipped_updates": 0,
-        "batch_sizes": [],
-    }
-    # Process 0 owns WORKDIR/metrics.jsonl and TensorBoard; the others keep their own record.
-    log_dir = workdir if primary else os.path.join(workdir, f"process_{jax.process_index()}")
-    try:
-        with MetricsLogger(
-            log_dir,
-            total_steps=steps,
-            tensorboard=c.logging.tensorboard and primary,
-            console=c.logging.console,
-            resume_step=start,
-        ) as logger:
-            t_last, tokens_since = time.perf_counter(), 0
-            step, first = start, True
-            ahead: _Batch | None = None  # the next step's batch, put on the devices while a step runs
-            pending: _InFlight | None = None  # a dispatched step whose loss is not read yet
-
-            def verdict(
-                p: _InFlight, loss: float, skipped: bool, next_loss: Callable[[], float]
-            ) -> str | None:
-                nonlocal tokens_since
-                inject.pop(p.step, None)  # a test hook fires once, on a step that was judged
-                tokens_since += p.global_batch * seq_len
-                return judge(p.step, loss, skipped, next_loss if f.spike_confirm else None)
-
-            def roll_back(k: int, reason: str) -> bool:
-                """Restores the last checkpoint before step k and skips the batches of the steps
-                since, k's included; False if there is none."""
-                nonlocal state, step, t_last, tokens_since, ahead
-                ckpt.wait()
-                back = ckpt.restore_latest(abstract_state, max_step=k - 1, on_corrupt=on_corrupt)
-                if back is None:
-                    events.write(k, "rollback_impossible", reason=reason)
-                    logging.warning("%s at step %d but no checkpoint to roll back to; continuing", reason, k)
-                    return False
-                to, state, data_state, _ = back
-                data_iter.set_state(data_state)  # drops a prefetched batch
-                ahead = None
-                for _ in range(k - to):  # the batches of steps to+1..k, the offending one included
-                    next(data_iter)
-                events.write(
-                    k, "rollback", reason=reason, to_step=to, skipped_batches=list(range(to + 1, k + 1))
-                )
-                print(
-                    f"ROLLBACK at step {k}: {reason}; restored step {to}, skipped the batches of "
-                    f"steps {to + 1}..{k}",
-                    flush=True,
-                )
-                summary["rollbacks"] += 1
-                logger.truncate_after(to)
-                judge.rolled_back()
-                step = to
-                t_last, tokens_since = time.perf_counter(), 0
-                return True
-
-            while step < steps:
-                done = step + 1
-                if ahead is None or ahead.step != done:
-                    ahead = fetch(done)
-                current_batch, ahead = ahead, None
-                next(data_iter)  # the peeked batch, now this step's
-                global_batch = current_batch.global_batch
-                # a step at a batch size not seen yet compiles its program (one per size): not a hang
-                if watchdog is not None:
-                    if not first and global_batch in summary["batch_sizes"]:
-                        watchdog.start(done)
-                    else:
-                        watchdog.stop()
-                if global_batch not in summary["batch_sizes"]:
-                    summary["batch_sizes"].append(global_batch)
-                state, metrics = train_step(state, current_batch.batch)  # returns before the step ends
-                first = False
-                current = _InFlight(done, metrics, global_batch)
-                if done < steps:
-                    ahead = fetch(done + 1)  # while step `done` runs
-
-                if pending is not None:  # the previous step's verdict, read while this one runs
-                    loss, skipped = _read(pending)
-                    # the train loss of step `done` is the updated model's loss on the next batch
-                    next_loss = lambda p=current: float(jax.device_get(p.metrics["loss"]))
-                    reason = verdict(pending, loss, skipped, next_loss)
-                    pending = None
-                    if reason is not None and roll_back(done - 1, reason):
-                        continue  # step `done` ran on a discarded state: its result is dropped
-                pending, step = current, done
-                stopping, due = _agree([stop.signum is not None, ckpt.due(done)])
-                log_due = done % c.logging.every_steps == 0 or done == steps
-                eval_due = (c.eval.every_steps and done % c.eval.every_steps == 0) or done == steps
-                if not (c.train.sync_every_step or stopping or due or log_due or eval_due):
-                    continue  # step `done` is judged after step done + 1 is dispatched
-
-                # What follows must see this step's verdict (a checkpoint is never written for a
-                # step whose loss was not checked): read it now.
-                pending = None
-                loss, skipped = _read(current)
-                if watchdog is not None:
-                    watchdog.stop()
-
-                def eval_next_loss(n: int = done + 1, updated: TrainState = state) -> float:
-                    nonlocal ahead  # no next step in flight: the eval step measures the loss
-                    if ahead is None:
-                        ahead = fetch(n)
-                    return _lookahead_loss(eval_step, updated, ahead.batch)
-
-                reason = verdict(current, loss, skipped, eval_next_loss)
-                if reason is not None and roll_back(done, reason):
-                    continue
-
-                if log_due:
-                    m = _to_python(metrics)
-                    now = time.perf_counter()
-                    m["tokens_per_second"] = tokens_since / max(now - t_last, 1e-9)
-                    m["skipped_steps"] = int(state.skipped_steps)
-                    util = sizing.mfu(m["tokens_per_second"], cfg, seq_len, mesh.size, peak)
-                    if util is not None:
-                        m["mfu"] = util
-                    m.update(_data_position(data_iter, ramp, mixture, sources, seq_len))
-                    logger.log_train(done, m)
-                    t_last, tokens_since = now, 0
-                    summary["loss"] = m["loss"]
-                if eval_due:
-                    ev = evaluate(eval_step, state.variables, c, mesh)
-                    if downstream is not None:
-                        ev.update(downstream(state.variables))
-                    logger.log_eval(done, ev)
-                    summary.update(ev)
-                    t_last = time.perf_counter()  # evaluation time is not training throughput
-                if due or done == steps or stopping:
-                    ckpt.save(done, state, data_iter.get_state(), config_json)
-                    events.write(
-                        done,
-                        "save",
-                        reason="signal" if stopping else ("final" if done == steps else "periodic"),
-                    )
-                if stopping:
-                    ckpt.wait()
-                    events.write(done, "sigterm", signal=stop.signum)
-                    print(f"signal {stop.signum}: saved step {done}, exiting", flush=True)
-                    summary["stopped_by_signal"] = stop.signum
-                    break
-    finally:
-        stop.restore()
-        if watchdog is not None:
-            watchdog.close()
-        ckpt.close()  # waits for the last save; on an error too (no "Event loop is closed")
-    summary["skipped_updates"] = judge.skipped_updates
-    summary["final_step"] = int(state.step)
-    summary["train_programs"] = train_step._cache_size()
-    return summary
 
 
 def _train_dataset(c: ml_collections.ConfigDict, sources, ramp: BatchRamp):
@@ -523,8 +452,7 @@ FLAGS = flags.FLAGS
 
 
 def _define_flags() -> None:
-    """CLI flags, defined only when run as a program, so that other CLIs (export, import_hf,
-    reshard) can import this module and define their own --config."""
+    """CLI flags, defined only when run as a program: importing this module defines none."""
     config_flags.DEFINE_config_file(
         "config", None, "Training config file (configs/<name>.py[:arg]).", lock_config=True
     )

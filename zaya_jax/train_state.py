@@ -24,6 +24,7 @@ from zaya_jax import balancing as bal
 from zaya_jax.loss import chunked_cross_entropy
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
+from zaya_jax.parallel.mesh import make_mesh
 from zaya_jax.parallel.sharding import BATCH_AXES, batch_sharding, opt_state_shardings, param_shardings
 
 Batch = dict[str, jax.Array]  # input_ids / targets int32 [B, S], loss_mask fp32 [B, S]
@@ -58,15 +59,25 @@ def create_train_state(
     )
 
 
+def variable_shardings(variables: Any, mesh: Mesh) -> dict[str, Any]:
+    """Where the model's variables live: params by the sharding table (FSDP / expert axes), the
+    small balancing biases replicated."""
+    return {
+        "params": param_shardings(variables["params"], mesh),
+        BALANCING: jax.tree.map(lambda _: NamedSharding(mesh, P()), variables[BALANCING]),
+    }
+
+
 def state_shardings(state: TrainState, mesh: Mesh, zero1: bool = True) -> TrainState:
-    """Where each part of the state lives: params by the sharding table (FSDP / expert axes),
-    optimizer state like its params plus ZeRO-1 over `data`, small things replicated."""
+    """Where each part of the state lives: the variables as `variable_shardings`, optimizer state
+    like its params plus ZeRO-1 over `data`, the small rest replicated."""
     replicated = NamedSharding(mesh, P())
+    variables = variable_shardings(state.variables, mesh)
     return TrainState(
         step=replicated,
-        params=param_shardings(state.params, mesh),
+        params=variables["params"],
         opt_state=opt_state_shardings(state.opt_state, state.params, mesh, zero1=zero1),
-        balancing=jax.tree.map(lambda _: replicated, state.balancing),
+        balancing=variables[BALANCING],
         balancing_opt_state=jax.tree.map(lambda _: replicated, state.balancing_opt_state),
         skipped_steps=replicated,
     )
@@ -83,6 +94,54 @@ def loss_and_counts(
     return total, (weight, out.expert_counts, out.dropped_tokens)
 
 
+def split_microbatches(x: jax.Array, grad_accum: int, mesh: Mesh | None) -> jax.Array:
+    """[B, ...] -> [A, B / A, ...]: microbatch a takes rows a, a + A, a + 2A, ... so that with the
+    batch split over devices in contiguous row blocks every microbatch stays spread over all
+    devices (no resharding)."""
+    x = x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
+    if mesh is not None:
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES)))
+    return x
+
+
+def accumulated_grads(grad_fn: Callable, state: TrainState, micro: Batch, cfg: ZayaConfig):
+    """Sums over the microbatches (leading axis of `micro`) of grad_fn's loss sum, its aux
+    (weight, expert counts [l, e+1], dropped tokens [l]) and gradients, in one lax.scan."""
+
+    def accumulate(carry, mb):
+        (loss_sum, aux), grads = grad_fn(state.params, state.balancing, mb)
+        acc_loss, acc_aux, acc_grads = carry
+        return (
+            acc_loss + loss_sum,
+            jax.tree.map(jnp.add, acc_aux, aux),
+            jax.tree.map(jnp.add, acc_grads, grads),
+        ), None
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    aux0 = (
+        jnp.zeros(()),
+        jnp.zeros((cfg.num_hidden_layers, cfg.num_router_classes), jnp.float32),
+        jnp.zeros((cfg.num_hidden_layers,), jnp.int32),
+    )
+    out, _ = jax.lax.scan(accumulate, (jnp.zeros(()), aux0, zeros), micro)
+    return out
+
+
+def balancing_step(
+    state: TrainState, counts: jax.Array, bal_cfg: bal.BalancingConfig | None, cfg: ZayaConfig
+):
+    """(new balancing collection, its optimizer state, expert-load statistics) after the step's
+    global expert counts [l, e+1]; unchanged biases when balancing is off."""
+    biases = bal.get_balancing_biases({BALANCING: state.balancing})
+    if bal_cfg is not None:
+        new_biases, bal_state, load = bal.balancing_update(biases, counts, state.balancing_opt_state, bal_cfg)
+    else:
+        new_biases, bal_state = biases, state.balancing_opt_state
+        load = bal.expert_load_stats(counts, cfg.num_experts)
+    balancing = bal.set_balancing_biases({BALANCING: state.balancing}, new_biases)[BALANCING]
+    return balancing, bal_state, load
+
+
 def make_train_step(
     cfg: ZayaConfig,
     tx: optax.GradientTransformation,
@@ -91,41 +150,14 @@ def make_train_step(
     grad_accum: int = 1,
     mesh: Mesh | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
-    """Returns train_step(state, batch) -> (state, metrics); batch leaves are [B, S] (global).
-
-    Microbatch a takes rows a, a + A, a + 2A, ... so that with the batch split over devices in
-    contiguous row blocks every microbatch stays spread over all devices (no resharding).
-    """
+    """Returns train_step(state, batch) -> (state, metrics); batch leaves are [B, S] (global),
+    split into `grad_accum` microbatches (split_microbatches)."""
     model = ZayaForCausalLM(cfg, mesh)
     grad_fn = jax.value_and_grad(lambda p, b, mb: loss_and_counts(model, p, b, mb), has_aux=True)
 
-    def split(x):
-        x = x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
-        if mesh is not None:
-            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES)))
-        return x
-
     def train_step(state: TrainState, batch: Batch):
-        micro = jax.tree.map(split, batch)
-
-        def accumulate(carry, mb):
-            (loss_sum, aux), grads = grad_fn(state.params, state.balancing, mb)
-            acc_loss, acc_aux, acc_grads = carry
-            return (
-                acc_loss + loss_sum,
-                jax.tree.map(jnp.add, acc_aux, aux),
-                jax.tree.map(jnp.add, acc_grads, grads),
-            ), None
-
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        aux0 = (
-            jnp.zeros(()),
-            jnp.zeros((cfg.num_hidden_layers, cfg.num_router_classes), jnp.float32),
-            jnp.zeros((cfg.num_hidden_layers,), jnp.int32),
-        )
-        (loss_sum, (weight, counts, dropped), grads), _ = jax.lax.scan(
-            accumulate, (jnp.zeros(()), aux0, zeros), micro
-        )
+        micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum, mesh), batch)
+        loss_sum, (weight, counts, dropped), grads = accumulated_grads(grad_fn, state, micro, cfg)
         denom = jnp.maximum(weight, 1.0)
         loss = loss_sum / denom
         grads = jax.tree.map(lambda g: g / denom, grads)
@@ -136,15 +168,7 @@ def make_train_step(
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        biases = bal.get_balancing_biases({BALANCING: state.balancing})
-        if bal_cfg is not None:
-            new_biases, bal_state, load = bal.balancing_update(
-                biases, counts, state.balancing_opt_state, bal_cfg
-            )
-        else:
-            new_biases, bal_state = biases, state.balancing_opt_state
-            load = bal.expert_load_stats(counts, cfg.num_experts)
-        balancing = bal.set_balancing_biases({BALANCING: state.balancing}, new_biases)[BALANCING]
+        balancing, bal_state, load = balancing_step(state, counts, bal_cfg, cfg)
 
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_state = TrainState(
@@ -182,19 +206,50 @@ class TrainProgram:
     create()            the initial TrainState (jit it with out_shardings=shardings)
     shardings           where each part of the state lives (state_shardings)
     train_step          jax.jit(train_step, state donated): (state, batch) -> (state, metrics)
+    abstract_state()    the state's ShapeDtypeStructs with their shardings (abstract_train_state)
     """
 
     mesh: Mesh
     create: Callable[[], TrainState]
     shardings: TrainState
     train_step: Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
+    abstract: TrainState
 
     def abstract_state(self) -> TrainState:
-        """ShapeDtypeStructs carrying the state's shardings: a restore or compile target, nothing
-        allocated."""
-        shapes = jax.eval_shape(self.create)
-        struct = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-        return jax.tree.map(struct, shapes, self.shardings)
+        return self.abstract
+
+
+@dataclasses.dataclass(frozen=True)
+class _StateLayout:
+    tx: optax.GradientTransformation
+    bal_cfg: bal.BalancingConfig | None
+    create: Callable[[], TrainState]
+    shardings: TrainState
+    abstract: TrainState
+
+
+def _state_layout(c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh) -> _StateLayout:
+    """The optimizer and balancing of config `c`, its initial-state function and that state's
+    shapes and shardings on `mesh` (traced with jax.eval_shape: nothing allocated)."""
+    tx = make_optimizer(c, total_steps=c.train.steps)
+    bal_cfg = balancing_config(c)
+    create = lambda: create_train_state(cfg, tx, bal_cfg or bal.BalancingConfig(), jax.random.key(c.seed))
+    shapes = jax.eval_shape(create)
+    shardings = state_shardings(shapes, mesh, zero1=c.mesh.zero1)
+    struct = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+    return _StateLayout(tx, bal_cfg, create, shardings, jax.tree.map(struct, shapes, shardings))
+
+
+def abstract_train_state(
+    c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh | None = None
+) -> TrainState:
+    """The train state of config `c` (model `cfg`) as ShapeDtypeStructs carrying its shardings on
+    `mesh` (default: this process's first device), nothing allocated: the restore target of the
+    trainer, reshard and every checkpoint reader (its `.variables`), the compile target of the dry
+    run. The one builder; `train_program(...).abstract_state()` is the same tree."""
+    if mesh is None:
+        mesh = make_mesh(data=1, fsdp=1, expert=1, devices=jax.local_devices()[:1])
+    return _state_layout(c, cfg, mesh).abstract
 
 
 def abstract_batch(batch_size: int, seq_len: int, mesh: Mesh) -> Batch:
@@ -219,14 +274,13 @@ def check_batch_divides(c: ml_collections.ConfigDict, devices: int) -> None:
 def train_program(c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh) -> TrainProgram:
     """The train step of config `c` (model `cfg`, validated) on `mesh`: the optimizer, LR schedule
     and balancing of the config, the state laid out by the sharding table (ZeRO-1 per mesh.zero1)."""
-    steps = c.train.steps
-    tx = make_optimizer(c, total_steps=steps)
-    bal_cfg = balancing_config(c)
-    create = lambda: create_train_state(cfg, tx, bal_cfg or bal.BalancingConfig(), jax.random.key(c.seed))
-    shardings = state_shardings(jax.eval_shape(create), mesh, zero1=c.mesh.zero1)
-    step = make_train_step(cfg, tx, bal_cfg, lr_schedule(c, total_steps=steps), c.train.grad_accum, mesh)
+    layout = _state_layout(c, cfg, mesh)
+    step = make_train_step(
+        cfg, layout.tx, layout.bal_cfg, lr_schedule(c, total_steps=c.train.steps), c.train.grad_accum, mesh
+    )
+    shardings = layout.shardings
     jitted = jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
-    return TrainProgram(mesh=mesh, create=create, shardings=shardings, train_step=jitted)
+    return TrainProgram(mesh, layout.create, shardings, jitted, layout.abstract)
 
 
 def make_eval_step(cfg: ZayaConfig, mesh: Mesh | None = None) -> Callable[[Any, Batch], dict[str, jax.Array]]:

@@ -45,6 +45,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import grain
 import numpy as np
@@ -207,6 +208,39 @@ class PackedSequences:
 
 # ----------------------------------------------------------------------------------------------
 # Datasets
+
+
+class Lookahead:
+    """An iterator (with grain's get_state / set_state) that can show its next element early:
+    `peek()` reads it, the next `next()` returns it, and `get_state()` meanwhile is the state
+    before it, so a checkpoint saved after a peek resumes at the peeked element."""
+
+    def __init__(self, it: Any):
+        self._it = it
+        self._peeked: Any = None
+        self._state_before: Any = None
+
+    def __iter__(self) -> Lookahead:
+        return self
+
+    def __next__(self) -> Any:
+        if self._peeked is None:
+            return next(self._it)
+        item, self._peeked = self._peeked, None
+        return item
+
+    def peek(self) -> Any:
+        if self._peeked is None:
+            self._state_before = self._it.get_state()
+            self._peeked = next(self._it)
+        return self._peeked
+
+    def get_state(self) -> Any:
+        return self._state_before if self._peeked is not None else self._it.get_state()
+
+    def set_state(self, state: Any) -> None:
+        self._peeked = None
+        self._it.set_state(state)
 
 
 def make_dataset(

@@ -310,15 +310,7 @@ def prepare_dataset(
     Returns the meta dict that was written to meta.json.
     """
     paths = [Path(p) for p in inputs]
-    if not paths:
-        raise ValueError("no input files given")
-    for p in paths:  # fail before doing any work
-        if not p.is_file():
-            raise FileNotFoundError(f"input file not found: {p}")
-        _input_kind(p)
-    if shard_tokens <= 0:
-        raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
-    is_eval_document(0, eval_fraction, split_seed)  # validates eval_fraction
+    _check_inputs(paths, shard_tokens, eval_fraction, split_seed)
     separator = parse_separator(doc_separator)
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     out_dir = Path(out_dir)
@@ -331,86 +323,134 @@ def prepare_dataset(
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         tmp_dir.chmod(0o755)  # mkdtemp makes it owner-only; the dataset should be readable like a normal dir
-        writers = {s: _ShardWriter(tmp_dir / s, dtype, shard_tokens) for s in SPLITS}
-        doc_index = 0
+        splitter = _Splitter(
+            tok,
+            {s: _ShardWriter(tmp_dir / s, dtype, shard_tokens) for s in SPLITS},
+            eval_fraction,
+            split_seed,
+        )
         skipped = 0
-        batch: list[str] = []
-        last_train: list[np.ndarray] = []  # written one document late: it may give the eval tokens
-
-        def encode_batch() -> None:
-            nonlocal doc_index
-            for ids in tok.encode_batch(batch):
-                doc = np.asarray(ids + [tok.eos_id], dtype=np.int64)
-                if is_eval_document(doc_index, eval_fraction, split_seed):
-                    writers["eval"].add(doc)
-                else:
-                    if last_train:
-                        writers["train"].add(last_train.pop())
-                    last_train.append(doc)
-                doc_index += 1
-            batch.clear()
-
         for path in paths:
             for text in iter_documents(path, separator=separator, text_field=text_field):
-                if not text.strip():
+                if text.strip():
+                    splitter.add(text)
+                else:
                     skipped += 1
-                    continue
-                batch.append(text)
-                if len(batch) >= _ENCODE_BATCH:
-                    encode_batch()
-        encode_batch()
-        held_out_tokens = 0
-        if last_train and writers["eval"].num_docs == 0 and eval_fraction > 0:
-            # Too few documents for a whole one to fall to eval (e.g. one .txt file read whole):
-            # the eval split is the tail of the last document, a fraction of all tokens.
-            total = writers["train"].num_tokens + len(last_train[0])
-            train_part, eval_part = split_tail(last_train.pop(), math.ceil(eval_fraction * total), tok.eos_id)
-            writers["train"].add(train_part)
-            writers["eval"].add(eval_part)
-            held_out_tokens = len(eval_part) - 1
-        if last_train:
-            writers["train"].add(last_train.pop())
-        for w in writers.values():
-            w.flush()
-        if writers["train"].num_docs == 0:
-            raise ValueError("no documents ended up in the train split (are the inputs empty?)")
-
+        writers, held_out_tokens = splitter.finish()
         tok.save(tmp_dir)
-        meta = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "created_unix": int(time.time()),
-            "tokenizer": {
-                "name": tok.name,
-                "vocab_size": tok.vocab_size,
-                "eos_id": tok.eos_id,
-                "pad_id": tok.pad_id,
-                "bos_id": tok.bos_id,
-            },
-            "dtype": dtype.name,
-            "inputs": [str(p) for p in paths],
-            "doc_separator": doc_separator,
-            "text_field": text_field,
-            "eval_fraction": eval_fraction,
-            "split_seed": split_seed,
-            "skipped_empty_docs": skipped,
-            "eval_tail_tokens": held_out_tokens,
-            "splits": {s: w.summary() for s, w in writers.items()},
-        }
+        meta = _meta(tok, dtype, paths, doc_separator, text_field, eval_fraction, split_seed)
+        meta.update(
+            skipped_empty_docs=skipped,
+            eval_tail_tokens=held_out_tokens,
+            splits={s: w.summary() for s, w in writers.items()},
+        )
         # meta.json is the last file written: its presence marks a complete dataset.
         (tmp_dir / META_FILENAME).write_text(json.dumps(meta, indent=2) + "\n")
-
-        if out_dir.exists():  # overwrite: move the old one aside first, delete it only afterwards
-            trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.replace(out_dir, trash / out_dir.name)
-            os.replace(tmp_dir, out_dir)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp_dir, out_dir)
+        _publish(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     return meta
+
+
+def _meta(
+    tok: Tokenizer, dtype: np.dtype, paths: list[Path], doc_separator, text_field, eval_fraction, split_seed
+) -> dict:
+    """meta.json's record of how the dataset was made (the split sizes are added once written)."""
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "created_unix": int(time.time()),
+        "tokenizer": {
+            "name": tok.name,
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+            "pad_id": tok.pad_id,
+            "bos_id": tok.bos_id,
+        },
+        "dtype": dtype.name,
+        "inputs": [str(p) for p in paths],
+        "doc_separator": doc_separator,
+        "text_field": text_field,
+        "eval_fraction": eval_fraction,
+        "split_seed": split_seed,
+    }
+
+
+def _check_inputs(paths: list[Path], shard_tokens: int, eval_fraction: float, split_seed: int) -> None:
+    """Every argument of prepare_dataset that can be wrong, checked before any work is done."""
+    if not paths:
+        raise ValueError("no input files given")
+    for p in paths:
+        if not p.is_file():
+            raise FileNotFoundError(f"input file not found: {p}")
+        _input_kind(p)
+    if shard_tokens <= 0:
+        raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
+    is_eval_document(0, eval_fraction, split_seed)  # validates eval_fraction
+
+
+class _Splitter:
+    """Documents -> EOS-terminated token documents, each to the train or eval writer by
+    is_eval_document. Texts are encoded in batches of _ENCODE_BATCH; the last train document is
+    written one document late, since it may give the eval split its tokens (finish)."""
+
+    def __init__(self, tok: Tokenizer, writers: dict, eval_fraction: float, split_seed: int):
+        self.tok, self.writers = tok, writers
+        self.eval_fraction, self.split_seed = eval_fraction, split_seed
+        self.doc_index = 0
+        self.batch: list[str] = []
+        self.last_train: list[np.ndarray] = []
+
+    def add(self, text: str) -> None:
+        self.batch.append(text)
+        if len(self.batch) >= _ENCODE_BATCH:
+            self._encode_batch()
+
+    def _encode_batch(self) -> None:
+        for ids in self.tok.encode_batch(self.batch):
+            doc = np.asarray(ids + [self.tok.eos_id], dtype=np.int64)
+            if is_eval_document(self.doc_index, self.eval_fraction, self.split_seed):
+                self.writers["eval"].add(doc)
+            else:
+                if self.last_train:
+                    self.writers["train"].add(self.last_train.pop())
+                self.last_train.append(doc)
+            self.doc_index += 1
+        self.batch.clear()
+
+    def finish(self) -> tuple[dict, int]:
+        """(the flushed writers, tokens of the last document held out as the eval split)."""
+        self._encode_batch()
+        writers, held_out_tokens = self.writers, 0
+        if self.last_train and writers["eval"].num_docs == 0 and self.eval_fraction > 0:
+            # Too few documents for a whole one to fall to eval (e.g. one .txt file read whole):
+            # the eval split is the tail of the last document, a fraction of all tokens.
+            total = writers["train"].num_tokens + len(self.last_train[0])
+            n = math.ceil(self.eval_fraction * total)
+            train_part, eval_part = split_tail(self.last_train.pop(), n, self.tok.eos_id)
+            writers["train"].add(train_part)
+            writers["eval"].add(eval_part)
+            held_out_tokens = len(eval_part) - 1
+        if self.last_train:
+            writers["train"].add(self.last_train.pop())
+        for w in writers.values():
+            w.flush()
+        if writers["train"].num_docs == 0:
+            raise ValueError("no documents ended up in the train split (are the inputs empty?)")
+        return writers, held_out_tokens
+
+
+def _publish(tmp_dir: Path, out_dir: Path) -> None:
+    """Moves the finished dataset into place; an existing one (overwrite) is moved aside first and
+    deleted only afterwards."""
+    if out_dir.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.replace(out_dir, trash / out_dir.name)
+        os.replace(tmp_dir, out_dir)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp_dir, out_dir)
 
 
 def _format_summary(out_dir: Path, meta: dict) -> str:

@@ -1,0 +1,86 @@
+"""The evaluations of a training run (`eval.every_steps` and the last step): the held-out loss of
+the training data (per mixture source and their weighted mean) and the downstream tasks of
+`eval.tasks`, scored on the training mesh as `python -m zaya_jax.evaluate` scores them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import ml_collections
+
+from zaya_jax.data import mixture as mixture_lib
+from zaya_jax.data.pipeline import make_eval_dataset
+from zaya_jax.parallel.sharding import shard_batch
+
+
+def evaluate(eval_step, variables, c: ml_collections.ConfigDict, mesh) -> dict[str, float]:
+    """Held-out loss of data.path, or of each mixture source (`eval_loss/<name>`) and the mixture's
+    `eval_loss` = the weight-averaged per-source loss (the expected loss of a held-out token drawn
+    in the training proportions)."""
+    if not c.data.mixture:
+        return _held_out_loss(eval_step, variables, c, mesh, c.data.path)
+    out, loss, tokens = {}, 0.0, 0.0
+    for source in mixture_lib.parse_mixture(c.data.mixture):
+        r = _held_out_loss(eval_step, variables, c, mesh, source.path)
+        out[f"eval_loss/{source.name}"] = r["eval_loss"]
+        loss += source.weight * r["eval_loss"]
+        tokens += r["eval_tokens"]
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0)), "eval_tokens": tokens, **out}
+
+
+def _held_out_loss(eval_step, variables, c: ml_collections.ConfigDict, mesh, path) -> dict[str, float]:
+    """Held-out loss over `eval.batches` batches (0 = the whole split); token-weighted mean."""
+    ds = make_eval_dataset(
+        path,
+        seq_len=c.train.seq_len,
+        global_batch_size=c.eval.batch_size,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        num_threads=c.data.num_threads,
+    )
+    loss_sum, weight = 0.0, 0.0
+    for i, batch in enumerate(ds):
+        if c.eval.batches and i >= c.eval.batches:
+            break
+        out = jax.device_get(eval_step(variables, shard_batch(batch, mesh)))
+        loss_sum += float(out["loss_sum"])
+        weight += float(out["weight"])
+    loss = loss_sum / max(weight, 1.0)
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0)), "eval_tokens": weight}
+
+
+# the metrics of each downstream task kind logged at every evaluation
+TASK_METRICS = {
+    "mc": ("acc", "acc_norm"),
+    "text": ("bits_per_byte", "loss"),
+    "tokens": ("bits_per_byte", "loss"),
+}
+
+
+def downstream_tasks(c: ml_collections.ConfigDict, cfg, tokenizer, mesh) -> Callable[[Any], dict] | None:
+    """eval.tasks read and tokenised once -> fn(variables) -> {task: {metric: value}} (None if none).
+
+    Scored like `python -m zaya_jax.evaluate` (zaya_jax/evaluate), on the training mesh, from the
+    document boundary the packer uses (EOS)."""
+    if not c.eval.tasks:
+        return None
+    from zaya_jax.evaluate import Scorer, TaskSuite, parse_data_spec
+
+    max_len = c.eval.task_max_len or c.train.seq_len
+    suite = TaskSuite(
+        [parse_data_spec(s) for s in c.eval.tasks],
+        tokenizer,
+        tokenizer.eos_id,
+        max_len,
+        limit=c.eval.task_limit or None,
+    )
+    batch = -(-c.eval.batch_size // mesh.size) * mesh.size
+    scorer = Scorer(cfg, mesh=mesh, batch_size=batch, max_len=max_len, min_bucket=min(64, max_len))
+
+    def run(variables) -> dict:
+        results, _ = suite.run(scorer, variables)
+        return {name: {k: r[k] for k in TASK_METRICS[r["kind"]]} for name, r in results.items()}
+
+    return run
