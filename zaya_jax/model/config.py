@@ -69,9 +69,10 @@ class ZayaConfig:
     remat: str = "none"
     # How the blocks run: "scan" = one lax.scan over the [l, ...] parameter stacks (one compiled block
     # whatever the depth), "unroll" = the same scan fully unrolled (straight-line blocks: no stacked
-    # loop buffers to zero-fill and copy; compile time grows with depth), "auto" = unroll on CPU up
-    # to 8 blocks, scan otherwise (zaya_jax/model/transformer.py). Parameters are [l, ...] either way.
-    scan_layers: str = "auto"
+    # loop buffers to zero-fill and copy; ~1.1-1.2x faster tiny CPU step, ~2x its compile time),
+    # "auto" = unroll on CPU up to 8 blocks, scan otherwise (zaya_jax/model/transformer.py; the CPU
+    # configs tiny.py and mid.py set it). Parameters are [l, ...] either way.
+    scan_layers: str = "scan"
     # What a token routed to the skip class gets: 0 in transformers' native ZAYA, p_skip * x in the
     # legacy ZAYA1-base code (set when importing a legacy checkpoint; not exportable to native HF).
     skip_expert_output: str = "zero"

@@ -141,7 +141,9 @@ def resolve_scan_layers(scan_layers: str, num_layers: int, backend: str | None =
     gradient stacks, saved activations, router outputs) are zero-filled buffers written one
     dynamic-update-slice per iteration; on XLA:CPU those fills and copies were ~29% of the tiny
     config's step. Unrolled, every layer's slice is static and the stacks are one concatenation.
-    Not measured on GPU/TPU, where the deep configs also need the scan's constant compile time.
+    The price is compile time (about 2x for the 4-block tiny config), hence a per-config choice
+    (ZayaConfig's default is "scan"; configs/tiny.py and mid.py set "auto"). Not measured on
+    GPU/TPU, where the deep configs also need the scan's constant compile time.
     """
     if scan_layers != "auto":
         return scan_layers
