@@ -78,11 +78,6 @@ KNOWN_VIOLATIONS: set[tuple[str, str, str]] = {
         "i17cp: the XLA reference attention moves into kernels (kernels -> model -> kernels cycle)",
     ),
     (
-        "zaya_jax.kernels.newton_schulz",
-        "zaya_jax.optim.muon",
-        "i16speed: the XLA Newton-Schulz moves into kernels (cycle with optim.chain -> kernels)",
-    ),
-    (
         "zaya_jax.import_hf",
         "zaya_jax.train",
         "i15train: balancing_config moves out of the trainer (a CLI imports the trainer for a helper)",

@@ -101,26 +101,6 @@ def test_reference_wrapper_and_single_matrix():
     assert rel_err(got, want) < 1e-5
 
 
-def test_kernels_never_import_optim_or_model():
-    """Layering: the optimizer imports the XLA Newton-Schulz from kernels, never the reverse (no
-    cycle, deferred imports included). Checked for the Newton-Schulz and grouped-matmul modules."""
-    import ast
-    import pathlib
-
-    import zaya_jax.kernels as kernels_pkg
-
-    bad = []
-    root = pathlib.Path(kernels_pkg.__file__).parent
-    for name in ("newton_schulz.py", "grouped_matmul.py", "tiled_grouped_matmul.py"):
-        path = root / name
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            bad += [f"{path.name}: {n}" for n in names if n.startswith(("zaya_jax.optim", "zaya_jax.model"))]
-    assert not bad, bad
-
-
 def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="ndim"):
         newton_schulz(jnp.ones((4,)), interpret=True)
