@@ -14,7 +14,7 @@ perf (default on a GPU): each kernel and its XLA reference at ZAYA1 sizes, compi
              experts) and of the 1B ablation (d = I = 1024), `--tokens` rows per device, uniform and
              skewed routing (some experts empty, 1/8 of the tokens unrouted); forward, fwd+bwd.
   swiglu     swiglu_grouped_pallas vs zaya_jax.model.moe.swiglu_grouped (the whole expert MLP).
-  ns         newton_schulz vs zaya_jax.optim.muon.orthogonalize on one layer's expert stacks
+  ns         newton_schulz vs zaya_jax.kernels.newton_schulz.orthogonalize on one layer's expert stacks
              ([16, 2048, 4096], [16, 2048, 2048]) and the ablation's; fp32 iteration (Muon's
              default) and bf16.
 check (the mode on CPU, where Pallas GPU kernels can only be interpreted): the same kernels at
@@ -408,7 +408,7 @@ def ns_cases(args, perf: bool) -> list[dict[str, Any]]:
     import jax.numpy as jnp
 
     from zaya_jax.kernels import newton_schulz
-    from zaya_jax.optim.muon import orthogonalize
+    from zaya_jax.kernels.newton_schulz import orthogonalize
 
     if perf:
         stacks = [

@@ -2,7 +2,7 @@
 
     python -m benchmarks.train_step [--config configs/tiny.py] [--set train.batch_size=4 ...]
         [--steps 10] [--warmup 2] [--repeats 3] [--dtype float32|bfloat16]
-        [--out results/train_step.json] [--skip-torch]
+        [--out results/train_step.json] [--skip-torch] [--optimizer config|adamw]
 
 (`python benchmarks/train_step.py ...` works too.) Both sides get the same model config and the
 same random token batch [B, S] (train.batch_size x train.seq_len):
@@ -25,6 +25,10 @@ the embedded corpus in a temporary workdir for 2 x `--loop-steps` steps, logging
 checkpoint after the timed window; console off): its second logged `tokens_per_second` (compile
 excluded) is the throughput a user sees, and 1 - bare step time / loop step time is the share of
 time spent outside the step. See benchmarks/README.md for the columns.
+
+`--optimizer adamw` routes every parameter of our side to AdamW (the optim.adamw settings, the
+config's lr schedule and clipping): the like-for-like row against torch's plain AdamW step, with no
+Newton-Schulz. The trainer loop always uses the config's optimizer, so it is not run then.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ if __package__ in (None, ""):  # `python benchmarks/train_step.py`: make the rep
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
     add_out_arg,
@@ -74,7 +79,8 @@ from zaya_jax import config as config_lib  # noqa: E402
 from zaya_jax import sizing  # noqa: E402
 from zaya_jax.model import ZayaConfig  # noqa: E402
 from zaya_jax.model.moe import resolve_moe_impl  # noqa: E402
-from zaya_jax.optim.chain import lr_schedule, make_optimizer  # noqa: E402
+from zaya_jax.model.transformer import resolve_scan_layers  # noqa: E402
+from zaya_jax.optim.chain import lr_schedule, make_optimizer, weight_decay_mask  # noqa: E402
 from zaya_jax.parallel.mesh import mesh_from_config  # noqa: E402
 from zaya_jax.parallel.sharding import shard_batch  # noqa: E402
 from zaya_jax.train_state import create_train_state, make_train_step, state_shardings  # noqa: E402
@@ -157,14 +163,40 @@ def peak_flops_for_name(name: str) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------- sides
+OPTIMIZERS = ("config", "adamw")
+
+
+def make_benchmark_optimizer(c: ml_collections.ConfigDict, optimizer: str) -> optax.GradientTransformation:
+    """ "config": the trainer's optimizer (zaya_jax.optim.chain: Muon on the matrices, AdamW on the
+    rest). "adamw": every parameter on AdamW with optim.adamw's settings, the same lr schedule, weight
+    decay mask and clipping: what torch's side runs, for a like-for-like row."""
+    steps = c.train.steps
+    if optimizer == "config":
+        return make_optimizer(c, total_steps=steps)
+    a, clip = c.optim.adamw, c.optim.clip_grad_norm
+    schedule = lr_schedule(c, steps)
+    lr = lambda step: a.lr_multiplier * schedule(step)  # noqa: E731
+    return optax.chain(
+        optax.clip_by_global_norm(float(clip)) if clip else optax.identity(),
+        optax.adamw(lr, a.b1, a.b2, a.eps, weight_decay=a.weight_decay, mask=weight_decay_mask),
+    )
+
+
 class JaxSide:
     """Our full train step, jit-compiled with the state donated."""
 
     name = OURS
 
-    def __init__(self, c: ml_collections.ConfigDict, cfg: ZayaConfig, ids: np.ndarray, seed: int):
+    def __init__(
+        self,
+        c: ml_collections.ConfigDict,
+        cfg: ZayaConfig,
+        ids: np.ndarray,
+        seed: int,
+        optimizer: str = "config",
+    ):
         steps = c.train.steps
-        tx = make_optimizer(c, total_steps=steps)
+        tx = make_benchmark_optimizer(c, optimizer)
         bal_cfg = balancing_config(c)
         t0 = time.perf_counter()
         # jit: one compilation instead of many small eager ones (the same values either way).
@@ -332,7 +364,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     device: dict[str, Any] = {**host_info(), "jax_peak_bf16_flops": jax_peak}
 
     print(f"building {OURS} (compiling the train step)...", file=sys.stderr, flush=True)
-    sides: list[Any] = [JaxSide(c, cfg, ids, args.seed)]
+    sides: list[Any] = [JaxSide(c, cfg, ids, args.seed, args.optimizer)]
     torch_peak = None
     if not args.skip_torch:
         import torch
@@ -412,7 +444,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         results[OURS]["tokens_per_s"] / results[TORCH]["tokens_per_s"] if results[TORCH] is not None else None
     )
     loop = None
-    if args.loop_steps:
+    if args.loop_steps and args.optimizer != "config":
+        print("trainer loop skipped: it always runs the config's optimizer", file=sys.stderr, flush=True)
+    elif args.loop_steps:
         print(f"running the trainer loop ({2 * args.loop_steps} steps)...", file=sys.stderr, flush=True)
         loop = run_trainer_loop(c, args.loop_steps)
         loop_step_s = tokens_per_step / loop["tokens_per_s"]
@@ -438,6 +472,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed,
             "moe_impl": cfg.moe_impl,
             "moe_impl_resolved": resolve_moe_impl(cfg.moe_impl),
+            "scan_layers": cfg.scan_layers,
+            "scan_layers_resolved": resolve_scan_layers(cfg.scan_layers, cfg.num_hidden_layers),
+            "optimizer": args.optimizer,
             "flops_per_token": flops_per_token,
             **model_report(cfg, args.set),
         },
@@ -494,6 +531,9 @@ def summary_line(report: dict[str, Any]) -> str:
     )
     ours = f"{OURS} {res[OURS]['tokens_per_s']:,.0f} tok/s"
     where += f", moe_impl={cfgd['moe_impl']} ({cfgd['moe_impl_resolved']})"
+    where += f", scan_layers={cfgd['scan_layers']} ({cfgd['scan_layers_resolved']})"
+    if cfgd["optimizer"] == "adamw":
+        where += ", every parameter on AdamW (--optimizer adamw)"
     loop = report.get("loop")
     if report["ratio_tokens_per_s"] is None:
         return f"train_step: {ours} ({where}; torch skipped)"
@@ -540,6 +580,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=DTYPES,
         default=None,
         help="matmul compute dtype (sets model.dtype; default: the config's)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="config",
+        help="our side's optimizer: the config's Muon/AdamW chain (default) or AdamW on every "
+        "parameter, like torch's side (skips the trainer loop)",
     )
     add_out_arg(p, "train_step")
     add_torch_args(p)

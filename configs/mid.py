@@ -28,6 +28,7 @@ def get_config():
             max_position_embeddings=4096,
         ),
     )
+    c.model.scan_layers = "auto"  # unrolled blocks on CPU, as configs/tiny.py
     c.train.steps = 2000
     c.train.batch_size = 8
     c.train.seq_len = 256

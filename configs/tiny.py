@@ -26,6 +26,8 @@ def get_config():
             max_position_embeddings=4096,
         ),
     )
+    # Unrolled blocks on CPU (model.scan_layers): faster steps, a longer compile.
+    c.model.scan_layers = "auto"
     c.train.steps = 300
     c.train.batch_size = 16
     c.train.seq_len = 128

@@ -99,6 +99,8 @@ def test_train_step_benchmark_writes_report(tmp_path):
     assert report["results"]["torch"]["compile_s"] is None
     assert _positive_finite(report["ratio_tokens_per_s"])
     assert cfg["moe_impl"] == "auto" and cfg["moe_impl_resolved"] == "tiled"
+    assert cfg["scan_layers"] == "auto" and cfg["scan_layers_resolved"] == "unroll"
+    assert cfg["optimizer"] == "config"
 
     # the real trainer loop (zaya_jax.train.train) over the same config: its steady-state window
     loop = report["loop"]
@@ -109,6 +111,44 @@ def test_train_step_benchmark_writes_report(tmp_path):
     assert loop["outside_step_fraction"] == pytest.approx(
         1 - report["results"]["zaya_jax"]["step_time_s"] / loop["step_time_s"]
     )
+
+
+def test_adamw_only_optimizer_routes_every_parameter_to_adamw():
+    # The like-for-like row: no Muon state anywhere, one AdamW moment per parameter.
+    import jax
+    import optax
+
+    from benchmarks.train_step import load_config, make_benchmark_optimizer
+    from zaya_jax.model import ZayaConfig
+    from zaya_jax.model.transformer import init_variables
+    from zaya_jax.optim.muon import MuonState
+
+    c = load_config("configs/tiny.py")
+    params = jax.eval_shape(lambda: init_variables(ZayaConfig.tiny(), jax.random.key(0)))["params"]
+    is_muon = lambda x: isinstance(x, MuonState)  # noqa: E731
+    for optimizer, want_muon in (("config", True), ("adamw", False)):
+        state = jax.eval_shape(make_benchmark_optimizer(c, optimizer).init, params)
+        leaves = jax.tree.leaves(state, is_leaf=is_muon)
+        assert any(is_muon(x) for x in leaves) == want_muon, optimizer
+    adam = [
+        x
+        for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+        if isinstance(x, optax.ScaleByAdamState)
+    ]
+    assert len(adam) == 1 and jax.tree.structure(adam[0].mu) == jax.tree.structure(params)
+
+
+@pytest.mark.slow
+def test_train_step_benchmark_adamw_only_row(tmp_path):
+    out = tmp_path / "adamw.json"
+    proc = _run(
+        ["-m", "benchmarks.train_step", *TOY, "--skip-torch", "--optimizer", "adamw", "--out", str(out)]
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "every parameter on AdamW" in proc.stdout and "trainer loop skipped" in proc.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["optimizer"] == "adamw" and report["loop"] is None
+    assert _positive_finite(report["results"]["zaya_jax"]["tokens_per_s"])
 
 
 def test_train_step_cli_as_script_and_bad_override(tmp_path):

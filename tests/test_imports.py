@@ -77,11 +77,6 @@ KNOWN_VIOLATIONS: set[tuple[str, str, str]] = {
         "zaya_jax.model.attention",
         "i17cp: the XLA reference attention moves into kernels (kernels -> model -> kernels cycle)",
     ),
-    (
-        "zaya_jax.kernels.newton_schulz",
-        "zaya_jax.optim.muon",
-        "i16speed: the XLA Newton-Schulz moves into kernels (cycle with optim.chain -> kernels)",
-    ),
 }
 
 

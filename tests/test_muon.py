@@ -154,6 +154,13 @@ def test_batched_equals_per_matrix():
             np.testing.assert_allclose(upd["w"][i, j], single["w"], atol=1e-6)
 
 
+def test_tall_orientation_is_the_transposed_wide_iteration():
+    # Tall slices contract their long axis in place (A = X^T X, X <- aX + X p(A)) instead of being
+    # transposed: the same iteration as on X^T, so NS(X) = NS(X^T)^T up to rounding.
+    x = _normal(5, (2, 40, 12))
+    np.testing.assert_allclose(_ortho(x), jnp.swapaxes(_ortho(jnp.swapaxes(x, -1, -2)), -1, -2), atol=1e-6)
+
+
 def test_bf16_ns_dtype_close_to_fp32():
     x = _normal(4, (2, 32, 64))
     ref = _ortho(x)

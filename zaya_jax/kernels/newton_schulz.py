@@ -1,15 +1,21 @@
-"""Muon's quintic Newton-Schulz iteration as Pallas (Triton lowering) matmul kernels.
+"""Muon's quintic Newton-Schulz iteration: the XLA version and Pallas (Triton lowering) kernels.
 
-    newton_schulz(x [..., m, n], *, ns_coeffs=(a, b, c), ns_steps=5, eps=1e-8,
-                  ns_dtype=float32) -> [..., m, n] in x.dtype
+    orthogonalize(x [..., m, n], *, ns_coeffs=(a, b, c), ns_steps=5, ns_dtype=float32, eps=1e-8)
+        -> [..., m, n] in x.dtype          plain XLA: the optimizer's default and the reference
+    newton_schulz(x, same keywords, block=..., interpret=...)       the Pallas kernels below
 
-Values match `zaya_jax.optim.muon.orthogonalize` (the reference; no gradients: NS is an
-optimizer transform). As there: every leading axis is a batch axis (layers, experts), each
-[m, n] slice is Frobenius-normalised (fp32, + eps) and iterated on its wide orientation (tall
-slices are transposed, so the Gram matrix is [min, min]), then transposed back.
+Both: every leading axis is a batch axis (layers, experts: [l, e, d, f] stacks run as one batched
+matmul chain), each [m, n] slice is Frobenius-normalised (fp32, + eps) and iterated with its Gram
+matrix on the short side ([min, min]). No gradients: NS is an optimizer transform. The optimizer
+(`zaya_jax.optim.muon`) imports `orthogonalize` from here; kernels never import optim or model.
 
-One step X <- a X + (b A + c A^2) X, A = X X^T, is three launches of one batched, tiled matmul
-kernel whose polynomial is fused into the epilogue (no separate elementwise passes over HBM):
+The Pallas kernel transposes tall slices so it only needs the wide case; the XLA version instead
+contracts the long axis in place (A = X^T X, X <- a X + X (b A + c A^2)), so no transposed copy of
+the stack is made.
+
+In the Pallas version one step X <- a X + (b A + c A^2) X, A = X X^T, is three launches of one
+batched, tiled matmul kernel whose polynomial is fused into the epilogue (no separate elementwise
+passes over HBM):
 
   A = X X^T           symmetric: only tiles i <= j are computed, each stored at (i, j) and
                       mirrored (transposed) to (j, i) -> half the FLOPs of this product
@@ -36,7 +42,66 @@ from jax.experimental.pallas import triton as plgpu
 
 from zaya_jax.kernels.block_sizes import pick_blocks
 
-DEFAULT_NS_COEFFS = (3.4445, -4.7750, 2.0315)
+DEFAULT_NS_COEFFS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+
+
+def validate_ns_coeffs(ns_coeffs: Sequence[float]) -> tuple[float, float, float]:
+    """(a, b, c) as floats; ValueError unless a triple."""
+    coeffs = tuple(float(c) for c in ns_coeffs)
+    if len(coeffs) != 3:
+        raise ValueError(f"ns_coeffs must be a triple (a, b, c), got {ns_coeffs!r}")
+    return coeffs  # type: ignore[return-value]
+
+
+def orthogonalize(
+    x: jax.Array,
+    *,
+    ns_coeffs: Sequence[float] = DEFAULT_NS_COEFFS,
+    ns_steps: int = 5,
+    ns_dtype: Any = jnp.float32,
+    eps: float = 1e-8,
+) -> jax.Array:
+    """Approximate ``U V^T`` of each [m, n] slice of x [..., m, n] with the quintic Newton-Schulz
+    iteration ``X <- a X + (b A + c A^2) X``, ``A = X X^T`` (m <= n; for m > n the transposed form
+    ``X <- a X + X (b A + c A^2)``, ``A = X^T X``, which is the same iteration on X^T).
+
+    ns_dtype: dtype the iteration runs in (float32 or bfloat16); eps: added to each slice's
+    Frobenius norm. Returns [..., m, n] in x.dtype. With the default coefficients the singular
+    values land roughly in [0.7, 1.2] rather than exactly 1: the coefficients trade exactness for a
+    steep slope at 0 so small singular values grow fast.
+    """
+    if x.ndim < 2:
+        raise ValueError(f"orthogonalize needs ndim >= 2 ([..., m, n]), got shape {x.shape}")
+    a, b, c = validate_ns_coeffs(ns_coeffs)
+    ns_dtype = jnp.dtype(ns_dtype)
+    # Asking for float32 should mean float32: without HIGHEST, GPUs/TPUs may run fp32 matmuls in
+    # TF32/bf16 passes and the iteration loses its accuracy.
+    precision = lax.Precision.HIGHEST if ns_dtype == jnp.float32 else None
+    nb = x.ndim - 2
+    batch = (tuple(range(nb)), tuple(range(nb)))
+    # Contract the long axis: the Gram matrix is [min, min], the cheaper product, and no
+    # transposed copy of the [..., m, n] stack is ever materialised.
+    tall = x.shape[-2] > x.shape[-1]
+    long_axis = nb if tall else nb + 1
+
+    def gram(x):
+        return lax.dot_general(x, x, (((long_axis,), (long_axis,)), batch), precision=precision)
+
+    def apply(poly, x):  # tall: X P; wide: P X (P symmetric, [min, min])
+        p, q = (x, poly) if tall else (poly, x)
+        return jnp.matmul(p, q, precision=precision)
+
+    out_dtype = x.dtype
+    # Frobenius normalisation bounds the spectral norm by 1, inside NS's basin of convergence.
+    # Computed in fp32 so a bf16 ns_dtype does not lose the scale.
+    x32 = x.astype(jnp.float32)
+    norm = jnp.sqrt(jnp.sum(jnp.square(x32), axis=(-2, -1), keepdims=True))
+    x = (x32 / (norm + eps)).astype(ns_dtype)
+    for _ in range(ns_steps):
+        g = gram(x)
+        poly = b * g + c * jnp.matmul(g, g, precision=precision)
+        x = a * x + apply(poly, x)
+    return x.astype(out_dtype)
 
 
 def _dot(a, b, contract):
@@ -152,13 +217,11 @@ def newton_schulz(
     num_stages: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Pallas `orthogonalize`: approximate U V^T of each [m, n] slice of x [..., m, n]."""
+    """Pallas `orthogonalize`: approximate U V^T of each [m, n] slice of x [..., m, n] (tall slices
+    are transposed in and out: the kernels only do the wide case)."""
     if x.ndim < 2:
         raise ValueError(f"newton_schulz needs ndim >= 2 ([..., m, n]), got shape {x.shape}")
-    coeffs = tuple(float(c) for c in ns_coeffs)
-    if len(coeffs) != 3:
-        raise ValueError(f"ns_coeffs must be a triple (a, b, c), got {ns_coeffs!r}")
-    a, b, c = coeffs
+    a, b, c = validate_ns_coeffs(ns_coeffs)
     ns_dtype = jnp.dtype(ns_dtype)
     out_dtype = x.dtype
     transposed = x.shape[-2] > x.shape[-1]
@@ -201,8 +264,6 @@ def newton_schulz(
 
 
 def reference_newton_schulz(x: jax.Array, **kwargs) -> jax.Array:
-    """`zaya_jax.optim.muon.orthogonalize` (the XLA reference); extra kernel keywords ignored."""
-    from zaya_jax.optim.muon import orthogonalize
-
+    """`orthogonalize` (the XLA reference) with the kernel's signature; extra keywords ignored."""
     keep = {k: v for k, v in kwargs.items() if k in ("ns_coeffs", "ns_steps", "ns_dtype", "eps")}
     return orthogonalize(x, **keep)

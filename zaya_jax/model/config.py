@@ -16,6 +16,7 @@ LAYER_TYPES = ("hybrid", "hybrid_sliding")
 MOE_IMPLS = ("auto", "tiled", "ragged_dot", "pallas", "dense")
 ATTENTION_IMPLS = ("xla", "pallas", "auto")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
+SCAN_LAYERS = ("auto", "scan", "unroll")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
 DTYPES = ("float32", "bfloat16", "float16")
 SKIP_EXPERT_OUTPUTS = ("zero", "weighted_input")
@@ -69,6 +70,12 @@ class ZayaConfig:
     moe_exchange_capacity_factor: float = 1.5
     attention_impl: str = "xla"  # "xla" | "pallas" (flash attention) | "auto"
     remat: str = "none"
+    # How the blocks run: "scan" = one lax.scan over the [l, ...] parameter stacks (one compiled block
+    # whatever the depth), "unroll" = the same scan fully unrolled (straight-line blocks: no stacked
+    # loop buffers to zero-fill and copy; ~1.1-1.2x faster tiny CPU step, ~2x its compile time),
+    # "auto" = unroll on CPU up to 8 blocks, scan otherwise (zaya_jax/model/transformer.py; the CPU
+    # configs tiny.py and mid.py set it). Parameters are [l, ...] either way.
+    scan_layers: str = "scan"
     # What a token routed to the skip class gets: 0 in transformers' native ZAYA, p_skip * x in the
     # legacy ZAYA1-base code (set when importing a legacy checkpoint; not exportable to native HF).
     skip_expert_output: str = "zero"
@@ -155,6 +162,7 @@ class ZayaConfig:
             ("moe_impl", MOE_IMPLS),
             ("attention_impl", ATTENTION_IMPLS),
             ("remat", REMAT_POLICIES),
+            ("scan_layers", SCAN_LAYERS),
             ("skip_expert_output", SKIP_EXPERT_OUTPUTS),
         ):
             if getattr(self, name) not in allowed:

@@ -5,7 +5,8 @@
   logits = RMSNorm(h) @ embed^T                                                  fp32 [B, S, V]
 
 Blocks are one `nn.scan`, so every per-block parameter has a leading [L] axis (`layers/...`): one
-compiled block whatever the depth. The router state (EDA) rides in the scan carry next to h.
+compiled block whatever the depth. `model.scan_layers` may fully unroll that scan (same parameters,
+same values; see `resolve_scan_layers`). The router state (EDA) rides in the scan carry next to h.
 Block 0 has a `router_states_scale` too (the scan needs uniform blocks); its incoming state is zero,
 so it is exactly HF's EDA-less first router. It gets zero gradient and is not exported.
 """
@@ -128,6 +129,28 @@ class ZayaBlock(nn.Module):
         return (h, routing.next_state_bsr), (counts, routing.probs_bse, dropped, new_layer_cache)
 
 
+# "auto" unrolls up to this many blocks: compile time grows linearly with the unrolled depth.
+MAX_AUTO_UNROLLED_LAYERS = 8
+
+
+def resolve_scan_layers(scan_layers: str, num_layers: int, backend: str | None = None) -> str:
+    """ "scan" or "unroll" for a config's `scan_layers`; "auto" -> "unroll" on CPU for at most
+    MAX_AUTO_UNROLLED_LAYERS blocks, else "scan".
+
+    Why unroll on CPU: a rolled scan runs as an XLA while loop whose per-layer outputs (the [l, ...]
+    gradient stacks, saved activations, router outputs) are zero-filled buffers written one
+    dynamic-update-slice per iteration; on XLA:CPU those fills and copies were ~29% of the tiny
+    config's step. Unrolled, every layer's slice is static and the stacks are one concatenation.
+    The price is compile time (about 2x for the 4-block tiny config), hence a per-config choice
+    (ZayaConfig's default is "scan"; configs/tiny.py and mid.py set "auto"). Not measured on
+    GPU/TPU, where the deep configs also need the scan's constant compile time.
+    """
+    if scan_layers != "auto":
+        return scan_layers
+    cpu = (backend or jax.default_backend()) == "cpu"
+    return "unroll" if cpu and num_layers <= MAX_AUTO_UNROLLED_LAYERS else "scan"
+
+
 REMAT_POLICIES = {
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -161,12 +184,16 @@ class ZayaForCausalLM(nn.Module):
         block = ZayaBlock
         if cfg.remat != "none":
             block = nn.remat(ZayaBlock, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        unroll = resolve_scan_layers(cfg.scan_layers, cfg.num_hidden_layers) == "unroll"
         self.layers = nn.scan(
             block,
             variable_axes={"params": 0, BALANCING: 0},
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_hidden_layers,
+            # Full unroll keeps the scan's variable layout ([l, ...] stacks, same names and init
+            # RNG splits), so checkpoints, HF conversion and sharding do not see the difference.
+            unroll=cfg.num_hidden_layers if unroll else 1,
         )(cfg, self.mesh)
         self.norm = RMSNorm(cfg.rms_norm_eps, jnp.float32, cfg.params_dtype)
         self.lm_head = LMHead(cfg)

@@ -34,7 +34,19 @@ import jax
 import jax.numpy as jnp
 import optax
 
-DEFAULT_NS_COEFFS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+# The XLA Newton-Schulz lives with its Pallas kernel (kernels never import optim); re-exported here
+# as this module's public names.
+from zaya_jax.kernels.newton_schulz import DEFAULT_NS_COEFFS, orthogonalize, validate_ns_coeffs
+
+__all__ = [
+    "DEFAULT_NS_COEFFS",
+    "MuonState",
+    "muon",
+    "orthogonalize",
+    "scale_by_muon",
+    "scale_by_shape",
+    "shape_scale",
+]
 
 DTypeLike = Any
 
@@ -51,65 +63,6 @@ def _check_matrices(tree: Any, who: str) -> None:
             f"{who}: Muon only handles parameters with ndim >= 2 (matrix = last two "
             f"axes, leading axes = batch); route these to AdamW instead: {bad}"
         )
-
-
-def _validate_coeffs(ns_coeffs: Sequence[float]) -> tuple[float, float, float]:
-    coeffs = tuple(float(c) for c in ns_coeffs)
-    if len(coeffs) != 3:
-        raise ValueError(f"ns_coeffs must be a triple (a, b, c), got {ns_coeffs!r}")
-    return coeffs  # type: ignore[return-value]
-
-
-def orthogonalize(
-    x: jax.Array,
-    *,
-    ns_coeffs: Sequence[float] = DEFAULT_NS_COEFFS,
-    ns_steps: int = 5,
-    ns_dtype: DTypeLike = jnp.float32,
-    eps: float = 1e-8,
-) -> jax.Array:
-    """Approximate ``U Vᵀ`` of each matrix with the quintic Newton–Schulz iteration.
-
-    Args:
-      x: ``[..., m, n]``; every leading axis is a batch axis and each ``[m, n]``
-        slice is processed independently (batched matmuls, no cross-slice terms).
-      ns_coeffs: ``(a, b, c)`` of ``X <- a X + (b A + c A²) X`` with ``A = X Xᵀ``.
-      ns_steps: number of iterations.
-      ns_dtype: dtype the iteration runs in (float32 or bfloat16).
-      eps: added to each slice's Frobenius norm.
-
-    Returns:
-      ``[..., m, n]`` in ``x.dtype``. With the default coefficients the singular
-      values land roughly in [0.7, 1.2] rather than exactly 1 — the coefficients
-      trade exactness for a steep slope at 0 so small singular values grow fast.
-    """
-    if x.ndim < 2:
-        raise ValueError(f"orthogonalize needs ndim >= 2 ([..., m, n]), got shape {x.shape}")
-    a, b, c = _validate_coeffs(ns_coeffs)
-    ns_dtype = jnp.dtype(ns_dtype)
-    # Asking for float32 should mean float32: without HIGHEST, GPUs/TPUs may run
-    # fp32 matmuls in TF32/bf16 passes and the iteration loses its accuracy.
-    precision = jax.lax.Precision.HIGHEST if ns_dtype == jnp.float32 else None
-    mm = lambda p, q: jnp.matmul(p, q, precision=precision)
-
-    out_dtype = x.dtype
-    # NS is symmetric under transposition (f(Xᵀ) = f(X)ᵀ), so iterate on the wide
-    # orientation: A = X Xᵀ is then [min, min], the cheaper Gram matrix.
-    transposed = x.shape[-2] > x.shape[-1]
-    if transposed:
-        x = jnp.swapaxes(x, -1, -2)
-    # Frobenius normalisation bounds the spectral norm by 1, inside NS's basin of
-    # convergence. Computed in fp32 so a bf16 ns_dtype does not lose the scale.
-    x32 = x.astype(jnp.float32)
-    norm = jnp.sqrt(jnp.sum(jnp.square(x32), axis=(-2, -1), keepdims=True))
-    x = (x32 / (norm + eps)).astype(ns_dtype)
-    for _ in range(ns_steps):
-        gram = mm(x, jnp.swapaxes(x, -1, -2))
-        poly = b * gram + c * mm(gram, gram)
-        x = a * x + mm(poly, x)
-    if transposed:
-        x = jnp.swapaxes(x, -1, -2)
-    return x.astype(out_dtype)
 
 
 class MuonState(NamedTuple):
@@ -137,8 +90,8 @@ def scale_by_muon(
 ) -> optax.GradientTransformation:
     """Momentum followed by per-matrix Newton–Schulz orthogonalisation.
 
-    ``orthogonalize_fn`` (same signature as :func:`orthogonalize`, the default)
-    lets the Pallas kernel ``zaya_jax.kernels.newton_schulz`` take its place.
+    ``orthogonalize_fn`` (same signature as :func:`orthogonalize`, the XLA default from
+    ``zaya_jax.kernels.newton_schulz``) lets the Pallas kernel ``newton_schulz`` take its place.
 
     Every leaf must have ndim >= 2 (``[..., fan_in, fan_out]``); see module doc.
     Output updates have the leaves' shapes and the gradients' dtypes.
@@ -152,7 +105,7 @@ def scale_by_muon(
       ns_coeffs, ns_steps, ns_dtype, eps: see :func:`orthogonalize`.
       mu_dtype: dtype of the momentum buffer.
     """
-    ns_coeffs = _validate_coeffs(ns_coeffs)
+    ns_coeffs = validate_ns_coeffs(ns_coeffs)
     mu_dtype = jnp.dtype(mu_dtype)
     orthogonalize_fn = orthogonalize_fn or orthogonalize
     if not 0.0 <= beta < 1.0:
