@@ -177,8 +177,8 @@ def test_bad_mesh_is_a_clear_error(shape, message):
 
 
 def test_resolve_mesh_shape():
-    assert resolve_mesh_shape(-1, 2, 2, 8) == (2, 2, 2)
-    assert resolve_mesh_shape(1, 1, -1, 8) == (1, 1, 8)
+    assert resolve_mesh_shape(-1, 2, 2, 8) == (2, 2, 2, 1)
+    assert resolve_mesh_shape(1, 1, -1, 8) == (1, 1, 8, 1)
 
 
 def test_capacity_factor_drops_and_counts():

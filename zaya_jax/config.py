@@ -21,6 +21,8 @@ overrides any key (`--config.train.steps=100`). Sections:
   optim.*                   see zaya_jax.optim.chain (lr, schedule, warmup, muon.*, adamw.*, clipping)
   balancing.*               aux-loss-free router balancing (zaya_jax.balancing)
   mesh.data / mesh.fsdp / mesh.expert   device mesh; one may be -1 = the remaining devices
+  mesh.context              split every sequence over this many devices (context parallelism,
+                            zaya_jax/parallel/context.py; default 1; may be the -1 axis)
   mesh.zero1                optimizer state split over the data axis (ZeRO-1)
   checkpoint.every_steps, checkpoint.every_minutes   periodic saves under WORKDIR/checkpoints (by
                             step count and/or wall time; 0 = off); the last step is always saved
@@ -97,6 +99,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.data = -1
     c.mesh.fsdp = 1
     c.mesh.expert = 1
+    c.mesh.context = 1
     c.mesh.zero1 = True  # optimizer state split over the data axis
 
     c.checkpoint = ml_collections.ConfigDict()
@@ -209,7 +212,7 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
         raise ValueError(
             f"config.optim (schedule={c.optim.schedule!r}, train.steps={t.steps}): {e}"
         ) from None
-    for key in ("data", "fsdp", "expert"):
+    for key in ("data", "fsdp", "expert", "context"):
         value = c.mesh[key]
         _check(
             isinstance(value, int) and (value > 0 or value == -1),
@@ -217,9 +220,9 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
             f"must be a positive int or -1, got {value!r}",
         )
     _check(
-        [c.mesh.data, c.mesh.fsdp, c.mesh.expert].count(-1) <= 1,
+        [c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.context].count(-1) <= 1,
         "mesh",
-        "at most one of data/fsdp/expert may be -1",
+        "at most one of data/fsdp/expert/context may be -1",
     )
     for key in (
         "checkpoint.every_steps",

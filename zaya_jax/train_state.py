@@ -24,6 +24,7 @@ from zaya_jax import balancing as bal
 from zaya_jax.loss import chunked_cross_entropy
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
+from zaya_jax.parallel.context import CONTEXT
 from zaya_jax.parallel.sharding import BATCH_AXES, batch_sharding, opt_state_shardings, param_shardings
 
 Batch = dict[str, jax.Array]  # input_ids / targets int32 [B, S], loss_mask fp32 [B, S]
@@ -102,7 +103,7 @@ def make_train_step(
     def split(x):
         x = x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
         if mesh is not None:
-            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES)))
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES, CONTEXT)))
         return x
 
     def train_step(state: TrainState, batch: Batch):

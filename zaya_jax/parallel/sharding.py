@@ -9,7 +9,8 @@ rules from logical to mesh axes.
   everything else (norms, biases, scales, conv taps, router MLP)   replicated: small
 
   rules: expert -> "expert" mesh axis; embed -> "fsdp" (FSDP shards every big matrix on its model
-  width); all other logical axes -> replicated. Batches are split over (data, fsdp, expert).
+  width); all other logical axes -> replicated. Batch rows are split over (data, fsdp, expert), and
+  positions over "context" (zaya_jax/parallel/context.py).
 
 ZeRO-1: each optimizer-state leaf takes its parameter's layout and is additionally split over the
 "data" axis along its largest free dimension, so the optimizer state is never fully replicated.
@@ -26,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax.optim.chain import param_path
+from zaya_jax.parallel.context import CONTEXT, ROW_AXES
 
 PARAM_AXES: tuple[tuple[str, tuple[str, ...] | None], ...] = (
     (r"embed_tokens/embedding", ("vocab", "embed")),
@@ -37,7 +39,7 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...] | None], ...] = (
     (r"layers/mlp/experts/down_proj", ("layers", "expert", "mlp", "embed")),
 )
 RULES: dict[str, str | None] = {"expert": "expert", "embed": "fsdp"}
-BATCH_AXES = ("data", "fsdp", "expert")
+BATCH_AXES = ROW_AXES  # the mesh axes that split batch rows
 
 
 def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
@@ -105,8 +107,8 @@ def opt_state_shardings(opt_state: Any, params: Any, mesh: Mesh, zero1: bool = T
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """[B, ...] batches: rows split over every mesh axis."""
-    return NamedSharding(mesh, P(BATCH_AXES))
+    """[B, S, ...] batches: rows split over BATCH_AXES, positions over "context"."""
+    return NamedSharding(mesh, P(BATCH_AXES, CONTEXT))
 
 
 def shard_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:

@@ -1,0 +1,96 @@
+"""Context parallelism: every sequence split over the "context" mesh axis (SPEC §4: the 32k phase).
+
+Rank r of the R context ranks holds positions [r*S/R, (r+1)*S/R) of every sequence of its rows
+(batch [B, S] laid out P(ROW_AXES, "context")). Everything per token (projections, norms, RoPE,
+router, experts, loss) then runs locally; only two things in a block read other positions:
+
+  * CCA's causal convolution and value shift need the last few rows before the rank's first
+    position: `left_halo` sends each rank's last rows to the next rank (one collective-permute);
+    rank 0 receives zeros, which is exactly the global left zero-padding. The halo carries conv
+    INPUTS (the raw q0/k0 projections): the first conv's output inside the padding is its bias,
+    not zero, so the conv must be recomputed over the halo rather than receive outputs;
+  * attention reads every key: `gather_sequence` all-gathers keys and values (after conv, norm and
+    RoPE) over the axis, and queries keep their own positions (the causal mask is on GLOBAL
+    positions, so rank r's queries see the keys of ranks <= r).
+
+Layout: contiguous chunks (rank r owns the r-th chunk). Causal attention then costs rank R-1 about
+(2R-1)/R times the average; a load-balanced ("zig-zag") layout is not built.
+The backward of the halo is a permute the other way and that of the all-gather a reduce-scatter
+(jax derives both), so gradients need nothing extra.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from zaya_jax.parallel.mesh import MESH_AXES
+
+CONTEXT = "context"
+ROW_AXES = tuple(a for a in MESH_AXES if a != CONTEXT)  # the axes that split batch rows
+
+
+def context_size(mesh: Mesh | None) -> int:
+    """R, the number of context ranks (1 without a mesh)."""
+    return 1 if mesh is None or CONTEXT not in mesh.shape else int(mesh.shape[CONTEXT])
+
+
+def check_local_length(seq_len: int, ranks: int, rows: int) -> None:
+    """ValueError unless S splits evenly into R chunks of at least `rows` (the halo) positions."""
+    if seq_len % ranks or seq_len // ranks < rows:
+        raise ValueError(
+            f"mesh.context={ranks}: sequence length {seq_len} must be a multiple of it with at least "
+            f"{rows} positions per rank (the CCA convolution's left context)"
+        )
+
+
+def left_halo(x_bsc: jax.Array, rows: int, mesh: Mesh) -> jax.Array:
+    """x [B, S, C] split over "context" -> [B, R, rows, C]: for each rank r the last `rows` rows
+    of rank r-1's chunk (zeros for r = 0), laid out with R over "context" (local to rank r)."""
+    r = context_size(mesh)
+    check_local_length(x_bsc.shape[1], r, rows)
+
+    def per_device(x):
+        # ppermute leaves a rank that no pair sends to (rank 0) with zeros.
+        halo = jax.lax.ppermute(x[:, x.shape[1] - rows :], CONTEXT, [(i, i + 1) for i in range(r - 1)])
+        return halo[:, None]
+
+    return jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=P(ROW_AXES, CONTEXT, None),
+        out_specs=P(ROW_AXES, CONTEXT, None, None),
+        check_vma=False,
+    )(x_bsc)
+
+
+def with_left_context(
+    x_bsc: jax.Array, left_bpc: jax.Array | None, rows: int, mesh: Mesh | None
+) -> jax.Array:
+    """x [B, S, C] -> [B, R, rows + S/R, C]: each rank's chunk preceded by its `rows` rows of left
+    context; rank 0's is `left_bpc` [B, rows, C] (a decoding state; None = zeros). With R = 1 this
+    is just concat(left, x) with a unit R axis, so one code path serves both."""
+    b, s, c = x_bsc.shape
+    r = context_size(mesh)
+    if r == 1:
+        left = jnp.zeros((b, rows, c), x_bsc.dtype) if left_bpc is None else left_bpc.astype(x_bsc.dtype)
+        return jnp.concatenate([left, x_bsc], axis=1)[:, None]
+    halo = left_halo(x_bsc, rows, mesh)
+    if left_bpc is not None:
+        halo = halo.at[:, 0].set(left_bpc.astype(x_bsc.dtype))
+    return jnp.concatenate([halo, x_bsc.reshape(b, r, s // r, c)], axis=2)
+
+
+def gather_sequence(x_bs: jax.Array, mesh: Mesh) -> jax.Array:
+    """[B, S, ...] split over "context" -> the same array whole on every context rank (all-gather),
+    rows still split over ROW_AXES."""
+    rest = (None,) * (x_bs.ndim - 2)
+    return jax.shard_map(
+        lambda x: jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True),
+        mesh=mesh,
+        in_specs=P(ROW_AXES, CONTEXT, *rest),
+        out_specs=P(ROW_AXES, None, *rest),
+        check_vma=False,
+    )(x_bs)
