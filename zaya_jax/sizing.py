@@ -36,6 +36,7 @@ from typing import Any, Mapping
 import jax
 
 from zaya_jax.model.config import ZayaConfig
+from zaya_jax.parallel.context import config_context
 
 # Dense bf16 peak per device, FLOP/s (vendor numbers, no sparsity).
 PEAK_BF16_FLOPS = {
@@ -191,7 +192,7 @@ def mfu(
 
 
 # ------------------------------------------------------------------------------------------- mesh
-MESH_AXES = ("data", "fsdp", "expert")
+MESH_AXES = ("data", "fsdp", "expert", "context")
 
 
 def parse_mesh(
@@ -392,8 +393,10 @@ def activation_bytes(
     remat: str,
     loss_chunk: int = 512,
     expert_axis: int = 1,
+    context: int = 1,
 ) -> float:
-    """Estimated activation bytes per device for one microbatch of `micro_batch` sequences.
+    """Estimated activation bytes per device for one microbatch of `micro_batch` sequences (with
+    mesh.context = R > 1: S/R positions of each, and the block's keys and values all-gathered to S).
 
       none           L x (the `activation_terms` of a block) per token
       dots_saveable  L x (block carry + matmul outputs) per token, + one block's full activations
@@ -408,9 +411,9 @@ def activation_bytes(
     """
     if remat not in REMAT_CHOICES:
         raise ValueError(f"remat={remat!r}; expected one of {REMAT_CHOICES}")
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * seq_len // context
     n = cfg.num_hidden_layers
-    block = sum(activation_terms(cfg, seq_len).values())
+    block = sum(activation_terms(cfg, seq_len).values())  # attention still reads all S keys
     carry = 4 * (cfg.hidden_size + cfg.router_hidden_size)
     if remat == "none":
         per_token = n * block
@@ -425,8 +428,22 @@ def activation_bytes(
         per_layer = (pc.active / n - expert) + expert * cfg.num_experts / expert_axis
         casts = (n if remat == "none" else 1) * per_layer * _DTYPE_BYTES[cfg.dtype]
     outside = tokens * 3 * 4 * cfg.hidden_size
-    loss = micro_batch * min(loss_chunk, seq_len) * cfg.vocab_size * 3 * 4
-    return tokens * per_token + casts + outside + loss
+    loss = micro_batch * min(loss_chunk, seq_len // context) * cfg.vocab_size * 3 * 4
+    # The gathered K/V: every block's kept without remat, the recomputed block's otherwise.
+    gathered = (
+        (n if remat == "none" else 1) * kv_all_gather_bytes(cfg, seq_len, micro_batch, 1)
+        if context > 1
+        else 0
+    )
+    return tokens * per_token + casts + outside + loss + gathered
+
+
+def kv_all_gather_bytes(cfg: ZayaConfig, seq_len: int, micro_batch: int, context: int) -> float:
+    """Bytes one device receives per block in the forward K/V all-gather over `context` ranks
+    (k and v of the other ranks' positions, compute dtype); the backward's reduce-scatter of their
+    gradients moves the same. With context = 1: the whole gathered K/V of `micro_batch` sequences."""
+    kv = 2 * cfg.num_key_value_heads * cfg.head_dim * _DTYPE_BYTES[cfg.dtype]
+    return micro_batch * seq_len * kv * ((context - 1) / context if context > 1 else 1)
 
 
 def memory_per_device(
@@ -457,7 +474,12 @@ def memory_per_device(
     )
     by_remat = {
         r: activation_bytes(
-            cfg, seq_len=seq_len, micro_batch=micro_batch, remat=r, expert_axis=mesh["expert"]
+            cfg,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            remat=r,
+            expert_axis=mesh["expert"],
+            context=mesh["context"],
         )
         for r in REMAT_CHOICES
     }
@@ -478,8 +500,9 @@ def memory_per_device(
 
 
 def config_micro_batch(c: Any, devices: int) -> int:
-    """Sequences per device per microbatch of training config `c` on `devices` devices."""
-    return max(1, c.train.batch_size // c.train.grad_accum // devices)
+    """Sequences per device per microbatch of training config `c` on `devices` devices (with
+    mesh.context = R: per group of R devices, each holding S/R positions of them)."""
+    return max(1, c.train.batch_size // c.train.grad_accum // (devices // config_context(c.mesh, devices)))
 
 
 def config_memory_per_device(c: Any, cfg: ZayaConfig, mesh: Mapping[str, int]) -> MemoryEstimate:
@@ -614,7 +637,7 @@ def report(
         muon_mu_bytes=muon_mu_bytes,
     )
     devices = math.prod(mesh.values())
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * seq_len // mesh["context"]
     warnings = sizing_warnings(cfg, tokens_per_device=tokens, mesh=mesh)
     if mem.total > device_memory_gib * GIB:
         warnings.append(
@@ -627,7 +650,9 @@ def report(
         lines.append(header)
     lines.append(
         f"mesh {' '.join(f'{a}={mesh[a]}' for a in MESH_AXES)} ({devices} devices), "
-        f"micro-batch {micro_batch} sequences x {seq_len} tokens = {tokens:,} tokens/device, "
+        f"micro-batch {micro_batch} sequences x {seq_len} tokens"
+        + (f" / {mesh['context']} context ranks" if mesh["context"] > 1 else "")
+        + f" = {tokens:,} tokens/device, "
         f"remat {remat}, ZeRO-1 {'on' if zero1 else 'off'}"
     )
     lines += [
@@ -717,6 +742,7 @@ def _define_flags():
 
 def main(argv) -> None:
     from absl import app, flags
+
     from zaya_jax import config as config_lib
 
     if len(argv) > 1:

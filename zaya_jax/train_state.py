@@ -24,7 +24,7 @@ from zaya_jax import balancing as bal
 from zaya_jax.loss import chunked_cross_entropy
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
-from zaya_jax.parallel.context import CONTEXT
+from zaya_jax.parallel.context import CONTEXT, check_local_length, config_context, context_size
 from zaya_jax.parallel.sharding import BATCH_AXES, batch_sharding, opt_state_shardings, param_shardings
 
 Batch = dict[str, jax.Array]  # input_ids / targets int32 [B, S], loss_mask fp32 [B, S]
@@ -80,7 +80,9 @@ def loss_and_counts(
     variables = {"params": params, BALANCING: balancing}
     out = model.apply(variables, batch["input_ids"], return_logits=False)
     head = lambda h: model.apply(variables, h, method=ZayaForCausalLM.logits_from_hidden)
-    total, weight = chunked_cross_entropy(out.hidden, batch["targets"], batch["loss_mask"], head, loss_chunk)
+    total, weight = chunked_cross_entropy(
+        out.hidden, batch["targets"], batch["loss_mask"], head, loss_chunk, context_size(model.mesh)
+    )
     return total, (weight, out.expert_counts, out.dropped_tokens)
 
 
@@ -211,13 +213,20 @@ def abstract_batch(batch_size: int, seq_len: int, mesh: Mesh) -> Batch:
 
 def check_batch_divides(c: ml_collections.ConfigDict, devices: int) -> None:
     """train.batch_size, and each of its grad_accum microbatches, divide over `devices` (ValueError
-    naming the key otherwise): the trainer and the dry run check it before building the step."""
+    naming the key otherwise): the trainer and the dry run check it before building the step.
+    With mesh.context = R, rows divide over devices / R and train.seq_len over R."""
+    context = config_context(c.mesh, devices)
+    rows = devices // context
     batch_size, micro = c.train.batch_size, c.train.batch_size // c.train.grad_accum
-    if batch_size % devices or micro % devices:
+    if batch_size % rows or micro % rows:
         raise ValueError(
             f"config.train.batch_size={batch_size} (per microbatch {micro}) must be divisible by the "
-            f"{devices} devices"
+            f"{rows} devices" + (f" that split batch rows (mesh.context={context})" if context > 1 else "")
         )
+    try:
+        check_local_length(c.train.seq_len, context, c.model.cca_time0 + c.model.cca_time1 - 2)
+    except ValueError as e:
+        raise ValueError(f"config.train.seq_len={c.train.seq_len}: {e}") from None
 
 
 def train_program(c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh) -> TrainProgram:

@@ -1,10 +1,11 @@
 """CCA: compressed convolutional attention (docs/model.md §2.1, arXiv 2510.04476).
 
 Per block, from the normed input x [B, S, d]:
-  q0 = x Wq [B, S, Nq*hd], k0 = x Wk [B, S, Nkv*hd]
-  q = conv(concat(q0, k0))[:Nq*hd] + mean-skip(q0, k0)          two-stage causal conv over time
-  v = concat(x Wvc, shift_right(x Wvd)) -> [B, S, Nkv, hd]        half the value from the previous token
-  q, k <- sqrt(hd) * l2norm; k *= temp[kv head]; partial RoPE; causal GQA attention; o_proj.
+  q0 = x Wq [B, S, N*H], k0 = x Wk [B, S, K*H]
+  q = conv(concat(q0, k0))[:N*H] + mean-skip(q0, k0)            two-stage causal conv over time
+  v = concat(x Wvc, shift_right(x Wvd)) -> [B, S, K, H]          half the value from the previous token
+  q, k <- sqrt(H) * l2norm; k *= temp[kv head]; partial RoPE; causal GQA attention; o_proj.
+(N query heads, K key/value heads, H head dim; C = (N+K)*H conv channels.)
 
 The conv and value shift need left context; `CCAState` carries it between calls (decoding), and a
 fresh state is all zeros, which is exactly the left zero-padding of the full-sequence forward.
@@ -32,13 +33,13 @@ from zaya_jax.parallel.context import context_size, gather_sequence, with_left_c
 class CCAState(NamedTuple):
     """Left context of the CCA projections for one block.
 
-    conv_bpc: the last P = (t0-1)+(t1-1) raw concat(q0, k0) rows [B, P, (Nq+Nkv)*hd].
-    v_delayed_bv: the previous token's delayed value projection [B, Nkv*hd/2], or None at sequence
+    conv_btc: the last T = (t0-1)+(t1-1) raw concat(q0, k0) rows [B, T, C].
+    v_delayed: the previous token's delayed value projection [B, K*H/2], or None at sequence
       start (then it is the projection of a zero vector, as in transformers).
     """
 
-    conv_bpc: jax.Array
-    v_delayed_bv: jax.Array | None
+    conv_btc: jax.Array
+    v_delayed: jax.Array | None
 
 
 def torch_conv_init(fan_in: int):
@@ -126,8 +127,8 @@ def l2_qk_norm(q_bsnh: jax.Array, k_bskh: jax.Array, temp_k: jax.Array) -> tuple
 
 
 class LayerCache(NamedTuple):
-    """One block's decoding cache (stacked [L, ...] in the model): k, v [B, T, Nkv, hd] preallocated;
-    conv [B, P, C] and v_delayed [B, Nkv*hd/2] as in CCAState."""
+    """One block's decoding cache (stacked [L, ...] in the model): k, v [B, T, K, H] preallocated;
+    conv [B, (t0-1)+(t1-1), C] and v_delayed [B, K*H/2] as in CCAState."""
 
     k: jax.Array
     v: jax.Array
@@ -178,7 +179,7 @@ class CCAttention(nn.Module):
     def qkv(
         self, x_bsd: jax.Array, state: CCAState | None
     ) -> tuple[jax.Array, jax.Array, jax.Array, CCAState]:
-        """Pre-norm q [B,S,Nq,hd], k [B,S,Nkv,hd], v [B,S,Nkv,hd] (all in the compute dtype).
+        """Pre-norm q [B,S,N,H], k [B,S,K,H], v [B,S,K,H] (all in the compute dtype).
 
         state None = sequence start. On a "context" mesh the left context of every rank but the
         first comes from the previous rank (`with_left_context`); `state` is rank 0's."""
@@ -189,22 +190,22 @@ class CCAttention(nn.Module):
         mq, mk = qk_mean_skip(q0.reshape(b, s, nq, hd), k0.reshape(b, s, nkv, hd))
 
         # u [B, R, P + S/R, C]: each context rank's chunk of the conv input after its left context.
-        p = cfg.conv_state_len
-        conv_left = None if state is None else state.conv_bpc
-        u = with_left_context(jnp.concatenate([q0, k0], axis=-1), conv_left, p, self.mesh)
+        rows = cfg.conv_state_len
+        conv_left = None if state is None else state.conv_btc
+        u = with_left_context(jnp.concatenate([q0, k0], axis=-1), conv_left, rows, self.mesh)
         conv = self.conv_qk_grouped(self.conv_qk_depthwise(u)).reshape(b, s, -1)  # [B, S, C]
         q = conv[..., : nq * hd].reshape(b, s, nq, hd) + mq
         k = conv[..., nq * hd :].reshape(b, s, nkv, hd) + mk
 
         v_cur = self.v_proj_current(x_bsd)
         v_del = self.v_proj_delayed(x_bsd)
-        prev = None if state is None else state.v_delayed_bv
+        prev = None if state is None else state.v_delayed
         if prev is None:
             prev = self.v_proj_delayed(jnp.zeros((b, x_bsd.shape[-1]), x_bsd.dtype))
         v_shifted = with_left_context(v_del, prev[:, None], 1, self.mesh)[:, :, :-1].reshape(b, s, -1)
         v = jnp.concatenate([v_cur, v_shifted], axis=-1).reshape(b, s, nkv, hd)
 
-        new_state = CCAState(u[:, -1, u.shape[2] - p :], v_del[:, -1])
+        new_state = CCAState(u[:, -1, u.shape[2] - rows :], v_del[:, -1])
         return q, k, v, new_state
 
     def __call__(
@@ -302,6 +303,6 @@ class CCAttention(nn.Module):
         o = xla_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), allowed, scale=cfg.head_dim**-0.5)
         s = x_bsd.shape[1]
         new = LayerCache(
-            k_all, v_all, st.conv_bpc.astype(lc.conv.dtype), st.v_delayed_bv.astype(lc.v_delayed.dtype)
+            k_all, v_all, st.conv_btc.astype(lc.conv.dtype), st.v_delayed.astype(lc.v_delayed.dtype)
         )
         return self.o_proj(o.reshape(b, s, -1)), new

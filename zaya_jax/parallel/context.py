@@ -1,4 +1,4 @@
-"""Context parallelism: every sequence split over the "context" mesh axis (SPEC §4: the 32k phase).
+"""Context parallelism: every sequence split over the "context" mesh axis (docs/model.md §4: the 32k phase).
 
 Rank r of the R context ranks holds positions [r*S/R, (r+1)*S/R) of every sequence of its rows
 (batch [B, S] laid out P(ROW_AXES, "context")). Everything per token (projections, norms, RoPE,
@@ -13,13 +13,24 @@ router, experts, loss) then runs locally; only two things in a block read other 
     RoPE) over the axis, and queries keep their own positions (the causal mask is on GLOBAL
     positions, so rank r's queries see the keys of ranks <= r).
 
-Layout: contiguous chunks (rank r owns the r-th chunk). Causal attention then costs rank R-1 about
-(2R-1)/R times the average; a load-balanced ("zig-zag") layout is not built.
+Reductions over tokens (loss, expert counts for balancing, dropped tokens) are sums over global
+arrays, so they already include every context rank. "context" is the LAST mesh axis: the tokens
+[B*S] that the MoE flattens ([B] over ROW_AXES, [S] over context) are then exactly
+P(MESH_AXES), the layout of the expert all-to-all (zaya_jax/parallel/expert.py): no resharding.
+The chunked loss (zaya_jax/loss.py, seq_shards) chunks each rank's own positions.
+
+Layout: contiguous chunks (rank r owns the r-th chunk). The XLA attention computes each rank's
+[S/R, S] scores in full (masked ones too), so ranks do equal work; a kernel that skipped masked
+blocks would leave rank R-1 about (2R-1)/R times the average, which a load-balanced ("zig-zag")
+layout would fix; it is not built. The Pallas kernel places queries at the last Sq key positions,
+so model.attention_impl='pallas' is refused with context > 1 ('auto' uses the XLA path there).
 The backward of the halo is a permute the other way and that of the all-gather a reduce-scatter
 (jax derives both), so gradients need nothing extra.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +46,14 @@ ROW_AXES = tuple(a for a in MESH_AXES if a != CONTEXT)  # the axes that split ba
 def context_size(mesh: Mesh | None) -> int:
     """R, the number of context ranks (1 without a mesh)."""
     return 1 if mesh is None or CONTEXT not in mesh.shape else int(mesh.shape[CONTEXT])
+
+
+def config_context(mesh_cfg, devices: int) -> int:
+    """R of a config's mesh section on `devices` devices (resolves mesh.context = -1)."""
+    context = mesh_cfg.get("context", 1)
+    if context == -1:  # then every other axis is fixed
+        context = devices // math.prod(mesh_cfg[a] for a in ROW_AXES)
+    return context
 
 
 def check_local_length(seq_len: int, ranks: int, rows: int) -> None:
@@ -67,19 +86,19 @@ def left_halo(x_bsc: jax.Array, rows: int, mesh: Mesh) -> jax.Array:
 
 
 def with_left_context(
-    x_bsc: jax.Array, left_bpc: jax.Array | None, rows: int, mesh: Mesh | None
+    x_bsc: jax.Array, left_btc: jax.Array | None, rows: int, mesh: Mesh | None
 ) -> jax.Array:
     """x [B, S, C] -> [B, R, rows + S/R, C]: each rank's chunk preceded by its `rows` rows of left
-    context; rank 0's is `left_bpc` [B, rows, C] (a decoding state; None = zeros). With R = 1 this
+    context; rank 0's is `left_btc` [B, rows, C] (a decoding state; None = zeros). With R = 1 this
     is just concat(left, x) with a unit R axis, so one code path serves both."""
     b, s, c = x_bsc.shape
     r = context_size(mesh)
     if r == 1:
-        left = jnp.zeros((b, rows, c), x_bsc.dtype) if left_bpc is None else left_bpc.astype(x_bsc.dtype)
+        left = jnp.zeros((b, rows, c), x_bsc.dtype) if left_btc is None else left_btc.astype(x_bsc.dtype)
         return jnp.concatenate([left, x_bsc], axis=1)[:, None]
     halo = left_halo(x_bsc, rows, mesh)
-    if left_bpc is not None:
-        halo = halo.at[:, 0].set(left_bpc.astype(x_bsc.dtype))
+    if left_btc is not None:
+        halo = halo.at[:, 0].set(left_btc.astype(x_bsc.dtype))
     return jnp.concatenate([halo, x_bsc.reshape(b, r, s // r, c)], axis=2)
 
 
