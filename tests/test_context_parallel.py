@@ -15,7 +15,7 @@ from test_train import run_train, train_losses
 
 from zaya_jax import balancing as bal
 from zaya_jax.checkpoint import Checkpointer
-from zaya_jax.config import base_config
+from zaya_jax.config import base_config, validate
 from zaya_jax.loss import token_cross_entropy
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
@@ -24,8 +24,15 @@ from zaya_jax.parallel.context import check_local_length, with_left_context
 from zaya_jax.parallel.sharding import batch_sharding
 from zaya_jax.train_state import create_train_state, make_train_step, state_shardings
 
+# Block 1 has a sliding window (8) shorter than a context rank's chunk: its mask is on global positions.
 CFG = ZayaConfig.tiny(
-    hidden_size=64, num_hidden_layers=2, num_experts=8, moe_intermediate_size=32, vocab_size=128
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_experts=8,
+    moe_intermediate_size=32,
+    vocab_size=128,
+    layer_types=("hybrid", "hybrid_sliding"),
+    sliding_window=8,
 )
 # (data, fsdp, expert, context)
 MESHES = {
@@ -187,3 +194,17 @@ def test_cli_trains_with_a_context_axis(tmp_path):
     assert sorted(c2) == [1, 2, 3]
     np.testing.assert_allclose([c2[s] for s in c2], [c1[s] for s in c2], atol=1e-4)
     assert os.path.isdir(tmp_path / "c2" / "checkpoints" / "3")
+
+
+def test_pallas_attention_is_refused_on_a_context_mesh():
+    c = base_config()
+    c.mesh.context = 2
+    c.model.attention_impl = "pallas"
+    with pytest.raises(
+        ValueError, match=r"config.model.attention_impl: 'pallas' does not support mesh.context=2"
+    ):
+        validate(c)
+    cfg = ZayaConfig.tiny(hidden_size=64, num_hidden_layers=1, vocab_size=128, attention_impl="pallas")
+    ids = jax.device_put(jnp.zeros((8, 16), jnp.int32), batch_sharding(make_mesh(4, 1, 1, 2)))
+    with pytest.raises(ValueError, match=r"attention_impl='pallas' does not support mesh.context > 1"):
+        jax.eval_shape(lambda: ZayaForCausalLM(cfg, make_mesh(4, 1, 1, 2)).init(jax.random.key(0), ids))

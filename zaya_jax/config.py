@@ -224,6 +224,11 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
         "mesh",
         "at most one of data/fsdp/expert/context may be -1",
     )
+    _check(  # the kernel places queries at the last keys; a context rank's start elsewhere
+        c.mesh.context == 1 or c.model.attention_impl != "pallas",
+        "model.attention_impl",
+        f"'pallas' does not support mesh.context={c.mesh.context}: use 'xla' or 'auto'",
+    )
     for key in (
         "checkpoint.every_steps",
         "checkpoint.keep",
