@@ -6,11 +6,14 @@ collective-permute in the compiled program, and checkpoints moving between conte
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_train import run_train, train_losses
 
 from zaya_jax import balancing as bal
@@ -20,7 +23,15 @@ from zaya_jax.loss import token_cross_entropy
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
 from zaya_jax.parallel import make_mesh
-from zaya_jax.parallel.context import check_local_length, with_left_context
+from zaya_jax.parallel.context import (
+    check_local_length,
+    flatten_tokens,
+    fold_sequences,
+    unflatten_tokens,
+    unfold_sequences,
+    with_left_context,
+)
+from zaya_jax.parallel.mesh import MESH_AXES
 from zaya_jax.parallel.sharding import batch_sharding
 from zaya_jax.train_state import create_train_state, make_train_step, state_shardings
 
@@ -58,6 +69,21 @@ def test_left_context_is_the_unsplit_one():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match=r"mesh.context=8: sequence length 8 .* at least 2 positions"):
         check_local_length(8, 8, 2)
+
+
+def test_flat_tokens_stay_on_their_device():
+    """[B, S] -> flat tokens laid out P(MESH_AXES) (the expert exchange's layout) and folded rows
+    [B*R, S/R] move no data, and both invert exactly."""
+    mesh = make_mesh(2, 1, 2, 2)
+    x = jnp.arange(8 * 16 * 3, dtype=jnp.float32).reshape(8, 16, 3)
+    xs = jax.device_put(x, batch_sharding(mesh))
+    for fn, spec in ((flatten_tokens, P(MESH_AXES)), (fold_sequences, P(MESH_AXES, None))):
+        step = jax.jit(lambda x: fn(x, mesh), out_shardings=NamedSharding(mesh, spec))
+        hlo = step.lower(xs).compile().as_text()
+        assert not re.search(r"all-to-all|all-gather|collective-permute|all-reduce", hlo), fn.__name__
+    np.testing.assert_array_equal(unflatten_tokens(flatten_tokens(x, mesh), 8, mesh), x)
+    np.testing.assert_array_equal(unfold_sequences(fold_sequences(x, mesh), 8, mesh), x)
+    assert fold_sequences(x, mesh).shape == (16, 8, 3)
 
 
 def _padded_batch():
@@ -113,6 +139,8 @@ def test_context_mesh_matches_single_device(name, single_device_grads):
     hlo = out[1]
     assert "collective-permute" in hlo  # the CCA halo
     assert "all-gather" in hlo  # keys and values
+    if MESHES[name][2] == 1:  # without an expert axis no token ever changes device (no regrouping)
+        assert "all-to-all" not in hlo
     assert abs(float(loss) - float(ref_loss)) < 1e-5
     np.testing.assert_allclose(np.asarray(counts), np.asarray(ref_counts), atol=1e-6)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ref)[0], jax.tree.leaves(got)):

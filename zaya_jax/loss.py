@@ -26,18 +26,12 @@ def chunked_cross_entropy(
     weights_bs: jax.Array,
     head: Callable[[jax.Array], jax.Array],
     chunk: int = 512,
-    seq_shards: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (sum of weighted token losses, sum of weights), both fp32 scalars.
 
     hidden [B, S, d] final-normed; head maps [..., d] -> logits [..., V]; weights [B, S] (loss mask).
     The sequence is split into chunks of `chunk` positions (the last chunk is padded with weight 0).
-    seq_shards R > 1 (positions split over R "context" ranks): each rank chunks its own S/R
-    positions, so the scan over chunks never crosses ranks (no gather, no repeated head work).
     """
-    if seq_shards > 1:  # [B, S] -> [B*R, S/R]: row b*R + r holds rank r's positions of sequence b
-        fold = lambda x: x.reshape(x.shape[0] * seq_shards, x.shape[1] // seq_shards, *x.shape[2:])
-        hidden_bsd, targets_bs, weights_bs = fold(hidden_bsd), fold(targets_bs), fold(weights_bs)
     split, (hidden_bsd, targets_bs, weights_bs) = _chunked(chunk, hidden_bsd, targets_bs, weights_bs)
 
     @jax.checkpoint

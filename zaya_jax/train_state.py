@@ -24,7 +24,7 @@ from zaya_jax import balancing as bal
 from zaya_jax.loss import chunked_cross_entropy
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
-from zaya_jax.parallel.context import CONTEXT, check_local_length, config_context, context_size
+from zaya_jax.parallel.context import CONTEXT, check_local_length, config_context, fold_sequences
 from zaya_jax.parallel.sharding import BATCH_AXES, batch_sharding, opt_state_shardings, param_shardings
 
 Batch = dict[str, jax.Array]  # input_ids / targets int32 [B, S], loss_mask fp32 [B, S]
@@ -80,8 +80,10 @@ def loss_and_counts(
     variables = {"params": params, BALANCING: balancing}
     out = model.apply(variables, batch["input_ids"], return_logits=False)
     head = lambda h: model.apply(variables, h, method=ZayaForCausalLM.logits_from_hidden)
+    # With a context axis each rank chunks its own positions: the scan never crosses ranks.
+    fold = lambda x: fold_sequences(x, model.mesh)
     total, weight = chunked_cross_entropy(
-        out.hidden, batch["targets"], batch["loss_mask"], head, loss_chunk, context_size(model.mesh)
+        fold(out.hidden), fold(batch["targets"]), fold(batch["loss_mask"]), head, loss_chunk
     )
     return total, (weight, out.expert_counts, out.dropped_tokens)
 

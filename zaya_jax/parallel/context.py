@@ -14,10 +14,10 @@ router, experts, loss) then runs locally; only two things in a block read other 
     positions, so rank r's queries see the keys of ranks <= r).
 
 Reductions over tokens (loss, expert counts for balancing, dropped tokens) are sums over global
-arrays, so they already include every context rank. "context" is the LAST mesh axis: the tokens
-[B*S] that the MoE flattens ([B] over ROW_AXES, [S] over context) are then exactly
-P(MESH_AXES), the layout of the expert all-to-all (zaya_jax/parallel/expert.py): no resharding.
-The chunked loss (zaya_jax/loss.py, seq_shards) chunks each rank's own positions.
+arrays, so they already include every context rank. Where tokens are regrouped (the MoE's flat
+[B*S] tokens, the loss's chunks) `flatten_tokens` / `fold_sequences` order them so that no data
+moves: "context" is the LAST mesh axis, so the flat tokens are exactly P(MESH_AXES), the layout of
+the expert all-to-all (zaya_jax/parallel/expert.py), and the loss scans each rank's own chunks.
 
 Layout: contiguous chunks (rank r owns the r-th chunk). The XLA attention computes each rank's
 [S/R, S] scores in full (masked ones too), so ranks do equal work; a kernel that skipped masked
@@ -113,3 +113,41 @@ def gather_sequence(x_bs: jax.Array, mesh: Mesh) -> jax.Array:
         out_specs=P(ROW_AXES, None, *rest),
         check_vma=False,
     )(x_bs)
+
+
+def fold_sequences(x_bs: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """[B, S, ...] split over ROW_AXES x "context" -> [B*R, S/R, ...], each row one rank's chunk of
+    one sequence, with no data moved: rows are ordered (row shard, context rank, local row), so the
+    new row axis is split over (ROW_AXES, "context") in mesh order. A plain reshape [B, S] ->
+    [B*R, S/R] would interleave ranks within a row shard and make XLA reshuffle (all-to-all)."""
+    r = context_size(mesh)
+    if r == 1:
+        return x_bs
+    b, s, *rest = x_bs.shape
+    j = math.prod(mesh.shape[a] for a in ROW_AXES)
+    x = x_bs.reshape(j, b // j, r, s // r, *rest).swapaxes(1, 2)  # [J, R, B/J, S/R, ...]
+    return x.reshape(b * r, s // r, *rest)
+
+
+def unfold_sequences(x_bs: jax.Array, batch: int, mesh: Mesh | None) -> jax.Array:
+    """The inverse of `fold_sequences`: [B*R, S/R, ...] -> [B, S, ...]."""
+    r = context_size(mesh)
+    if r == 1:
+        return x_bs
+    _, s_local, *rest = x_bs.shape
+    j = math.prod(mesh.shape[a] for a in ROW_AXES)
+    x = x_bs.reshape(j, r, batch // j, s_local, *rest).swapaxes(1, 2)  # [J, B/J, R, S/R, ...]
+    return x.reshape(batch, r * s_local, *rest)
+
+
+def flatten_tokens(x_bs: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """[B, S, ...] -> tokens [B*S, ...] split over MESH_AXES (context last) without moving data
+    (the layout of the expert all-to-all); `unflatten_tokens` inverts it."""
+    x = fold_sequences(x_bs, mesh)
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def unflatten_tokens(x_t: jax.Array, batch: int, mesh: Mesh | None) -> jax.Array:
+    """tokens [B*S, ...] (as `flatten_tokens` ordered them) -> [B, S, ...]."""
+    rows = batch * context_size(mesh)
+    return unfold_sequences(x_t.reshape(rows, x_t.shape[0] // rows, *x_t.shape[1:]), batch, mesh)
