@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
@@ -112,6 +113,83 @@ def human_bytes(b: float) -> str:
         if b >= scale:
             return f"{b / scale:g} {unit}"
     return f"{int(b)} B"
+
+
+# ------------------------------------------------------------------ expert exchange (issue 17)
+_CALLEES = re.compile(r"\b(body|condition|to_apply|calls|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+
+
+def all_to_all_bytes(hlo: str) -> tuple[int, int]:
+    """(main path, spill) all-to-all bytes per call of a compiled per-device HLO module.
+
+    Bytes are each all-to-all's result (= operand) bytes times how often its computation runs (while
+    bodies x their known trip count, as the dry run counts them). The main path takes branch 0 of
+    every conditional (`lax.cond`'s false branch: the expert exchange's no-overflow case); the
+    other branches' all-to-alls are the spill, counted once as if taken."""
+    from zaya_jax.dry_run import _INSTRUCTION, _TRIP_COUNT, _computations, _shape_bytes
+
+    comps, entry = _computations(hlo)
+    totals = [0, 0]
+
+    def visit(name: str, times: int, spill: bool) -> None:
+        for line in comps[name]:
+            m = _INSTRUCTION.match(line)
+            if m and not m.group(2).endswith("-start") and m.group(2).removesuffix("-done") == "all-to-all":
+                totals[spill] += _shape_bytes(m.group(1)) * times
+            trip = _TRIP_COUNT.search(line)
+            for kind, targets in _CALLEES.findall(line):
+                names = [t.strip().lstrip("%") for t in targets.strip("{}").split(",")]
+                k = int(trip.group(1)) if trip and kind in ("body", "condition") else 1
+                for i, callee in enumerate(names):
+                    if callee in comps:
+                        visit(callee, times * k, spill or (kind == "branch_computations" and i > 0))
+
+    visit(entry, 1, False)
+    return totals[0], totals[1]
+
+
+def ideal_exchange_bytes(tokens_per_device: int, hidden: int, itemsize: int) -> int:
+    """Dispatch + combine, forward + backward, of exactly the tokens a device holds: 4 x T x d x
+    itemsize per MoE block (the target of issue 17)."""
+    return 4 * tokens_per_device * hidden * itemsize
+
+
+def expert_exchange(c, factors: Sequence[float], devices: Sequence[Any]) -> list[dict[str, Any]]:
+    """All-to-all bytes per MoE block of config `c`'s compiled train step on `devices`, for each
+    dropless exchange capacity factor (a factor of mesh.expert or more is the C = T exchange that
+    main had before issue 17), against the ideal 4 x T x d x itemsize."""
+    import jax.numpy as jnp
+
+    from zaya_jax import config as config_lib
+    from zaya_jax.parallel.mesh import mesh_from_config
+    from zaya_jax.train_state import abstract_batch, train_program
+
+    rows = []
+    for f in factors:
+        c = c.copy_and_resolve_references()
+        c.model.moe_exchange_capacity_factor = float(f)
+        cfg = config_lib.validate(c)
+        mesh = mesh_from_config(c, devices=devices)
+        program = train_program(c, cfg, mesh)
+        batch = abstract_batch(c.train.batch_size, c.train.seq_len, mesh)
+        hlo = program.train_step.lower(program.abstract_state(), batch).compile().as_text()
+        main, spill = all_to_all_bytes(hlo)
+        blocks = cfg.num_hidden_layers * c.train.grad_accum  # MoE block calls per step
+        tokens = c.train.batch_size * c.train.seq_len // (len(devices) * c.train.grad_accum)
+        ideal = ideal_exchange_bytes(tokens, cfg.hidden_size, jnp.dtype(cfg.dtype).itemsize)
+        rows.append(
+            {
+                "exchange_factor": float(f),
+                "mesh": {a: int(s) for a, s in mesh.shape.items()},
+                "tokens_per_device": tokens,
+                "remat": cfg.remat,
+                "bytes_per_block": main / blocks,
+                "spill_bytes_per_block": spill / blocks,
+                "ideal_bytes_per_block": ideal,
+                "ratio_to_ideal": main / blocks / ideal,
+            }
+        )
+    return rows
 
 
 # ------------------------------------------------------------------------------------ benchmark
@@ -299,6 +377,41 @@ def plot(rows: list[dict[str, Any]], out_dir: str, device_kind: str) -> dict[str
     return paths
 
 
+def format_exchange_table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'factor':>8}{'MiB/block':>14}{'ideal MiB':>14}{'x ideal':>9}{'spill MiB':>14}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['exchange_factor']:>8g}{r['bytes_per_block'] / 2**20:>14,.2f}"
+            f"{r['ideal_bytes_per_block'] / 2**20:>14,.2f}{r['ratio_to_ideal']:>9.2f}"
+            f"{r['spill_bytes_per_block'] / 2**20:>14,.2f}"
+        )
+    return "\n".join(lines)
+
+
+def expert_exchange_main(args: argparse.Namespace) -> dict[str, Any]:
+    """--expert-exchange: the `expert_exchange` rows of a config, printed and written to --out."""
+    import jax
+
+    from benchmarks.train_step import load_config
+
+    c = load_config(args.expert_exchange)
+    if args.exchange_mesh:
+        c.mesh.data, c.mesh.fsdp, c.mesh.expert = (int(v) for v in args.exchange_mesh.split(","))
+    n = c.mesh.expert if c.mesh.expert > 0 else jax.device_count()
+    factors = [float(f) for f in (args.exchange_factors or f"1.5,{n}").split(",")]
+    rows = expert_exchange(c, factors, jax.devices())
+    result = {"benchmark": "expert_exchange", "config": args.expert_exchange, "results": rows}
+    print(
+        f"{args.expert_exchange}: mesh {rows[0]['mesh']}, {rows[0]['tokens_per_device']} tokens per device, "
+        f"remat {rows[0]['remat']} (forward exchanges run twice under remat)"
+    )
+    print(format_exchange_table(rows))
+    if args.out:
+        write_report(result, args.out, "expert_exchange")
+    return result
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -322,6 +435,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="simulate N CPU devices (sets XLA_FLAGS before jax loads; implies JAX_PLATFORMS=cpu)",
     )
+    p.add_argument(
+        "--expert-exchange",
+        metavar="CONFIG",
+        default=None,
+        help="instead of the sweep: all-to-all bytes per MoE block of CONFIG's compiled train step "
+        "(file.py[:arg]) against the ideal 4 x T x d x itemsize",
+    )
+    p.add_argument("--exchange-mesh", default=None, help="data,fsdp,expert for --expert-exchange")
+    p.add_argument(
+        "--exchange-factors", default=None, help="comma list of moe_exchange_capacity_factor (default 1.5,n)"
+    )
     p.add_argument("--distributed", action="store_true", help="jax.distributed.initialize() (auto-detect)")
     p.add_argument("--coordinator", default=os.environ.get("ZAYA_COORDINATOR"))
     p.add_argument("--num-processes", type=int, default=None)
@@ -335,6 +459,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     import jax
 
     _initialize_distributed(args)
+    if args.expert_exchange:
+        return expert_exchange_main(args)
     names = [c.strip() for c in args.collectives.split(",") if c.strip()]
     for c in names:
         busbw_factor(c, 2)  # validates the name

@@ -94,3 +94,52 @@ def test_mid_config_is_the_50_to_100m_benchmark_size():
 
     counts = sizing.param_counts(config_lib.validate(load("mid")))
     assert 50e6 <= counts.total <= 100e6 and counts.active < counts.total / 4
+
+
+def test_every_balancing_field_is_settable_from_the_command_line():
+    """`balancing.*` keys are derived from BalancingConfig: each field (skip_target included) set
+    with --config.balancing.<field> reaches the BalancingConfig the trainer builds."""
+    import dataclasses
+
+    from absl import flags
+    from ml_collections import config_flags
+
+    from zaya_jax.balancing import BalancingConfig
+    from zaya_jax.train_state import balancing_config
+
+    values = {
+        "lr": 0.02,
+        "b1": 0.5,
+        "b2": 0.75,
+        "eps": 1e-6,
+        "weight_decay": 0.125,
+        "update_skip": True,
+        "skip_target": 0.3,
+        "fraction_of": "routed",
+    }
+    fields = {f.name: f.default for f in dataclasses.fields(BalancingConfig)}
+    assert set(values) == set(fields)  # a new field needs a value here
+    assert all(values[k] != fields[k] for k in fields)
+
+    def parse(*overrides):  # as the CLIs parse --config and its --config.<key> overrides
+        argv = ["prog", f"--config={os.path.join(CONFIGS, 'tiny.py')}", *overrides]
+        fv = flags.FlagValues()
+        config_flags.DEFINE_config_file("config", None, "", flag_values=fv, lock_config=True, sys_argv=argv)
+        fv(argv)
+        return fv.config
+
+    c = parse(*(f"--config.balancing.{k}={v}" for k, v in values.items()))
+    config_lib.validate(c)
+    assert balancing_config(c) == BalancingConfig(**values)
+    assert balancing_config(config_lib.base_config()) == BalancingConfig()  # defaults are the dataclass's
+    with pytest.raises(ValueError, match="config.balancing: balancing skip_target must be in"):
+        config_lib.validate(parse("--config.balancing.skip_target=1.5"))
+
+
+def test_config_does_not_import_the_evaluator():
+    import subprocess
+    import sys
+
+    code = "import sys, zaya_jax.config; print(sorted(m for m in sys.modules if m.startswith('zaya_jax.evaluate')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -15,6 +15,7 @@ from zaya_jax.model import ZayaConfig
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
 from zaya_jax.parallel import make_mesh, resolve_mesh_shape
 from zaya_jax.parallel.expert import capacity
+from zaya_jax.parallel.mesh import MESH_AXES, parse_mesh_spec, resolve_mesh_sizes
 from zaya_jax.parallel.sharding import batch_sharding, global_bytes, per_device_bytes
 from zaya_jax.train_state import create_train_state, make_train_step, state_shardings
 
@@ -177,8 +178,51 @@ def test_bad_mesh_is_a_clear_error(shape, message):
 
 
 def test_resolve_mesh_shape():
-    assert resolve_mesh_shape(-1, 2, 2, 8) == (2, 2, 2, 1)
-    assert resolve_mesh_shape(1, 1, -1, 8) == (1, 1, 8, 1)
+    assert resolve_mesh_shape(-1, 2, 2, num_devices=8) == (2, 2, 2, 1)
+    assert resolve_mesh_shape(1, 1, -1, num_devices=8) == (1, 1, 8, 1)
+    assert dict(make_mesh(data=2, expert=4).shape) == {"data": 2, "fsdp": 1, "expert": 4, "context": 1}
+
+
+def test_one_mesh_parser_for_every_entry_point():
+    """config.validate, the sizing CLI and the evaluator read mesh specs with parallel.mesh."""
+    from zaya_jax import config as config_lib
+    from zaya_jax import sizing
+    from zaya_jax.evaluate import parse_mesh
+
+    assert parse_mesh_spec("expert=4") == {"data": -1, "fsdp": 1, "expert": 4, "context": 1}
+    assert parse_mesh_spec(" fsdp = 2 ", default={"data": 3}) == {
+        "data": 3,
+        "fsdp": 2,
+        "expert": 1,
+        "context": 1,
+    }
+    assert resolve_mesh_sizes(parse_mesh_spec("expert=4"), num_devices=8) == {
+        "data": 2,
+        "fsdp": 1,
+        "expert": 4,
+        "context": 1,
+    }
+    for bad in ("gpu=8", "data", "data=two"):
+        with pytest.raises(ValueError, match="expected axis=size"):
+            parse_mesh_spec(bad)
+    with pytest.raises(ValueError, match="expected axis=size"):
+        sizing.parse_mesh("gpu=8")
+    with pytest.raises(ValueError, match="expected axis=size.*or none / auto"):
+        parse_mesh("gpu=8")
+    assert dict(parse_mesh("fsdp=2,expert=2").shape) == {"data": 2, "fsdp": 2, "expert": 2, "context": 1}
+    with pytest.raises(ValueError, match="does not equal the 8 available devices"):
+        resolve_mesh_sizes({"data": 3}, num_devices=8, exact=True)
+    c = config_lib.base_config()
+    assert set(MESH_AXES) <= set(c.mesh.keys())  # an axis added to MESH_AXES is a config key
+    for sizes, message in (
+        ({"data": -1, "fsdp": -1}, "config.mesh: only one axis"),
+        ({"expert": 0}, "mesh.expert=0"),
+    ):
+        c = config_lib.base_config()
+        for axis, size in sizes.items():
+            c.mesh[axis] = size
+        with pytest.raises(ValueError, match=message):
+            config_lib.validate(c)
 
 
 def test_capacity_factor_drops_and_counts():

@@ -1,4 +1,4 @@
-"""zaya_jax/sizing.py: parameter counts pinned to the released model and to the real init."""
+"""zaya_jax/sizing/: parameter counts pinned to the released model and to the real init."""
 
 import jax
 import numpy as np

@@ -1,4 +1,4 @@
-"""Aux-loss-free load balancing of the ZAYA1 router (SPEC §2.2).
+"""Aux-loss-free load balancing of the ZAYA1 router (docs/model.md §2.2.4).
 
 Each block's router picks ``argmax(stop_gradient(p) + balancing_biases)``; the biases [E+1] change
 *which* class wins, never the routing weight, and get no gradient from the loss. After every
@@ -90,6 +90,15 @@ class BalancingConfig:
         if self.fraction_of not in FRACTION_OF:
             raise ValueError(f"balancing fraction_of must be one of {FRACTION_OF}, got {self.fraction_of!r}")
         return self
+
+
+def from_config(section: Any) -> BalancingConfig | None:
+    """The validated BalancingConfig of a training config's `balancing` section (its keys are this
+    dataclass's fields plus `enabled`; zaya_jax/config.py derives them); None when not enabled."""
+    if not section.enabled:
+        return None
+    fields = {f.name for f in dataclasses.fields(BalancingConfig)}
+    return BalancingConfig(**{k: v for k, v in section.items() if k in fields}).validate()
 
 
 def _optimizer(cfg: BalancingConfig) -> optax.GradientTransformation:

@@ -19,10 +19,13 @@ overrides any key (`--config.train.steps=100`). Sections:
   train.sync_every_step     read each step's loss before the next step is dispatched (the host then
                             waits for the device every step); off = one step late (zaya_jax/train.py)
   optim.*                   see zaya_jax.optim.chain (lr, schedule, warmup, muon.*, adamw.*, clipping)
-  balancing.*               aux-loss-free router balancing (zaya_jax.balancing)
-  mesh.data / mesh.fsdp / mesh.expert   device mesh; one may be -1 = the remaining devices
-  mesh.context              split every sequence over this many devices (context parallelism,
-                            zaya_jax/parallel/context.py; default 1; may be the -1 axis)
+  balancing.*               aux-loss-free router balancing: `enabled` plus one key per field of
+                            zaya_jax.balancing.BalancingConfig (lr, b1, b2, eps, weight_decay,
+                            update_skip, skip_target, fraction_of), derived from the dataclass
+  mesh.data / mesh.fsdp / mesh.expert / mesh.context   device mesh, one key per axis of
+                            zaya_jax.parallel.mesh.MESH_AXES; one may be -1 = the remaining devices;
+                            mesh.context splits every sequence over that many devices (context
+                            parallelism, zaya_jax/parallel/context.py; default 1)
   mesh.zero1                optimizer state split over the data axis (ZeRO-1)
   checkpoint.every_steps, checkpoint.every_minutes   periodic saves under WORKDIR/checkpoints (by
                             step count and/or wall time; 0 = off); the last step is always saved
@@ -52,86 +55,94 @@ overrides any key (`--config.train.steps=100`). Sections:
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any
 
 import ml_collections
 from ml_collections import config_dict
 
+from zaya_jax.balancing import BalancingConfig
+from zaya_jax.balancing import from_config as balancing_from_config
 from zaya_jax.data.ramp import parse_batch_ramp
+from zaya_jax.data.tasks import parse_data_spec
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.optim.chain import default_optim_config
+from zaya_jax.parallel.mesh import DEFAULT_SIZES, MESH_AXES, check_mesh_sizes
+
+Section = ml_collections.ConfigDict
 
 
 def base_config() -> ml_collections.ConfigDict:
     """Every key with its default; config files override, nothing adds keys."""
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.model = ml_collections.ConfigDict(_model_fields(ZayaConfig.tiny()))
-
-    c.data = ml_collections.ConfigDict()
-    c.data.path = config_dict.placeholder(str)
-    c.data.mixture = config_dict.placeholder(str)
-    c.data.num_threads = 2
-    c.data.prefetch = 4
-
-    c.train = ml_collections.ConfigDict()
-    c.train.steps = 1000
-    c.train.batch_size = 16
-    c.train.seq_len = 256
-    c.train.grad_accum = 1
-    c.train.init_from = config_dict.placeholder(str)
-    c.train.batch_ramp = config_dict.placeholder(str)
-    c.train.sync_every_step = False
-
+    c.model = Section(_model_fields(ZayaConfig.tiny()))
+    c.data = Section(
+        {
+            "path": config_dict.placeholder(str),
+            "mixture": config_dict.placeholder(str),
+            "num_threads": 2,
+            "prefetch": 4,
+        }
+    )
+    c.train = Section(
+        {
+            "steps": 1000,
+            "batch_size": 16,
+            "seq_len": 256,
+            "grad_accum": 1,
+            "init_from": config_dict.placeholder(str),
+            "batch_ramp": config_dict.placeholder(str),
+            "sync_every_step": False,
+        }
+    )
     c.optim = default_optim_config()
-
-    c.balancing = ml_collections.ConfigDict()
-    c.balancing.enabled = True
-    c.balancing.lr = 1e-3
-    c.balancing.b1 = 0.9
-    c.balancing.b2 = 0.999
-    c.balancing.eps = 1e-8
-    c.balancing.weight_decay = 0.0
-    c.balancing.update_skip = False
-    c.balancing.fraction_of = "all"
-
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1
-    c.mesh.fsdp = 1
-    c.mesh.expert = 1
-    c.mesh.context = 1
-    c.mesh.zero1 = True  # optimizer state split over the data axis
-
-    c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every_steps = 500
-    c.checkpoint.keep = 3
-    c.checkpoint.keep_period = 0
-    c.checkpoint.every_minutes = 0.0
-    c.checkpoint.allow_fresh_start = False
-
-    c.fault = ml_collections.ConfigDict()
-    c.fault.step_timeout_s = 0.0
-    c.fault.spike_zscore = 6.0
-    c.fault.spike_window = 50
-    c.fault.spike_min_jump = 0.2
-    c.fault.spike_confirm = True
-    c.fault.max_bad_steps = 5
-    c.fault.inject_nan_at_steps = ()
-    c.fault.inject_spike_at_steps = ()
-
-    c.eval = ml_collections.ConfigDict()
-    c.eval.every_steps = 200
-    c.eval.batches = 0
-    c.eval.batch_size = 16
-    c.eval.tasks = ()
-    c.eval.task_limit = 0
-    c.eval.task_max_len = 0
-
-    c.logging = ml_collections.ConfigDict()
-    c.logging.every_steps = 10
-    c.logging.tensorboard = True
-    c.logging.console = True
+    c.balancing = _balancing_section()
+    c.mesh = _mesh_section()
+    c.checkpoint = Section(
+        {"every_steps": 500, "keep": 3, "keep_period": 0, "every_minutes": 0.0, "allow_fresh_start": False}
+    )
+    c.fault = _fault_section()
+    c.eval = Section(
+        {"every_steps": 200, "batches": 0, "batch_size": 16, "tasks": (), "task_limit": 0, "task_max_len": 0}
+    )
+    c.logging = Section({"every_steps": 10, "tensorboard": True, "console": True})
     return c
+
+
+def _balancing_section() -> ml_collections.ConfigDict:
+    """`enabled` plus one key per BalancingConfig field, with its default (so every field can be
+    set from a config or the command line)."""
+    section = Section({"enabled": True})
+    hints = typing.get_type_hints(BalancingConfig)
+    for f in dataclasses.fields(BalancingConfig):
+        if f.default is None:  # typed placeholder: `float | None` -> float
+            typ = next(t for t in typing.get_args(hints[f.name]) if t is not type(None))
+            section[f.name] = config_dict.placeholder(typ)
+        else:
+            section[f.name] = f.default
+    return section
+
+
+def _mesh_section() -> ml_collections.ConfigDict:
+    section = Section({a: DEFAULT_SIZES.get(a, 1) for a in MESH_AXES})
+    section.zero1 = True  # optimizer state split over the data axis
+    return section
+
+
+def _fault_section() -> ml_collections.ConfigDict:
+    return Section(
+        {
+            "step_timeout_s": 0.0,
+            "spike_zscore": 6.0,
+            "spike_window": 50,
+            "spike_min_jump": 0.2,
+            "spike_confirm": True,
+            "max_bad_steps": 5,
+            "inject_nan_at_steps": (),
+            "inject_spike_at_steps": (),
+        }
+    )
 
 
 def _model_fields(cfg: ZayaConfig) -> dict[str, Any]:
@@ -164,13 +175,7 @@ def _check(cond: bool, key: str, message: str) -> None:
 
 def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
     """Checks the whole config once, before anything is built. Returns the model config."""
-    base = base_config()
-    unknown = _unknown_keys(c, base)
-    _check(
-        not unknown,
-        unknown[0] if unknown else "",
-        "unknown key" + (_near(unknown[0], base) if unknown else ""),
-    )
+    _validate_keys(c)
     cfg = model_config(c)
     _check(
         c.optim.muon.ns_impl in ("xla", "pallas", "auto"),
@@ -181,6 +186,28 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
     from zaya_jax.kernels import check_backend
 
     check_backend(cfg.attention_impl, cfg.moe_impl, c.optim.muon.ns_impl)
+    _validate_train(c, cfg)
+    _validate_data(c)
+    _validate_optim(c)
+    _validate_mesh(c)
+    _validate_counts(c)
+    _validate_fault(c)
+    _validate_eval(c)
+    _validate_balancing(c)
+    return cfg
+
+
+def _validate_keys(c: ml_collections.ConfigDict) -> None:
+    base = base_config()
+    unknown = _unknown_keys(c, base)
+    _check(
+        not unknown,
+        unknown[0] if unknown else "",
+        "unknown key" + (_near(unknown[0], base) if unknown else ""),
+    )
+
+
+def _validate_train(c: ml_collections.ConfigDict, cfg: ZayaConfig) -> None:
     t = c.train
     for key in ("steps", "batch_size", "seq_len", "grad_accum"):
         value = t[key]
@@ -190,45 +217,51 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
         "train.grad_accum",
         f"batch_size={t.batch_size} is not divisible by grad_accum={t.grad_accum}",
     )
-    _validate_data(c)
     _check(
         t.seq_len <= cfg.max_position_embeddings,
         "train.seq_len",
         f"{t.seq_len} exceeds model.max_position_embeddings={cfg.max_position_embeddings}",
     )
+    _check(
+        isinstance(t.sync_every_step, bool),
+        "train.sync_every_step",
+        f"must be True or False, got {t.sync_every_step!r}",
+    )
+
+
+def _validate_optim(c: ml_collections.ConfigDict) -> None:
+    steps = c.train.steps
     _check(c.optim.lr > 0, "optim.lr", f"must be > 0, got {c.optim.lr}")
     _check(
-        0 <= c.optim.warmup_steps <= t.steps,
+        0 <= c.optim.warmup_steps <= steps,
         "optim.warmup_steps",
-        f"must be in [0, train.steps={t.steps}], got {c.optim.warmup_steps}",
+        f"must be in [0, train.steps={steps}], got {c.optim.warmup_steps}",
     )
     # The schedule checks how its phases fit together (e.g. warmup + decay <= steps); building it
     # here reports a bad combination at start-up, under the config keys the user sets.
-    from zaya_jax.optim.chain import lr_schedule  # deferred: optim imports this module's users
+    from zaya_jax.optim.chain import lr_schedule
 
     try:
-        lr_schedule(c.optim, t.steps)
+        lr_schedule(c.optim, steps)
     except (TypeError, ValueError) as e:
-        raise ValueError(
-            f"config.optim (schedule={c.optim.schedule!r}, train.steps={t.steps}): {e}"
-        ) from None
-    for key in ("data", "fsdp", "expert", "context"):
-        value = c.mesh[key]
-        _check(
-            isinstance(value, int) and (value > 0 or value == -1),
-            f"mesh.{key}",
-            f"must be a positive int or -1, got {value!r}",
-        )
-    _check(
-        [c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.context].count(-1) <= 1,
-        "mesh",
-        "at most one of data/fsdp/expert/context may be -1",
-    )
+        raise ValueError(f"config.optim (schedule={c.optim.schedule!r}, train.steps={steps}): {e}") from None
+
+
+def _validate_mesh(c: ml_collections.ConfigDict) -> None:
+    """Each axis a positive int or -1, at most one -1; the device count is checked when the mesh is
+    built (zaya_jax.parallel.mesh)."""
+    try:
+        check_mesh_sizes({a: c.mesh[a] for a in MESH_AXES})
+    except ValueError as e:
+        raise ValueError(f"config.{e}") from None
     _check(  # the kernel places queries at the last keys; a context rank's start elsewhere
         c.mesh.context == 1 or c.model.attention_impl != "pallas",
         "model.attention_impl",
         f"'pallas' does not support mesh.context={c.mesh.context}: use 'xla' or 'auto'",
     )
+
+
+def _validate_counts(c: ml_collections.ConfigDict) -> None:
     for key in (
         "checkpoint.every_steps",
         "checkpoint.keep",
@@ -256,11 +289,10 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
         section, name = key.split(".")
         value = c[section][name]
         _check(isinstance(value, (int, float)) and value >= 0, key, f"must be a number >= 0, got {value!r}")
-    _check(
-        isinstance(c.train.sync_every_step, bool),
-        "train.sync_every_step",
-        f"must be True or False, got {c.train.sync_every_step!r}",
-    )
+    _check(c.logging.every_steps > 0, "logging.every_steps", "must be > 0")
+
+
+def _validate_fault(c: ml_collections.ConfigDict) -> None:
     _check(
         isinstance(c.fault.spike_confirm, bool),
         "fault.spike_confirm",
@@ -278,21 +310,32 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
             f"fault.{key}",
             f"must be a list of positive ints, got {value!r}",
         )
+
+
+def _validate_eval(c: ml_collections.ConfigDict) -> None:
     _check(
         isinstance(c.eval.tasks, (tuple, list)) and all(isinstance(t, str) for t in c.eval.tasks),
         "eval.tasks",
         f"must be a list of data specs (strings), got {c.eval.tasks!r}",
     )
-    from zaya_jax.evaluate import parse_data_spec  # deferred: evaluate imports this module's users
-
     for i, spec in enumerate(c.eval.tasks):
         try:
             parse_data_spec(spec)
         except (OSError, ValueError) as e:
             raise ValueError(f"config.eval.tasks[{i}]: {e}") from None
-    _check(c.logging.every_steps > 0, "logging.every_steps", "must be > 0")
+
+
+def _validate_balancing(c: ml_collections.ConfigDict) -> None:
     _check(c.balancing.lr > 0, "balancing.lr", "must be > 0 (set balancing.enabled=False to turn it off)")
-    return cfg
+    _check(
+        isinstance(c.balancing.enabled, bool),
+        "balancing.enabled",
+        f"must be True or False, got {c.balancing.enabled!r}",
+    )
+    try:
+        balancing_from_config(c.balancing)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config.balancing: {e}") from None
 
 
 def _validate_data(c: ml_collections.ConfigDict) -> None:
@@ -300,14 +343,9 @@ def _validate_data(c: ml_collections.ConfigDict) -> None:
     arithmetic and grad_accum; the mesh is checked when the trainer has built it)."""
     try:
         ramp = parse_batch_ramp(c.train.batch_ramp, c.train.batch_size)
+        ramp.check_divisible(devices=1, grad_accum=c.train.grad_accum)
     except ValueError as e:
         raise ValueError(f"config.train.batch_ramp: {e}") from None
-    for size in ramp.sizes:
-        _check(
-            size % c.train.grad_accum == 0,
-            "train.batch_ramp",
-            f"batch size {size} of the ramp is not divisible by train.grad_accum={c.train.grad_accum}",
-        )
     if not c.data.mixture:
         return
     _check(not c.data.path, "data.mixture", "set either data.path or data.mixture, not both")

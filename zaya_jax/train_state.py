@@ -177,10 +177,7 @@ def make_train_step(
 
 def balancing_config(c: ml_collections.ConfigDict) -> bal.BalancingConfig | None:
     """The training config's `balancing` section (None when disabled)."""
-    if not c.balancing.enabled:
-        return None
-    fields = {f.name for f in dataclasses.fields(bal.BalancingConfig)}
-    return bal.BalancingConfig(**{k: v for k, v in c.balancing.items() if k in fields}).validate()
+    return bal.from_config(c.balancing)
 
 
 @dataclasses.dataclass(frozen=True)

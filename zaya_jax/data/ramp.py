@@ -91,19 +91,22 @@ class BatchRamp:
         return tuple(s[1] for s in self.segments)
 
     def check_divisible(self, devices: int, grad_accum: int) -> None:
-        """Every size must split into grad_accum microbatches that divide over `devices`."""
+        """Every size must split into grad_accum microbatches that divide over `devices` (the
+        config checks grad_accum alone with devices=1; the trainer again once the mesh is built)."""
         for size in self.sizes:
             if size % grad_accum or (size // grad_accum) % devices:
+                # Over devices the per-microbatch size is what must divide; alone, grad_accum is.
+                per, over = (f" (per microbatch {size / grad_accum:g})", f" over the {devices} devices")
+                per, over = (per, over) if devices > 1 else ("", "")
                 raise ValueError(
-                    f"batch size {size} (per microbatch {size / grad_accum:g}) of the ramp "
-                    f"{self.start},{self.increment},{self.ramp_sequences} -> {self.full} is not divisible "
-                    f"into train.grad_accum={grad_accum} microbatches over the {devices} devices "
-                    f"(sizes {list(self.sizes)})"
+                    f"batch size {size}{per} of the ramp is not divisible into train.grad_accum="
+                    f"{grad_accum} microbatches{over} (ramp {self.start},{self.increment},"
+                    f"{self.ramp_sequences} -> {self.full}, sizes {list(self.sizes)})"
                 )
 
 
 def parse_batch_ramp(spec: str | None, full: int) -> BatchRamp:
-    """"START,INCREMENT,RAMP_SEQUENCES" (None or "" = no ramp) -> BatchRamp up to `full`."""
+    """ "START,INCREMENT,RAMP_SEQUENCES" (None or "" = no ramp) -> BatchRamp up to `full`."""
     if spec is None or not str(spec).strip():
         return BatchRamp.constant(full)
     parts = [p.strip() for p in str(spec).split(",")]

@@ -19,10 +19,7 @@ Hugging Face directory (zaya_jax.pretrained). Scoring is one jit-compiled step p
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import gzip
-import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +27,7 @@ from typing import Any
 
 import jax
 
+from zaya_jax.data.tasks import KINDS, Task, parse_data_spec  # noqa: F401  (KINDS: re-exported)
 from zaya_jax.evaluate.multiple_choice import Example, load_task, score_task, task_metrics, task_requests
 from zaya_jax.evaluate.perplexity import (
     Document,
@@ -40,7 +38,7 @@ from zaya_jax.evaluate.perplexity import (
     token_documents,
 )
 from zaya_jax.evaluate.scoring import Request, Score, Scorer, sequence_buckets
-from zaya_jax.parallel.mesh import make_mesh
+from zaya_jax.parallel.mesh import make_mesh, parse_mesh_spec
 from zaya_jax.pretrained import load_model
 from zaya_jax.tokenizer import Tokenizer
 
@@ -61,74 +59,19 @@ __all__ = [
     "sequence_buckets",
 ]
 
-KINDS = ("tokens", "text", "mc")
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    kind: str  # "tokens" | "text" | "mc"
-    path: str  # "embedded" for the embedded corpus
-    name: str
-
-
-def parse_data_spec(spec: str) -> Task:
-    """A --data SPEC -> Task (see the module docstring); FileNotFoundError / ValueError if unusable."""
-    kind, _, rest = spec.partition(":")
-    if kind in KINDS and rest:
-        path, forced = rest, kind
-    else:
-        path, forced = spec, None
-    if path == "embedded":
-        if forced not in (None, "tokens"):
-            raise ValueError(f"--data {spec}: the embedded corpus is token data, not {forced}")
-        return Task("tokens", "embedded", "embedded")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--data {spec}: {path} does not exist")
-    name = os.path.basename(os.path.normpath(path))
-    for suffix in (".gz", ".jsonl", ".txt"):
-        name = name.removesuffix(suffix)
-    if forced:
-        return Task(forced, path, name)
-    if os.path.isdir(path):
-        return Task("tokens", path, name)
-    base = path.removesuffix(".gz")
-    if base.endswith(".txt"):
-        return Task("text", path, name)
-    if base.endswith(".jsonl"):
-        return Task("mc" if "choices" in _first_row(path) else "text", path, name)
-    raise ValueError(
-        f"--data {spec}: cannot tell the kind of {path}; expected a prepared directory, .txt or .jsonl "
-        "(optionally .gz), or a tokens:/text:/mc: prefix"
-    )
-
-
-def _first_row(path: str) -> dict:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: invalid JSON: {e}") from None
-                return row if isinstance(row, dict) else {}
-    raise ValueError(f"{path} is empty")
-
 
 def parse_mesh(spec: str | None):
     """The mesh of a --mesh spec: none -> None (one device); auto -> all devices on the data axis
-    (None if there is one); data=2,expert=4 -> that (unnamed axes: fsdp=1, expert=1, data = the rest)."""
+    (None if there is one); data=2,expert=4 -> that (unnamed axes: 1, data = the rest)."""
     if spec in (None, "none"):
         return None
     if spec == "auto":
         return make_mesh() if jax.device_count() > 1 else None
-    axes = {}
-    for part in spec.split(","):
-        key, _, value = part.partition("=")
-        if key.strip() not in ("data", "fsdp", "expert") or not value.strip().lstrip("-").isdigit():
-            raise ValueError(f"--mesh {spec!r}: expected none, auto or e.g. data=2,expert=4")
-        axes[key.strip()] = int(value)
-    return make_mesh(**axes)
+    try:
+        sizes = parse_mesh_spec(spec)
+    except ValueError as e:
+        raise ValueError(f"{e} (or none / auto)") from None
+    return make_mesh(**sizes)
 
 
 class TaskSuite:

@@ -6,8 +6,9 @@
     hf.save_pretrained(cfg, variables, path, dtype="bfloat16")   # what transformers loads
 
 Both directions stream tensor by tensor (see safetensors_io.py): import fills preallocated arrays
-of our layout; export converts one tensor, writes it, drops it. Names and layout transforms are the
-tables in names.py.
+of our layout; export converts one tensor, writes it, drops it. Names and layout transforms come from
+the parameter registry (zaya_jax/params.py), expanded per block in names.py; a variable the registry
+does not list is an error, never silently left out.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from zaya_jax.hf import config as hf_config
-from zaya_jax.hf.names import TensorMap, is_legacy, legacy_map, native_map
+from zaya_jax.hf.names import TensorMap, check_registered, is_legacy, legacy_map, native_map
 from zaya_jax.hf.safetensors_io import SafetensorsError, iter_tensors, plan_shards, read_header, write_file
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.model.transformer import init_variables
@@ -77,8 +78,23 @@ def load_pretrained(
     shapes = {}
     for file in files:
         shapes.update({n: tuple(i["shape"]) for n, i in read_header(file)[0].items()})
+    cfg, by_name, ignorable = _checkpoint_table(
+        path, raw_cfg, shapes, {"param_dtype": param_dtype, **config_overrides}
+    )
+    arrays = _allocate(cfg)
+    for file in files:
+        _fill(file, by_name, ignorable, arrays)
+    variables = {}
+    for key in list(arrays):  # hand arrays to jax one by one, never holding two full copies
+        variables[key] = jax.numpy.asarray(arrays.pop(key))
+    return cfg, flax.traverse_util.unflatten_dict(variables)
 
-    overrides = {"param_dtype": param_dtype, **config_overrides}
+
+def _checkpoint_table(
+    path: str, raw_cfg: dict, shapes: dict[str, tuple[int, ...]], overrides: dict
+) -> tuple[ZayaConfig, dict[str, TensorMap], set[str]]:
+    """(config, its tensors by HF name, names to skip) of a checkpoint whose tensors have `shapes`;
+    ValueError naming unknown or missing tensors."""
     if is_legacy(shapes):
         cfg = hf_config.from_legacy(raw_cfg, shapes, **overrides)
         table = legacy_map(cfg)
@@ -99,34 +115,31 @@ def load_pretrained(
     missing = sorted(set(by_name) - set(shapes))
     if missing:
         raise ValueError(f"{path}: missing tensor(s): {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+    return cfg, by_name, ignorable
 
-    arrays = _allocate(cfg)
-    for file in files:
-        for name, tensor in iter_tensors(file):
-            if name in ignorable:
-                continue
-            m = by_name[name]
-            dest = arrays[m.path]
-            value = m.transform.from_hf(tensor)
-            want = dest.shape[len(m.index) :]
-            if value.shape != want:
-                raise ValueError(
-                    f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}; expected "
-                    f"{tuple(m.transform.to_hf(np.empty(want, np.float32)).shape)} for this config"
-                )
-            dest[m.index] = value.astype(dest.dtype)
-    variables = {}
-    for key in list(arrays):  # hand arrays to jax one by one, never holding two full copies
-        variables[key] = jax.numpy.asarray(arrays.pop(key))
-    return cfg, flax.traverse_util.unflatten_dict(variables)
+
+def _fill(file: str, by_name: dict[str, TensorMap], ignorable: set[str], arrays: dict) -> None:
+    """Copies every tensor of one safetensors file into its place in our preallocated `arrays`."""
+    for name, tensor in iter_tensors(file):
+        if name in ignorable:
+            continue
+        m = by_name[name]
+        dest = arrays[m.path]
+        value = m.transform.from_hf(tensor)
+        want = dest.shape[len(m.index) :]
+        if value.shape != want:
+            raise ValueError(
+                f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}; expected "
+                f"{tuple(m.transform.to_hf(np.empty(want, np.float32)).shape)} for this config"
+            )
+        dest[m.index] = value.astype(dest.dtype)
 
 
 def _allocate(cfg: ZayaConfig) -> dict[tuple[str, ...], np.ndarray]:
     """Empty numpy arrays of our layout; defaults for what no HF tensor supplies (block 0's EDA scale)."""
-    shapes = jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0)))
-    arrays = {
-        k: np.empty(v.shape, np.dtype(v.dtype)) for k, v in flax.traverse_util.flatten_dict(shapes).items()
-    }
+    shapes = flax.traverse_util.flatten_dict(jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0))))
+    check_registered(shapes)  # an unlisted variable would stay uninitialised memory
+    arrays = {k: np.empty(v.shape, np.dtype(v.dtype)) for k, v in shapes.items()}
     eda = ("params", "layers", "mlp", "gate", "router_states_scale")
     arrays[eda][0] = 1.0
     return arrays
@@ -154,16 +167,7 @@ def save_pretrained(
             "behaviour) cannot be expressed by transformers' native ZayaForCausalLM"
         )
     flat = flax.traverse_util.flatten_dict(variables)
-    expected = flax.traverse_util.flatten_dict(jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0))))
-    for key, spec in expected.items():
-        if key not in flat:
-            raise ValueError(f"save_pretrained: variable {'/'.join(key)} is missing")
-        if tuple(flat[key].shape) != tuple(spec.shape):
-            raise ValueError(
-                f"save_pretrained: variable {'/'.join(key)} has shape {tuple(flat[key].shape)}, "
-                f"config expects {tuple(spec.shape)}"
-            )
-
+    _check_variables(cfg, flat)
     table = native_map(cfg)
     by_name = {m.hf: m for m in table}
 
@@ -179,35 +183,53 @@ def save_pretrained(
         return tuple(m.transform.to_hf(np.empty(slice_shape, np.float32)).shape)
 
     specs = [(m.hf, hf_shape(m), np.dtype(export_dtype(m))) for m in table]
-    shards = plan_shards(specs, max_shard_bytes)
-
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards):
-            fname = SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            total += write_file(os.path.join(tmp, fname), shard, produce)
-            weight_map.update({name: fname for name, _, _ in shard})
-        if len(shards) > 1:
-            _write_json(
-                os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map}
-            )
-        _write_json(os.path.join(tmp, "config.json"), hf_config.to_native(cfg, dtype))
-        _write_json(
-            os.path.join(tmp, "generation_config.json"),
-            {
-                "bos_token_id": cfg.bos_token_id,
-                "eos_token_id": cfg.eos_token_id,
-                "pad_token_id": cfg.pad_token_id,
-                "transformers_version": hf_config.TRANSFORMERS_VERSION,
-            },
-        )
+        _write_directory(tmp, cfg, dtype, plan_shards(specs, max_shard_bytes), produce)
         _swap_in(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _check_variables(cfg: ZayaConfig, flat: dict[tuple[str, ...], Any]) -> None:
+    """ValueError unless `flat` has every variable of `cfg` with its shape and nothing the
+    parameter registry does not list (it would be silently left out of the checkpoint)."""
+    check_registered(flat, "save_pretrained")
+    expected = flax.traverse_util.flatten_dict(jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0))))
+    for key, spec in expected.items():
+        if key not in flat:
+            raise ValueError(f"save_pretrained: variable {'/'.join(key)} is missing")
+        if tuple(flat[key].shape) != tuple(spec.shape):
+            raise ValueError(
+                f"save_pretrained: variable {'/'.join(key)} has shape {tuple(flat[key].shape)}, "
+                f"config expects {tuple(spec.shape)}"
+            )
+
+
+def _write_directory(tmp: str, cfg: ZayaConfig, dtype: str, shards: list, produce) -> None:
+    """Safetensors shards (+ index past one), config.json and generation_config.json into `tmp`."""
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        total += write_file(os.path.join(tmp, fname), shard, produce)
+        weight_map.update({name: fname for name, _, _ in shard})
+    if len(shards) > 1:
+        _write_json(
+            os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map}
+        )
+    _write_json(os.path.join(tmp, "config.json"), hf_config.to_native(cfg, dtype))
+    _write_json(
+        os.path.join(tmp, "generation_config.json"),
+        {
+            "bos_token_id": cfg.bos_token_id,
+            "eos_token_id": cfg.eos_token_id,
+            "pad_token_id": cfg.pad_token_id,
+            "transformers_version": hf_config.TRANSFORMERS_VERSION,
+        },
+    )
 
 
 def _write_json(path: str, obj: Any) -> None:

@@ -128,7 +128,7 @@ def to_native(cfg: ZayaConfig, torch_dtype: str) -> dict[str, Any]:
 def from_legacy(d: dict[str, Any], shapes: dict[str, tuple[int, ...]], **overrides) -> ZayaConfig:
     """A legacy ZAYA1-base config.json + tensor shapes -> ZayaConfig.
 
-    The legacy config's per-half-layer lists and `num_hidden_layers` are unreliable (SPEC §3), so
+    The legacy config's per-half-layer lists and `num_hidden_layers` are unreliable (docs/model.md §3.2), so
     every size that the tensors determine is read off their shapes; the config supplies only what no
     tensor carries: eps, RoPE, head_dim (hidden / num_attention_heads there) and token ids.
     """

@@ -1,19 +1,21 @@
-"""Declarative map between our variables and Hugging Face tensor names (SPEC §3).
+"""Map between our variables and Hugging Face tensor names (docs/model.md §3).
 
 One `TensorMap` per HF tensor: its name, our variable path, the index into our stacked leading
-axes ([L] for blocks, [L, E] for legacy per-expert tensors) and a named layout transform. Both the
-native `transformers` layout and the legacy ZAYA1-base layout are tables here; `hf/__init__.py`
-only walks them.
+axes ([l] for blocks, [l, e] for legacy per-expert tensors) and a named layout transform. The
+names, layouts and presence conditions of both the native `transformers` layout and the legacy
+ZAYA1-base layout are read from the parameter registry (zaya_jax/params.py); this module expands
+them per block and `hf/__init__.py` only walks the result.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from zaya_jax.model.config import ZayaConfig
+from zaya_jax.params import PARAMS, Param, is_listed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,186 +44,67 @@ class TensorMap:
     transform: Transform
 
 
-def _p(path: str) -> tuple[str, ...]:
-    return tuple(path.split("/"))
+# Layouts and presence conditions the registry names (zaya_jax/params.py: Param.layout, Param.when).
+LAYOUTS = {t.name: t for t in (IDENTITY, LINEAR, DEPTHWISE_CONV, GROUPED_CONV)}
+CONDITIONS: dict[str, Callable[[ZayaConfig, int], bool]] = {
+    "always": lambda cfg, k: True,
+    "attention_bias": lambda cfg, k: cfg.attention_bias,
+    "after_first_block": lambda cfg, k: k > 0,
+    "untied": lambda cfg, k: not cfg.tie_word_embeddings,
+    "lm_head_bias": lambda cfg, k: cfg.lm_head_bias,
+}
 
 
-# (HF suffix under model.layers.{k}., our path under params/layers/ or balancing/layers/, transform,
-#  condition on (cfg, block index)).
-_always = lambda cfg, k: True
-_attn_bias = lambda cfg, k: cfg.attention_bias
-NATIVE_BLOCK = [
-    ("input_layernorm.weight", "params/layers/input_layernorm/scale", IDENTITY, _always),
-    ("post_attention_layernorm.weight", "params/layers/post_attention_layernorm/scale", IDENTITY, _always),
-    *[
-        (f"self_attn.qkv_proj.{n}.weight", f"params/layers/self_attn/{n}/kernel", LINEAR, _always)
-        for n in ("q_proj", "k_proj", "v_proj_current", "v_proj_delayed")
-    ],
-    *[
-        (f"self_attn.qkv_proj.{n}.bias", f"params/layers/self_attn/{n}/bias", IDENTITY, _attn_bias)
-        for n in ("q_proj", "k_proj", "v_proj_current", "v_proj_delayed")
-    ],
-    (
-        "self_attn.qkv_proj.conv_qk_depthwise.weight",
-        "params/layers/self_attn/conv_qk_depthwise/kernel",
-        DEPTHWISE_CONV,
-        _always,
-    ),
-    (
-        "self_attn.qkv_proj.conv_qk_depthwise.bias",
-        "params/layers/self_attn/conv_qk_depthwise/bias",
-        IDENTITY,
-        _always,
-    ),
-    (
-        "self_attn.qkv_proj.conv_qk_grouped.weight",
-        "params/layers/self_attn/conv_qk_grouped/kernel",
-        GROUPED_CONV,
-        _always,
-    ),
-    (
-        "self_attn.qkv_proj.conv_qk_grouped.bias",
-        "params/layers/self_attn/conv_qk_grouped/bias",
-        IDENTITY,
-        _always,
-    ),
-    ("self_attn.qk_norm.temp", "params/layers/self_attn/temp", IDENTITY, _always),
-    ("self_attn.o_proj.weight", "params/layers/self_attn/o_proj/kernel", LINEAR, _always),
-    ("self_attn.o_proj.bias", "params/layers/self_attn/o_proj/bias", IDENTITY, _attn_bias),
-    ("mlp.gate.down_proj.weight", "params/layers/mlp/gate/down_proj/kernel", LINEAR, _always),
-    ("mlp.gate.down_proj.bias", "params/layers/mlp/gate/down_proj/bias", IDENTITY, _always),
-    # Block 0 has no EDA input in transformers, so no scale (ours exists but multiplies zeros).
-    (
-        "mlp.gate.router_states_scale",
-        "params/layers/mlp/gate/router_states_scale",
-        IDENTITY,
-        lambda cfg, k: k > 0,
-    ),
-    ("mlp.gate.router_mlp.norm.weight", "params/layers/mlp/gate/router_mlp/norm/scale", IDENTITY, _always),
-    ("mlp.gate.router_mlp.fc1.weight", "params/layers/mlp/gate/router_mlp/fc1/kernel", LINEAR, _always),
-    ("mlp.gate.router_mlp.fc1.bias", "params/layers/mlp/gate/router_mlp/fc1/bias", IDENTITY, _always),
-    ("mlp.gate.router_mlp.fc2.weight", "params/layers/mlp/gate/router_mlp/fc2/kernel", LINEAR, _always),
-    ("mlp.gate.router_mlp.fc2.bias", "params/layers/mlp/gate/router_mlp/fc2/bias", IDENTITY, _always),
-    (
-        "mlp.gate.router_mlp.out_proj.weight",
-        "params/layers/mlp/gate/router_mlp/out_proj/kernel",
-        LINEAR,
-        _always,
-    ),
-    ("mlp.gate.balancing_biases", "balancing/layers/mlp/gate/balancing_biases", IDENTITY, _always),
-    ("mlp.experts.gate_up_proj", "params/layers/mlp/experts/gate_up_proj", LINEAR, _always),
-    ("mlp.experts.down_proj", "params/layers/mlp/experts/down_proj", LINEAR, _always),
-    *[
-        (f"{r}_residual_scale.{n}", f"params/layers/{r}_residual_scale/{n}", IDENTITY, _always)
-        for r in ("post_attention", "post_mlp")
-        for n in ("hidden_states_scale", "hidden_states_bias", "residual_scale", "residual_bias")
-    ],
-]
+def _is_block(p: Param) -> bool:
+    return p.path.startswith("layers/")
 
-NATIVE_TOP = [
-    ("model.embed_tokens.weight", "params/embed_tokens/embedding", lambda cfg: True),
-    ("model.input_hidden_states_scale", "params/input_hidden_states_scale", lambda cfg: True),
-    ("model.input_hidden_states_bias", "params/input_hidden_states_bias", lambda cfg: True),
-    ("model.norm.weight", "params/norm/scale", lambda cfg: True),
-    ("lm_head.weight", "params/lm_head/kernel", lambda cfg: not cfg.tie_word_embeddings),
-    ("lm_head.bias", "params/lm_head/bias", lambda cfg: cfg.lm_head_bias),
-]
+
+def _tensor(name: str, p: Param, index: tuple[int, ...]) -> TensorMap:
+    return TensorMap(name, tuple(p.full_path.split("/")), index, LAYOUTS[p.layout])
 
 
 def native_map(cfg: ZayaConfig) -> list[TensorMap]:
     """Every tensor of a transformers `ZayaForCausalLM` checkpoint for `cfg`, in checkpoint order."""
-    out = [TensorMap(hf, _p(path), (), IDENTITY) for hf, path, cond in NATIVE_TOP if cond(cfg)]
+    out = [_tensor(p.hf, p, ()) for p in PARAMS if not _is_block(p) and CONDITIONS[p.when](cfg, -1)]
     for k in range(cfg.num_hidden_layers):
         out += [
-            TensorMap(f"model.layers.{k}.{hf}", _p(path), (k,), t)
-            for hf, path, t, cond in NATIVE_BLOCK
-            if cond(cfg, k)
+            _tensor(p.hf.format(k=k), p, (k,)) for p in PARAMS if _is_block(p) and CONDITIONS[p.when](cfg, k)
         ]
     return out
 
 
-# Legacy ZAYA1-base layout: 2L half-layers, attention at even i = 2k, MoE at odd i = 2k + 1.
-LEGACY_ATTN = [
-    ("self_attn.qkv.linear_q.weight", "params/layers/self_attn/q_proj/kernel", LINEAR),
-    ("self_attn.qkv.linear_k.weight", "params/layers/self_attn/k_proj/kernel", LINEAR),
-    ("self_attn.qkv.val_proj1.weight", "params/layers/self_attn/v_proj_current/kernel", LINEAR),
-    ("self_attn.qkv.val_proj2.weight", "params/layers/self_attn/v_proj_delayed/kernel", LINEAR),
-    ("self_attn.qkv.conv_qk.0.weight", "params/layers/self_attn/conv_qk_depthwise/kernel", DEPTHWISE_CONV),
-    ("self_attn.qkv.conv_qk.0.bias", "params/layers/self_attn/conv_qk_depthwise/bias", IDENTITY),
-    ("self_attn.qkv.conv_qk.1.weight", "params/layers/self_attn/conv_qk_grouped/kernel", GROUPED_CONV),
-    ("self_attn.qkv.conv_qk.1.bias", "params/layers/self_attn/conv_qk_grouped/bias", IDENTITY),
-    ("self_attn.qkv.temp", "params/layers/self_attn/temp", IDENTITY),
-    ("self_attn.o_proj.weight", "params/layers/self_attn/o_proj/kernel", LINEAR),
-    ("input_norm.weight", "params/layers/input_layernorm/scale", IDENTITY),
-]
-LEGACY_MOE = [
-    ("input_norm.weight", "params/layers/post_attention_layernorm/scale", IDENTITY),
-    ("zaya_block.router.down_proj.weight", "params/layers/mlp/gate/down_proj/kernel", LINEAR),
-    ("zaya_block.router.down_proj.bias", "params/layers/mlp/gate/down_proj/bias", IDENTITY),
-    ("zaya_block.router.rmsnorm_eda.weight", "params/layers/mlp/gate/router_mlp/norm/scale", IDENTITY),
-    ("zaya_block.router.router_mlp.0.weight", "params/layers/mlp/gate/router_mlp/fc1/kernel", LINEAR),
-    ("zaya_block.router.router_mlp.0.bias", "params/layers/mlp/gate/router_mlp/fc1/bias", IDENTITY),
-    ("zaya_block.router.router_mlp.2.weight", "params/layers/mlp/gate/router_mlp/fc2/kernel", LINEAR),
-    ("zaya_block.router.router_mlp.2.bias", "params/layers/mlp/gate/router_mlp/fc2/bias", IDENTITY),
-    ("zaya_block.router.router_mlp.4.weight", "params/layers/mlp/gate/router_mlp/out_proj/kernel", LINEAR),
-    ("zaya_block.router.balancing_biases", "balancing/layers/mlp/gate/balancing_biases", IDENTITY),
-]
-RES_SCALE_NAMES = ("hidden_states_scale", "hidden_states_bias", "residual_scale", "residual_bias")
+def _legacy_names(p: Param, k: int, num_layers: int, num_experts: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(legacy name, index into our stacked axes) of block k's share of `p`. Legacy ZAYA1-base has
+    2l half-layers: attention at 2k, MoE at 2k+1; per-expert tensors instead of stacked ones."""
+    after_moe = f"model.layers.{2 * k + 2}." if k + 1 < num_layers else "model."
+    name = p.legacy.replace("{after_moe}", after_moe).replace("{attn}", str(2 * k))
+    name = name.replace("{moe}", str(2 * k + 1))
+    if "{e}" in name:
+        return [(name.replace("{e}", str(e)), (k, e)) for e in range(num_experts)]
+    return [(name, (k,))]
 
 
 def legacy_map(cfg: ZayaConfig) -> list[TensorMap]:
-    """Every tensor of a legacy ZAYA1-base checkpoint (SPEC §3, 'legacy names in full')."""
-    num_layers = cfg.num_hidden_layers
-    out = [
-        TensorMap("model.embed_tokens.weight", _p("params/embed_tokens/embedding"), (), IDENTITY),
-        TensorMap("model.final_norm.weight", _p("params/norm/scale"), (), IDENTITY),
-    ]
-    # Half-layer 0's res_scale scales the embedding; half-layer 2k+1's is block k's post-attention
-    # scaling and half-layer 2k+2's (the final model.res_scale after the last) its post-MoE scaling.
-    for n in ("hidden_states_scale", "hidden_states_bias"):
-        out.append(TensorMap(f"model.layers.0.res_scale.{n}", _p(f"params/input_{n}"), (), IDENTITY))
-    for k in range(num_layers):
-        a, m = 2 * k, 2 * k + 1
-        out += [TensorMap(f"model.layers.{a}.{hf}", _p(path), (k,), t) for hf, path, t in LEGACY_ATTN]
-        out += [TensorMap(f"model.layers.{m}.{hf}", _p(path), (k,), t) for hf, path, t in LEGACY_MOE]
-        if k > 0:
-            out.append(
-                TensorMap(
-                    f"model.layers.{m}.zaya_block.router.router_states_scale",
-                    _p("params/layers/mlp/gate/router_states_scale"),
-                    (k,),
-                    IDENTITY,
-                )
-            )
-        for e in range(cfg.num_experts):
-            prefix = f"model.layers.{m}.zaya_block.experts.local_experts.{e}"
-            out.append(
-                TensorMap(
-                    f"{prefix}.linear_fc1.weight",
-                    _p("params/layers/mlp/experts/gate_up_proj"),
-                    (k, e),
-                    LINEAR,
-                )
-            )
-            out.append(
-                TensorMap(
-                    f"{prefix}.linear_fc2.weight", _p("params/layers/mlp/experts/down_proj"), (k, e), LINEAR
-                )
-            )
-        post_mlp = f"model.layers.{m + 1}.res_scale" if k + 1 < num_layers else "model.res_scale"
-        for n in RES_SCALE_NAMES:
-            out.append(
-                TensorMap(
-                    f"model.layers.{m}.res_scale.{n}",
-                    _p(f"params/layers/post_attention_residual_scale/{n}"),
-                    (k,),
-                    IDENTITY,
-                )
-            )
-            out.append(
-                TensorMap(f"{post_mlp}.{n}", _p(f"params/layers/post_mlp_residual_scale/{n}"), (k,), IDENTITY)
-            )
+    """Every tensor of a legacy ZAYA1-base checkpoint (docs/model.md §3, 'legacy names in full')."""
+    listed = [p for p in PARAMS if p.legacy is not None]
+    out = [_tensor(p.legacy, p, ()) for p in listed if not _is_block(p) and CONDITIONS[p.when](cfg, -1)]
+    for k in range(cfg.num_hidden_layers):
+        for p in listed:
+            if _is_block(p) and CONDITIONS[p.when](cfg, k):
+                num_layers, num_experts = cfg.num_hidden_layers, cfg.num_experts
+                out += [_tensor(n, p, i) for n, i in _legacy_names(p, k, num_layers, num_experts)]
     return out
+
+
+def check_registered(flat: dict[tuple[str, ...], Any], who: str = "hf") -> None:
+    """ValueError naming the first variable ({(collection, *path): array}) that the parameter
+    registry does not list: it has no HF name, so a checkpoint would silently lack it."""
+    for key in flat:
+        if not is_listed("/".join(key[1:]), key[0]):
+            raise ValueError(
+                f"{who}: variable {'/'.join(key)} is not in the parameter registry (zaya_jax.params), "
+                "so it has no Hugging Face name"
+            )
 
 
 def is_legacy(names) -> bool:

@@ -64,6 +64,9 @@ class ZayaConfig:
     # Expert parallelism: None = dropless; f = each device sends at most ceil(f * T / n) tokens to
     # each expert-axis peer, dropping (and counting) the rest (zaya_jax/parallel/expert.py).
     moe_capacity_factor: float | None = None
+    # Dropless only: the main exchange sends ceil(f * T / n) slots to each peer; tokens past that
+    # take a spill exchange, run only when some bucket overflowed (zaya_jax/parallel/expert.py).
+    moe_exchange_capacity_factor: float = 1.5
     attention_impl: str = "xla"  # "xla" | "pallas" (flash attention) | "auto"
     remat: str = "none"
     # What a token routed to the skip class gets: 0 in transformers' native ZAYA, p_skip * x in the
@@ -141,6 +144,10 @@ class ZayaConfig:
                 )
         if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
             raise ValueError(f"ZayaConfig.moe_capacity_factor={self.moe_capacity_factor} must be > 0 or None")
+        if not self.moe_exchange_capacity_factor > 0:
+            raise ValueError(
+                f"ZayaConfig.moe_exchange_capacity_factor={self.moe_exchange_capacity_factor} must be > 0"
+            )
         for name, allowed in (
             ("hidden_act", HIDDEN_ACTS),
             ("dtype", DTYPES),

@@ -166,6 +166,10 @@ class ZayaExperts(nn.Module):
             y, dropped = moe(*args), jnp.zeros((), jnp.int32)
         else:
             y, dropped = expert_parallel_moe(
-                *args, local_moe=moe, mesh=self.mesh, capacity_factor=cfg.moe_capacity_factor
+                *args,
+                local_moe=moe,
+                mesh=self.mesh,
+                capacity_factor=cfg.moe_capacity_factor,
+                exchange_factor=cfg.moe_exchange_capacity_factor,
             )
         return y * weight_t[:, None].astype(jnp.float32), dropped

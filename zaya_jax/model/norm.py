@@ -1,4 +1,4 @@
-"""RMSNorm with fp32 statistics (SPEC §1: eps 1e-5, fp32 statistics).
+"""RMSNorm with fp32 statistics (docs/model.md §1.1: eps 1e-5, fp32 statistics).
 
 Matches `transformers` ZayaRMSNorm: the weight multiplies the normalised activations (no `1 + w`).
 """

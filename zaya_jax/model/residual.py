@@ -1,4 +1,4 @@
-"""ZAYA1 residual scaling: `(y + b_y) * s_y + (h + b_h) * s_h`, per channel, in fp32 (SPEC §2)."""
+"""ZAYA1 residual scaling: `(y + b_y) * s_y + (h + b_h) * s_h`, per channel, in fp32 (docs/model.md §2)."""
 
 from __future__ import annotations
 

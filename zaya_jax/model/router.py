@@ -1,4 +1,4 @@
-"""The ZAYA1 router (SPEC §2.2): an MLP router with exponential depth averaging (EDA).
+"""The ZAYA1 router (docs/model.md §2.2.1): an MLP router with exponential depth averaging (EDA).
 
   r = x W_down + b_down                      [B, S, R]
   r = r + router_states_scale * r_prev       (EDA; r_prev is zeros at block 0, which adds nothing)

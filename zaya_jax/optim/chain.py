@@ -4,12 +4,13 @@
         clip_by_global_norm(optim.clip_grad_norm),        # identity if 0/None
         multi_transform({"muon": muon(...), "adamw": adamw(...)}, param_labels))
 
-Which optimizer a parameter gets is decided by :data:`ROUTING_RULES`, a table of
-regexes over the '/'-joined parameter path (first match wins), not by ndim:
-scanned layers give every per-layer vector a leading ``L`` axis (norm scales are
-``[L, d]``) and the CCA conv kernels are 3-D/4-D, so "ndim >= 2 -> Muon" would be
-wrong both ways. A parameter of ndim >= 2 that matches no rule raises ValueError,
-so a new parameter can never silently land on the wrong optimizer.
+Which optimizer a parameter gets is decided by its entry in the parameter registry
+(:mod:`zaya_jax.params`, each with its reason; :data:`ROUTING_RULES` is that table
+by path), not by ndim: scanned layers give every per-layer vector a leading ``l``
+axis (norm scales are ``[l, d]``) and the CCA conv kernels are 3-D/4-D, so
+"ndim >= 2 -> Muon" would be wrong both ways. A parameter of ndim >= 2 that the
+registry does not list raises ValueError, so a new parameter can never silently
+land on the wrong optimizer.
 ``describe_routing(params)`` lists ``(path, shape, label)`` for inspection.
 
 Config fields (``default_optim_config()``; ``cfg`` may be the training config
@@ -45,9 +46,7 @@ with an ``optim`` field or the optim ConfigDict itself)::
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import re
 from typing import Any
 
 import jax
@@ -57,147 +56,32 @@ import optax
 
 from zaya_jax.optim.muon import DEFAULT_NS_COEFFS, muon
 from zaya_jax.optim.schedules import make_schedule
+from zaya_jax.params import ADAMW, MUON, PARAMS, Rule, optimizer_rule, param_path
 
-MUON = "muon"
-ADAMW = "adamw"
+__all__ = [
+    "ADAMW",
+    "MUON",
+    "ROUTING_RULES",
+    "Rule",
+    "default_optim_config",
+    "describe_routing",
+    "lr_schedule",
+    "make_optimizer",
+    "match_rule",
+    "param_labels",
+    "param_path",
+    "weight_decay_mask",
+]
 
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """One routing rule: ``pattern`` is re.fullmatch'ed against the param path."""
-
-    pattern: str
-    label: str  # MUON | ADAMW
-    weight_decay: bool  # whether the chosen optimizer's decoupled decay applies
-    why: str
-
-
-_ATTN_PROJ = r"(q_proj|k_proj|v_proj_current|v_proj_delayed|o_proj)"
-
-# First match wins. Paths are relative to the params root ("params/" stripped);
-# per-layer params carry a leading scanned L axis, experts a further E axis.
-ROUTING_RULES: tuple[Rule, ...] = (
-    # ---- AdamW exceptions that LOOK like matrices --------------------------------
-    Rule(
-        r"embed_tokens/embedding",
-        ADAMW,
-        True,
-        "token embedding [V, d]: a lookup table whose rows receive sparse, "
-        "token-frequency-skewed gradients; orthogonalising it would couple unrelated "
-        "tokens. Embeddings stay on AdamW in the reference Muon.",
-    ),
-    Rule(
-        r"lm_head/kernel",
-        ADAMW,
-        True,
-        "untied output head [d, V]: a classifier over the vocabulary whose per-logit "
-        "scale matters; kept on AdamW as in the reference Muon.",
-    ),
-    Rule(
-        r"layers/self_attn/conv_qk_(depthwise|grouped)/kernel",
-        ADAMW,
-        True,
-        "CCA causal conv filters ([L, t0, C] depthwise, [L, t1, hd, C] grouped): the "
-        "last two axes are (time/head-dim, channel) filter taps, not an (in, out) "
-        "linear map, so Newton-Schulz on them has no meaning. This is why routing is "
-        "by path and not by ndim.",
-    ),
-    Rule(
-        r"layers/mlp/gate/router_mlp/out_proj/kernel",
-        ADAMW,
-        True,
-        "router output layer [L, R, E+1]: a tiny classifier head over the experts "
-        "(+1 skip). With fan_out E+1 << R an orthogonalised update has all E+1 "
-        "singular values equal, overriding the learned per-expert logit scale that "
-        "load balancing depends on; like an lm head it gets AdamW's per-entry "
-        "adaptivity.",
-    ),
-    # ---- Muon: hidden linear maps [..., fan_in, fan_out] -----------------------------
-    Rule(
-        rf"layers/self_attn/{_ATTN_PROJ}/kernel",
-        MUON,
-        True,
-        "attention projections [L, in, out]: hidden linear maps, Muon's target; L is "
-        "a batch axis (one orthogonalisation per layer).",
-    ),
-    Rule(
-        r"layers/mlp/gate/down_proj/kernel",
-        MUON,
-        True,
-        "router down-projection [L, d, R]: hidden linear map.",
-    ),
-    Rule(
-        r"layers/mlp/gate/router_mlp/(fc1|fc2)/kernel",
-        MUON,
-        True,
-        "router MLP hidden layers [L, R, R]: hidden linear maps.",
-    ),
-    Rule(
-        r"layers/mlp/experts/(gate_up_proj|down_proj)",
-        MUON,
-        True,
-        "expert weights [L, E, d, 2I] / [L, E, I, d]: L and E are batch axes, each "
-        "expert's matrix is orthogonalised on its own (gate|up halves of the fused "
-        "gate_up_proj together, as one [d, 2I] map).",
-    ),
-    # ---- AdamW, no decay: vectors (possibly with a scanned L axis) -------------------
-    Rule(
-        r"(.*/)?[^/]*(bias|scale)",
-        ADAMW,
-        False,
-        "biases, norm scales, residual / hidden-state scales and biases, router state "
-        "scale ([d] or scanned [L, d]): per-channel vectors; ndim cannot tell [L, d] "
-        "from a matrix. No weight decay: it would pull gains towards 0.",
-    ),
-    Rule(
-        r"layers/self_attn/temp",
-        ADAMW,
-        False,
-        "CCA per-KV-head temperature [L, nkv]: per-head scalars; no decay.",
-    ),
-)
-
-_SAFETY_RULE = Rule(
-    "<ndim < 2>",
-    ADAMW,
-    False,
-    "safety: scalars and vectors can never be orthogonalised, whatever their path.",
-)
-
-
-def _key_str(key: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def param_path(key_path: tuple[Any, ...]) -> str:
-    """'/'-joined path of a leaf, e.g. ``layers/self_attn/q_proj/kernel``.
-
-    Drops a leading ``params`` (flax linen variable collection) and a trailing
-    ``.value`` (flax nnx Variable) so both layouts give the same path.
-    """
-    parts = [_key_str(k) for k in key_path]
-    if key_path and isinstance(key_path[-1], jax.tree_util.GetAttrKey) and parts[-1] == "value":
-        parts = parts[:-1]
-    if parts and parts[0] == "params":
-        parts = parts[1:]
-    return "/".join(parts)
+# Re-exported: the routing lives in the parameter registry, next to each parameter's sharding
+# and HF name.
+ROUTING_RULES: dict[str, Rule] = {p.path: p.optimizer for p in PARAMS if p.optimizer is not None}
 
 
 def match_rule(path: str, ndim: int) -> Rule:
-    """The rule deciding a leaf's optimizer; ValueError if none matches."""
-    if ndim < 2:
-        return _SAFETY_RULE
-    for rule in ROUTING_RULES:
-        if re.fullmatch(rule.pattern, path):
-            return rule
-    raise ValueError(
-        f"no optimizer routing rule matches parameter {path!r} (ndim={ndim}); add a "
-        "rule to zaya_jax.optim.chain.ROUTING_RULES saying whether it is a Muon "
-        "matrix or an AdamW parameter."
-    )
+    """The rule deciding a leaf's optimizer; ValueError if the registry does not list a leaf of
+    ndim >= 2."""
+    return optimizer_rule(path, ndim)
 
 
 def _map_rules(fn, params):

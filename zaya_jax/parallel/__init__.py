@@ -1,6 +1,13 @@
-"""Parallelism: device meshes, the logical-axis sharding table, expert parallelism, multi-process."""
+"""Parallelism: device meshes (the one mesh-spec parser), logical-axis sharding over the parameter
+registry, expert parallelism, multi-process."""
 
-from zaya_jax.parallel.mesh import MESH_AXES, make_mesh, resolve_mesh_shape
+from zaya_jax.parallel.mesh import (
+    MESH_AXES,
+    make_mesh,
+    parse_mesh_spec,
+    resolve_mesh_shape,
+    resolve_mesh_sizes,
+)
 from zaya_jax.parallel.sharding import (
     batch_sharding,
     opt_state_shardings,
@@ -12,7 +19,9 @@ from zaya_jax.parallel.sharding import (
 __all__ = [
     "MESH_AXES",
     "make_mesh",
+    "parse_mesh_spec",
     "resolve_mesh_shape",
+    "resolve_mesh_sizes",
     "batch_sharding",
     "opt_state_shardings",
     "param_shardings",

@@ -1,16 +1,17 @@
-"""How every array is laid out on the mesh: one table of logical axes per parameter, one table of
-rules from logical to mesh axes.
+"""How every array is laid out on the mesh: each parameter's logical axes come from the parameter
+registry (zaya_jax/params.py); RULES maps logical to mesh axes.
 
   parameter                          logical axes (per block; scanned params add a leading "layers")
   embed_tokens/embedding             [vocab, embed]
   self_attn/{q,k,v_*}_proj/kernel    [embed, heads]         self_attn/o_proj/kernel  [heads, embed]
   mlp/gate/down_proj/kernel          [embed, router]
   mlp/experts/gate_up_proj           [expert, embed, mlp]   mlp/experts/down_proj    [expert, mlp, embed]
-  everything else (norms, biases, scales, conv taps, router MLP)   replicated: small
+  everything else in the registry (norms, biases, scales, conv taps, router MLP)   replicated: small
 
   rules: expert -> "expert" mesh axis; embed -> "fsdp" (FSDP shards every big matrix on its model
   width); all other logical axes -> replicated. Batch rows are split over (data, fsdp, expert), and
   positions over "context" (zaya_jax/parallel/context.py).
+  A parameter of two or more dimensions that the registry does not list is an error (ValueError).
 
 ZeRO-1: each optimizer-state leaf takes its parameter's layout and is additionally split over the
 "data" axis along its largest free dimension, so the optimizer state is never fully replicated.
@@ -18,43 +19,35 @@ ZeRO-1: each optimizer-state leaf takes its parameter's layout and is additional
 
 from __future__ import annotations
 
-import re
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zaya_jax.optim.chain import param_path
 from zaya_jax.parallel.context import CONTEXT, ROW_AXES
+from zaya_jax.params import lookup, param_path
 
-PARAM_AXES: tuple[tuple[str, tuple[str, ...] | None], ...] = (
-    (r"embed_tokens/embedding", ("vocab", "embed")),
-    (r"lm_head/kernel", ("vocab", "embed")),
-    (r"layers/self_attn/(q_proj|k_proj|v_proj_current|v_proj_delayed)/kernel", ("layers", "embed", "heads")),
-    (r"layers/self_attn/o_proj/kernel", ("layers", "heads", "embed")),
-    (r"layers/mlp/gate/down_proj/kernel", ("layers", "embed", "router")),
-    (r"layers/mlp/experts/gate_up_proj", ("layers", "expert", "embed", "mlp")),
-    (r"layers/mlp/experts/down_proj", ("layers", "expert", "mlp", "embed")),
-)
 RULES: dict[str, str | None] = {"expert": "expert", "embed": "fsdp"}
 BATCH_AXES = ROW_AXES  # the mesh axes that split batch rows
 
 
 def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
-    """Logical axis names of the parameter at `path` (None = replicated dimension)."""
-    for pattern, axes in PARAM_AXES:
-        if re.fullmatch(pattern, path):
-            if axes is not None and len(axes) != ndim:
-                raise ValueError(f"sharding table: {path} has {ndim} dims, table says {axes}")
-            return axes
-    return (None,) * ndim
+    """Logical axis names of the parameter at `path` (None = replicated dimension), from the
+    parameter registry; ValueError if the registry does not list a parameter of ndim >= 2."""
+    param = lookup(path, ndim)
+    return (None,) * ndim if param is None or param.axes is None else param.axes
+
+
+def mesh_axes(path: str, ndim: int) -> tuple[str | None, ...]:
+    """The mesh axis (or None) of every dimension of the parameter at `path`."""
+    return tuple(RULES.get(a) if a else None for a in logical_axes(path, ndim))
 
 
 def spec_for(path: str, shape: tuple[int, ...], mesh: Mesh) -> P:
     """PartitionSpec of a parameter; ValueError if a sharded dimension does not divide evenly."""
-    axes = [RULES.get(a) if a else None for a in logical_axes(path, len(shape))]
+    axes = mesh_axes(path, len(shape))
     for dim, (size, axis) in enumerate(zip(shape, axes)):
         if axis and size % mesh.shape[axis]:
             raise ValueError(
@@ -79,9 +72,10 @@ def _param_path_of(opt_path: str, param_paths: dict[str, tuple[int, ...]]) -> st
     return None
 
 
-def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, axis: str = "data") -> P:
-    """Adds `axis` to the largest dimension that is unsharded and divisible by it (if any)."""
-    n = mesh.shape[axis]
+def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh | Mapping[str, int], axis: str = "data") -> P:
+    """Adds `axis` to the largest dimension that is unsharded and divisible by it (if any).
+    `mesh`: a Mesh or its axis sizes ({"data": 8, ...}, as sizing plans them)."""
+    n = (mesh.shape if isinstance(mesh, Mesh) else mesh)[axis]
     dims = list(spec) + [None] * (len(shape) - len(spec))
     if n == 1 or axis in dims:
         return P(*dims)

@@ -1,0 +1,217 @@
+"""The dropless expert exchange (zaya_jax/parallel/expert.py) on 8 simulated CPU devices: the main
+round plus the spill equals the single device whatever the routing (balanced, skewed onto one
+rank, skewed on one data group only), the dropping mode still drops and counts, and the compiled
+train step's all-to-all bytes per MoE block stay within 2x the ideal 4 x T x d x itemsize."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from benchmarks import collectives
+from benchmarks.collectives import all_to_all_bytes, ideal_exchange_bytes
+from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
+from zaya_jax.model.moe import dense_moe, tiled_moe
+from zaya_jax.parallel import make_mesh
+from zaya_jax.parallel.expert import BATCH, capacity, expert_parallel_moe
+from zaya_jax.parallel.sharding import batch_sharding
+from zaya_jax.train_state import loss_and_counts
+
+CFG = ZayaConfig.tiny(
+    hidden_size=64, num_hidden_layers=2, num_experts=8, moe_intermediate_size=32, vocab_size=128
+)
+E, D, F = 8, 16, 8  # experts, width, expert FFN width of the function-level tests
+T = 256  # global tokens of the function-level tests: 32 per device
+
+
+def _experts(key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    x_td = jax.random.normal(k1, (T, D), jnp.float32)
+    gate_up_edf = jax.random.normal(k2, (E, D, 2 * F), jnp.float32) / 4
+    down_efd = jax.random.normal(k3, (E, F, D), jnp.float32) / 3
+    return x_td, gate_up_edf, down_efd
+
+
+def _routing(kind: str) -> np.ndarray:
+    """expert_t [T] in [0, E] (E = skip class). Device i holds tokens [32 i, 32 i + 32)."""
+    r = np.random.default_rng(0)
+    if kind == "balanced":  # every device sends each expert the same number of tokens: no overflow
+        return np.arange(T) % E
+    if kind == "skewed":  # 7/8 of the tokens to expert 0 (rank 0), some to the skip class
+        return np.where(r.random(T) < 0.875, 0, r.integers(0, E + 1, T))
+    if kind == "one_group_skewed":  # devices 0-3 (data group 0) skewed, 4-7 balanced: only group 0 spills
+        return np.where(np.arange(T) < T // 2, _routing("skewed"), _routing("balanced"))
+    return r.integers(0, E + 1, T)  # "random"
+
+
+def _moe_loss(fn, x, gate_up, down, expert, w):
+    y, dropped = fn(x, expert, gate_up, down)
+    return jnp.mean(y * w), (y, dropped)  # a mean, like the train objective: gradients of order 1e-2
+
+
+def _reference(x, expert, gate_up, down):
+    return dense_moe(x, expert, gate_up, down, jax.nn.silu), jnp.zeros((), jnp.int32)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 1, 4), (1, 1, 8)])
+@pytest.mark.parametrize("kind", ["balanced", "random", "skewed", "one_group_skewed"])
+def test_dropless_exchange_matches_single_device(mesh_shape, kind):
+    """Outputs and gradients (x, both expert weights) equal the single-device dense reference,
+    nothing dropped, whether no bucket, some or most overflow the main round."""
+    mesh = make_mesh(*mesh_shape)
+    x, gate_up, down = _experts(jax.random.key(1))
+    expert = jnp.asarray(_routing(kind), jnp.int32)
+    w = jax.random.normal(jax.random.key(2), (T, D))
+    ep = functools.partial(expert_parallel_moe, act=jax.nn.silu, local_moe=tiled_moe, mesh=mesh)
+    tok = NamedSharding(mesh, P(BATCH))
+    x, expert = jax.device_put(x, tok), jax.device_put(expert, tok)
+    grad = lambda fn: jax.jit(jax.value_and_grad(functools.partial(_moe_loss, fn), (0, 1, 2), has_aux=True))
+    (_, (y_ref, _)), g_ref = grad(_reference)(x, gate_up, down, expert, w)
+    (_, (y, dropped)), g = grad(ep)(x, gate_up, down, expert, w)
+    assert int(dropped) == 0
+    np.testing.assert_allclose(y, y_ref, atol=1e-5)
+    for a, b, name in zip(g, g_ref, ("x", "gate_up", "down")):
+        np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
+
+
+def test_capacity_factor_drops_and_counts_exactly():
+    """The dropping mode: each device's first `cap` tokens per rank run, the rest get 0 and are
+    counted. Skewed routing on data=2 x expert=4: 32 tokens per device, cap = 8 per rank."""
+    mesh = make_mesh(2, 1, 4)
+    x, gate_up, down = _experts(jax.random.key(3))
+    expert = _routing("skewed")
+    tok = NamedSharding(mesh, P(BATCH))
+    fn = jax.jit(
+        functools.partial(
+            expert_parallel_moe, act=jax.nn.silu, local_moe=tiled_moe, mesh=mesh, capacity_factor=1.0
+        )
+    )
+    y, dropped = fn(jax.device_put(x, tok), jax.device_put(jnp.asarray(expert), tok), gate_up, down)
+    cap = capacity(32, 4, 1.0)
+    rank = np.where(expert < E, expert // 2, 4).reshape(8, 32)  # per device
+    slot = np.stack([[np.sum(row[:i] == row[i]) for i in range(32)] for row in rank]).reshape(-1)
+    kept = (rank.reshape(-1) < 4) & (slot < cap)
+    assert int(dropped) == int(np.sum((expert < E) & ~kept)) > 0
+    ref = dense_moe(x, jnp.asarray(np.where(kept, expert, E)), gate_up, down, jax.nn.silu)
+    np.testing.assert_allclose(y, ref, atol=1e-5)
+
+
+def _model_loss_and_grads(cfg, mesh, variables, batch):
+    model = ZayaForCausalLM(cfg, mesh)
+
+    def f(p):  # the train step's objective: mean token loss
+        loss_sum, (weight, _, dropped) = loss_and_counts(model, p, variables[BALANCING], batch)
+        return loss_sum / weight, dropped
+
+    return jax.jit(jax.value_and_grad(f, has_aux=True))(variables["params"])
+
+
+@pytest.fixture(scope="module")
+def model_case():
+    """Tiny model, 8 x 32 tokens, a skewed router (balancing bias +5 on expert 0: most tokens of
+    every device go to rank 0) and its single-device loss and gradients."""
+    variables = init_variables(CFG, jax.random.key(0))
+    biases = jnp.zeros((CFG.num_hidden_layers, CFG.num_experts + 1)).at[:, 0].set(5.0)
+    variables = {**variables, BALANCING: {"layers": {"mlp": {"gate": {"balancing_biases": biases}}}}}
+    ids = np.random.default_rng(0).integers(3, CFG.vocab_size, size=(8, 33))
+    batch = {
+        "input_ids": jnp.asarray(ids[:, :-1], jnp.int32),
+        "targets": jnp.asarray(ids[:, 1:], jnp.int32),
+        "loss_mask": jnp.ones((8, 32), jnp.float32),
+    }
+    return variables, batch, _model_loss_and_grads(CFG, None, variables, batch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_shape", [(2, 1, 4), (1, 1, 8)])
+def test_model_with_skewed_router_matches_single_device(mesh_shape, model_case):
+    """ZayaForCausalLM's mean loss and every parameter gradient on the mesh equal the single device
+    within 1e-5, with no token dropped, though the router sends most tokens to one rank."""
+    variables, batch, ((ref_loss, _), ref_grads) = model_case
+    mesh = make_mesh(*mesh_shape)
+    batch = jax.tree.map(lambda a: jax.device_put(a, batch_sharding(mesh)), batch)
+    (loss, dropped), grads = _model_loss_and_grads(CFG, mesh, variables, batch)
+    assert int(np.sum(dropped)) == 0
+    assert abs(float(loss) - float(ref_loss)) < 1e-5
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ref_grads)[0], jax.tree.leaves(grads)):
+        np.testing.assert_allclose(
+            np.asarray(b), np.asarray(a), atol=1e-5, err_msg=jax.tree_util.keystr(path)
+        )
+
+
+EXCHANGE_CONFIG = """
+from zaya_jax.config import base_config, set_model
+from zaya_jax.model import ZayaConfig
+
+
+def get_config():
+    c = base_config()
+    set_model(c, ZayaConfig.tiny(hidden_size=64, num_hidden_layers=2, num_experts=8,
+                                 moe_intermediate_size=32, vocab_size=128))
+    c.train.batch_size, c.train.seq_len = 8, 64
+    return c
+"""
+
+
+@pytest.mark.slow
+def test_train_step_all_to_all_bytes_near_ideal(tmp_path, capsys):
+    """`python -m benchmarks.collectives --expert-exchange CONFIG` (in process) on the compiled train
+    step at data=2 x expert=4 (64 tokens per device, fp32): the main path moves C = 24 slots per peer
+    (1.5 x T/n, rounded to 8) each way, forward and backward, i.e. 1.5x the ideal plus one byte per
+    slot for the expert ids; the spill (in the cond) has T - C = 40. The C = T exchange (factor
+    4 = n, main before issue 17) moves 4x the ideal."""
+    (tmp_path / "exchange.py").write_text(EXCHANGE_CONFIG)
+    argv = ["--expert-exchange", str(tmp_path / "exchange.py"), "--exchange-mesh", "2,1,4"]
+    rows = collectives.main([*argv, "--out", str(tmp_path)])["results"]
+    n, t, d, itemsize = 4, 64, CFG.hidden_size, 4
+    ideal = ideal_exchange_bytes(t, d, itemsize)
+    assert [r["exchange_factor"] for r in rows] == [1.5, 4.0]  # default: 1.5 and n
+    for row, cap in zip(rows, (24, 64)):
+        assert row["tokens_per_device"] == t and row["ideal_bytes_per_block"] == ideal
+        assert row["bytes_per_block"] == 4 * n * cap * d * itemsize + n * cap  # x / ids / y / dy / dx
+        assert row["spill_bytes_per_block"] == (4 * n * (t - cap) * d * itemsize + n * (t - cap))
+    assert rows[0]["ratio_to_ideal"] <= 2.0
+    assert rows[1]["ratio_to_ideal"] >= 4.0
+    assert "x ideal" in capsys.readouterr().out
+    assert json.loads((tmp_path / "expert_exchange.json").read_text())["results"] == rows
+
+
+def test_all_to_all_bytes_main_path_and_spill():
+    """The HLO reader on a small compiled program: an all-to-all in a 3-trip loop, and one in each
+    branch of a cond (branch 0 = main path, branch 1 = spill)."""
+    mesh = make_mesh(1, 1, 8)
+
+    def body(x):
+        x = jax.lax.fori_loop(0, 3, lambda i, v: jax.lax.all_to_all(v, "expert", 0, 0, tiled=True), x)
+        flag = jax.lax.pmax((jnp.sum(x) > 0).astype(jnp.int32), "expert") > 0
+        a2a = lambda v: jax.lax.all_to_all(v * 2, "expert", 0, 0, tiled=True)
+        return jax.lax.cond(
+            flag, lambda v: a2a(jnp.concatenate([v, v])), lambda v: a2a(v)[:8].repeat(2, 0), x
+        )
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert"), check_vma=False)
+    x = jax.device_put(jnp.ones((64, 4)), NamedSharding(mesh, P("expert")))
+    main, spill = all_to_all_bytes(jax.jit(fn).lower(x).compile().as_text())
+    assert (main, spill) == (3 * 8 * 4 * 4 + 8 * 4 * 4, 16 * 4 * 4)
+
+
+def test_bad_exchange_capacity_factor_is_a_one_line_error(tmp_path):
+    """`--config.model.moe_exchange_capacity_factor=0`: one `error:` line naming the key, exit 2,
+    and no workdir created."""
+    from test_cli_errors import TINY, assert_one_line_error, run_cli
+
+    workdir = tmp_path / "run"
+    proc = run_cli(
+        "train", "--config", TINY, "--config.model.moe_exchange_capacity_factor=0", "--workdir", workdir
+    )
+    assert_one_line_error(proc, "moe_exchange_capacity_factor")
+    assert not workdir.exists()
+    with pytest.raises(ValueError, match="moe_exchange_capacity_factor=-1.0 must be > 0"):
+        CFG.replace(moe_exchange_capacity_factor=-1.0)
