@@ -2,7 +2,8 @@
 
   --config configs/zaya1_base.py:phase1   4k context, RoPE theta 10k, 8T tokens
   --config configs/zaya1_base.py:phase2   4k context, RoPE theta 10k, 4T tokens   (init_from phase 1)
-  --config configs/zaya1_base.py:phase3   32k context, RoPE theta 1M, 1.2T tokens (init_from phase 2)
+  --config configs/zaya1_base.py:phase3   32k context, RoPE theta 1M, 1.2T tokens (init_from phase 2),
+                                          context parallel over 2 devices (mesh.context=2)
 
 Every phase keeps 4096 x 4096 = 16.8M tokens per optimizer step (the paper's global batch), so the
 32k phase runs 512 sequences per step. A phase after the first starts from the previous phase's
@@ -75,6 +76,9 @@ def get_config(arg: str = "phase1"):
     c.optim.schedule = "wsd"
     c.optim.decay_fraction = 0.1 if phase != "phase3" else 0.5
     c.mesh.data = -1
+    # The 32k phase splits every sequence over 2 devices, as Zyphra ran it (docs/model.md §4): keys and
+    # values are all-gathered over the pair, CCA's conv takes its left rows from the neighbour.
+    c.mesh.context = 2 if phase == "phase3" else 1
     c.checkpoint.every_steps = 1000
     c.eval.every_steps = 2000
     c.eval.batches = 50

@@ -75,7 +75,7 @@ def test_dry_run_zaya1_base_phase1(tmp_path):
 
 
 def test_device_count():
-    c = ml_collections.ConfigDict({"mesh": {"data": 2, "fsdp": 2, "expert": 4}})
+    c = ml_collections.ConfigDict({"mesh": {"data": 2, "fsdp": 2, "expert": 4, "context": 1}})
     assert dry_run.device_count(c) == 16
     assert dry_run.device_count(c, 4) == 4
     c.mesh.data = -1

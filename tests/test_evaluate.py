@@ -79,7 +79,7 @@ def test_orbax_checkpoint_on_a_data2_expert4_mesh_equals_single_device(setup, tm
     d, _, data, single = setup
     ckpt = orbax_from_hf(str(d / "hf"), str(tmp_path / "run"))
     mesh = evaluate(ckpt, data, mesh="data=2,expert=4", **OPTS)
-    assert mesh["source"] == "orbax" and mesh["mesh"] == {"data": 2, "fsdp": 1, "expert": 4}
+    assert mesh["source"] == "orbax" and mesh["mesh"] == {"data": 2, "fsdp": 1, "expert": 4, "context": 1}
     assert mesh["batch_size"] == 8 and mesh["prefix_id"] == single["prefix_id"] == 1
     for a, b in zip(mesh["samples"]["task"], single["samples"]["task"]):
         np.testing.assert_allclose(a["loglikelihoods"], b["loglikelihoods"], rtol=1e-5, atol=1e-5)

@@ -178,9 +178,9 @@ def test_bad_mesh_is_a_clear_error(shape, message):
 
 
 def test_resolve_mesh_shape():
-    assert resolve_mesh_shape(-1, 2, 2, num_devices=8) == (2, 2, 2)
-    assert resolve_mesh_shape(1, 1, -1, num_devices=8) == (1, 1, 8)
-    assert dict(make_mesh(data=2, expert=4).shape) == {"data": 2, "fsdp": 1, "expert": 4}
+    assert resolve_mesh_shape(-1, 2, 2, num_devices=8) == (2, 2, 2, 1)
+    assert resolve_mesh_shape(1, 1, -1, num_devices=8) == (1, 1, 8, 1)
+    assert dict(make_mesh(data=2, expert=4).shape) == {"data": 2, "fsdp": 1, "expert": 4, "context": 1}
 
 
 def test_one_mesh_parser_for_every_entry_point():
@@ -189,12 +189,18 @@ def test_one_mesh_parser_for_every_entry_point():
     from zaya_jax import sizing
     from zaya_jax.evaluate import parse_mesh
 
-    assert parse_mesh_spec("expert=4") == {"data": -1, "fsdp": 1, "expert": 4}
-    assert parse_mesh_spec(" fsdp = 2 ", default={"data": 3}) == {"data": 3, "fsdp": 2, "expert": 1}
+    assert parse_mesh_spec("expert=4") == {"data": -1, "fsdp": 1, "expert": 4, "context": 1}
+    assert parse_mesh_spec(" fsdp = 2 ", default={"data": 3}) == {
+        "data": 3,
+        "fsdp": 2,
+        "expert": 1,
+        "context": 1,
+    }
     assert resolve_mesh_sizes(parse_mesh_spec("expert=4"), num_devices=8) == {
         "data": 2,
         "fsdp": 1,
         "expert": 4,
+        "context": 1,
     }
     for bad in ("gpu=8", "data", "data=two"):
         with pytest.raises(ValueError, match="expected axis=size"):
@@ -203,7 +209,7 @@ def test_one_mesh_parser_for_every_entry_point():
         sizing.parse_mesh("gpu=8")
     with pytest.raises(ValueError, match="expected axis=size.*or none / auto"):
         parse_mesh("gpu=8")
-    assert dict(parse_mesh("fsdp=2,expert=2").shape) == {"data": 2, "fsdp": 2, "expert": 2}
+    assert dict(parse_mesh("fsdp=2,expert=2").shape) == {"data": 2, "fsdp": 2, "expert": 2, "context": 1}
     with pytest.raises(ValueError, match="does not equal the 8 available devices"):
         resolve_mesh_sizes({"data": 3}, num_devices=8, exact=True)
     c = config_lib.base_config()

@@ -148,11 +148,12 @@ def test_sizing_warnings():
 
 
 def test_parse_mesh_and_peaks():
-    assert sizing.parse_mesh("data=8,fsdp=1,expert=1") == {"data": 8, "fsdp": 1, "expert": 1}
+    assert sizing.parse_mesh("data=8,fsdp=1,expert=1") == {"data": 8, "fsdp": 1, "expert": 1, "context": 1}
     assert sizing.parse_mesh("fsdp=2", num_devices=16, default={"data": -1}) == {
         "data": 8,
         "fsdp": 2,
         "expert": 1,
+        "context": 1,
     }
     with pytest.raises(ValueError):
         sizing.parse_mesh("data=-1,fsdp=-1", num_devices=8)
@@ -210,4 +211,4 @@ def test_sizing_cli_zaya1_base(tmp_path, extra):
         assert "micro-batch 512 sequences" in text and "exceeds the device" in text
     data = json.loads(out.read_text())
     assert data["params"]["total"] == param_counts(ZayaConfig.zaya1_base()).total
-    assert data["memory_per_device_bytes"]["mesh"] == {"data": 8, "fsdp": 1, "expert": 1}
+    assert data["memory_per_device_bytes"]["mesh"] == {"data": 8, "fsdp": 1, "expert": 1, "context": 1}

@@ -212,7 +212,7 @@ def test_two_processes_match_one_eight_device_process(tmp_path):
     ]
     outs = _two_processes(cmd, _free_port())
     summaries = [json.loads(out.strip().splitlines()[-1])["summary"] for out in outs]
-    assert all(s["mesh"] == {"data": 2, "fsdp": 1, "expert": 4} for s in summaries)
+    assert all(s["mesh"] == {"data": 2, "fsdp": 1, "expert": 4, "context": 1} for s in summaries)
     ref = train_losses(single)
     got0, got1 = train_losses(multi), train_losses(multi / "process_1")
     assert sorted(ref) == sorted(got0) == sorted(got1) == [1, 2, 3, 4]
@@ -234,7 +234,7 @@ def test_two_processes_match_one_eight_device_process(tmp_path):
     one_device = evaluate(str(hf_dir), [task], max_len=32)["samples"]["task"]
     for a, b in zip(samples, one_device, strict=True):
         assert abs(np.array(a["loglikelihoods"]) - b["loglikelihoods"]).max() < 1e-5
-    assert written["mesh"] == {"data": 2, "fsdp": 1, "expert": 4}
+    assert written["mesh"] == {"data": 2, "fsdp": 1, "expert": 4, "context": 1}
     assert written["results"]["task"]["acc"] == evals[0]["eval_task/acc"]
     assert written["results"]["task"]["acc_norm"] == evals[0]["eval_task/acc_norm"]
 

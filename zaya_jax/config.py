@@ -22,8 +22,10 @@ overrides any key (`--config.train.steps=100`). Sections:
   balancing.*               aux-loss-free router balancing: `enabled` plus one key per field of
                             zaya_jax.balancing.BalancingConfig (lr, b1, b2, eps, weight_decay,
                             update_skip, skip_target, fraction_of), derived from the dataclass
-  mesh.data / mesh.fsdp / mesh.expert   device mesh, one key per axis of zaya_jax.parallel.mesh.MESH_AXES;
-                            one may be -1 = the remaining devices
+  mesh.data / mesh.fsdp / mesh.expert / mesh.context   device mesh, one key per axis of
+                            zaya_jax.parallel.mesh.MESH_AXES; one may be -1 = the remaining devices;
+                            mesh.context splits every sequence over that many devices (context
+                            parallelism, zaya_jax/parallel/context.py; default 1)
   mesh.zero1                optimizer state split over the data axis (ZeRO-1)
   checkpoint.every_steps, checkpoint.every_minutes   periodic saves under WORKDIR/checkpoints (by
                             step count and/or wall time; 0 = off); the last step is always saved
@@ -252,6 +254,11 @@ def _validate_mesh(c: ml_collections.ConfigDict) -> None:
         check_mesh_sizes({a: c.mesh[a] for a in MESH_AXES})
     except ValueError as e:
         raise ValueError(f"config.{e}") from None
+    _check(  # the kernel places queries at the last keys; a context rank's start elsewhere
+        c.mesh.context == 1 or c.model.attention_impl != "pallas",
+        "model.attention_impl",
+        f"'pallas' does not support mesh.context={c.mesh.context}: use 'xla' or 'auto'",
+    )
 
 
 def _validate_counts(c: ml_collections.ConfigDict) -> None:

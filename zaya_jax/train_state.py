@@ -24,6 +24,7 @@ from zaya_jax import balancing as bal
 from zaya_jax.loss import chunked_cross_entropy
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
+from zaya_jax.parallel.context import CONTEXT, check_local_length, config_context, fold_sequences
 from zaya_jax.parallel.mesh import make_mesh
 from zaya_jax.parallel.sharding import BATCH_AXES, batch_sharding, opt_state_shardings, param_shardings
 
@@ -90,17 +91,21 @@ def loss_and_counts(
     variables = {"params": params, BALANCING: balancing}
     out = model.apply(variables, batch["input_ids"], return_logits=False)
     head = lambda h: model.apply(variables, h, method=ZayaForCausalLM.logits_from_hidden)
-    total, weight = chunked_cross_entropy(out.hidden, batch["targets"], batch["loss_mask"], head, loss_chunk)
+    # With a context axis each rank chunks its own positions: the scan never crosses ranks.
+    fold = lambda x: fold_sequences(x, model.mesh)
+    total, weight = chunked_cross_entropy(
+        fold(out.hidden), fold(batch["targets"]), fold(batch["loss_mask"]), head, loss_chunk
+    )
     return total, (weight, out.expert_counts, out.dropped_tokens)
 
 
 def split_microbatches(x: jax.Array, grad_accum: int, mesh: Mesh | None) -> jax.Array:
     """[B, ...] -> [A, B / A, ...]: microbatch a takes rows a, a + A, a + 2A, ... so that with the
     batch split over devices in contiguous row blocks every microbatch stays spread over all
-    devices (no resharding)."""
+    devices (no resharding); positions stay split over the context axis."""
     x = x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
     if mesh is not None:
-        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES)))
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES, CONTEXT)))
     return x
 
 
@@ -262,13 +267,20 @@ def abstract_batch(batch_size: int, seq_len: int, mesh: Mesh) -> Batch:
 
 def check_batch_divides(c: ml_collections.ConfigDict, devices: int) -> None:
     """train.batch_size, and each of its grad_accum microbatches, divide over `devices` (ValueError
-    naming the key otherwise): the trainer and the dry run check it before building the step."""
+    naming the key otherwise): the trainer and the dry run check it before building the step.
+    With mesh.context = R, rows divide over devices / R and train.seq_len over R."""
+    context = config_context(c.mesh, devices)
+    rows = devices // context
     batch_size, micro = c.train.batch_size, c.train.batch_size // c.train.grad_accum
-    if batch_size % devices or micro % devices:
+    if batch_size % rows or micro % rows:
         raise ValueError(
             f"config.train.batch_size={batch_size} (per microbatch {micro}) must be divisible by the "
-            f"{devices} devices"
+            f"{rows} devices" + (f" that split batch rows (mesh.context={context})" if context > 1 else "")
         )
+    try:
+        check_local_length(c.train.seq_len, context, c.model.cca_time0 + c.model.cca_time1 - 2)
+    except ValueError as e:
+        raise ValueError(f"config.train.seq_len={c.train.seq_len}: {e}") from None
 
 
 def train_program(c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh) -> TrainProgram:

@@ -4,7 +4,7 @@
                     q_segment_ids=None, kv_segment_ids=None, key_mask=None, sliding_window=None)
       -> [B, Sq, Nq, hd] in q's dtype
 
-Same semantics as `zaya_jax.model.attention.xla_attention` with the mask of `attention_allowed`
+Same semantics as `zaya_jax.kernels.xla_attention.xla_attention` with the mask of `attention_allowed`
 (see `reference_attention`, the pure-XLA version used by the tests):
 
   * positions are `arange`: key t sits at position t, query s at position s + (Sk - Sq) (for
@@ -63,6 +63,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from zaya_jax.kernels.block_sizes import pick_blocks
+from zaya_jax.kernels.xla_attention import xla_attention
 
 # Masked logits (base-2 domain). Finite, so a row whose visited keys are all masked gives
 # exp2(MASK - MASK) = 1 instead of NaN; such rows are detected (m == MASK) and fixed up.
@@ -537,8 +538,6 @@ def reference_attention(
     **unused,
 ) -> jax.Array:
     """Pure-XLA flash_attention: the model's `xla_attention` with `reference_mask`."""
-    from zaya_jax.model.attention import xla_attention
-
     del unused  # block sizes / interpret, so the two functions take the same keywords
     allowed = reference_mask(
         q.shape[1],

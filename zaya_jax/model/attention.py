@@ -1,62 +1,21 @@
-"""The attention core of CCA: causal grouped-query softmax attention (XLA reference path).
+"""The attention core of CCA: the XLA path (zaya_jax/kernels/xla_attention.py, re-exported here)
+or the Pallas flash-attention kernel, run per device on a mesh.
 
-Inputs are the post-QK-norm, post-RoPE queries and keys. Shapes:
-  q [B, Sq, Nq, hd], k and v [B, Sk, Nkv, hd], Nq = Nkv * G  ->  out [B, Sq, Nq, hd].
-Query head j reads kv head j // G (transformers' `repeat_kv` order).
+Inputs are the post-QK-norm, post-RoPE queries and keys:
+  q [B, S, N, H], k and v [B, T, K, H], N = K * G  ->  out [B, S, N, H].
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax.kernels import default_interpret, flash_attention
+from zaya_jax.kernels.xla_attention import MASK_VALUE, attention_allowed, xla_attention
+from zaya_jax.parallel.mesh import MESH_AXES
 
-# A finite "minus infinity": a fully masked row (a padding query) then averages the values instead
-# of producing NaN, and NaN can never leak into valid rows through the backward pass.
-MASK_VALUE = float(jnp.finfo(jnp.float32).min)
-
-
-def attention_allowed(
-    q_pos_bs: jax.Array,
-    kv_pos_bt: jax.Array,
-    *,
-    key_mask_bt: jax.Array | None = None,
-    q_segment_bs: jax.Array | None = None,
-    kv_segment_bt: jax.Array | None = None,
-    sliding_window: jax.Array | int | None = None,
-) -> jax.Array:
-    """Which (query, key) pairs may attend: bool [B, Sq, Sk].
-
-    Causal on positions (key position <= query position); keys with key_mask == 0 are hidden; with
-    segment ids only pairs in the same segment (packed documents); with a window w > 0 only keys with
-    position > query position - w (transformers' sliding-window convention; w <= 0 means no window).
-    """
-    allowed = kv_pos_bt[:, None, :] <= q_pos_bs[:, :, None]
-    if key_mask_bt is not None:
-        allowed &= key_mask_bt[:, None, :].astype(bool)
-    if q_segment_bs is not None:
-        allowed &= q_segment_bs[:, :, None] == kv_segment_bt[:, None, :]
-    if sliding_window is not None:
-        w = jnp.asarray(sliding_window)
-        allowed &= (w <= 0) | (kv_pos_bt[:, None, :] > q_pos_bs[:, :, None] - w)
-    return allowed
-
-
-def xla_attention(
-    q_bsnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, allowed_bst: jax.Array, scale: float
-) -> jax.Array:
-    """Softmax attention with fp32 logits and softmax; returns [B, Sq, Nq, hd] in q's dtype."""
-    b, s, nq, hd = q_bsnh.shape
-    nkv = k_btkh.shape[2]
-    q = q_bsnh.reshape(b, s, nkv, nq // nkv, hd)
-    logits = jnp.einsum("bskgh,btkh->bkgst", q, k_btkh, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(allowed_bst[:, None, None], logits, MASK_VALUE)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v_btkh.dtype)
-    out = jnp.einsum("bkgst,btkh->bskgh", probs, v_btkh, preferred_element_type=jnp.float32)
-    return out.reshape(b, s, nq, hd).astype(q_bsnh.dtype)
+__all__ = ["MASK_VALUE", "attention_allowed", "pallas_attention", "xla_attention"]
 
 
 def pallas_attention(
@@ -90,8 +49,6 @@ def pallas_attention(
 
     if mesh is None:
         return run(q_bsnh, k_bskh, v_bskh, segment_ids, key_mask)
-    from zaya_jax.parallel.mesh import MESH_AXES  # parallel imports the model package
-
     rows = P(MESH_AXES)
     spec = lambda x: None if x is None else rows
     return jax.shard_map(

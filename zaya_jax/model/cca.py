@@ -1,13 +1,17 @@
-"""CCA: compressed convolutional attention (SPEC §2.1, arXiv 2510.04476).
+"""CCA: compressed convolutional attention (docs/model.md §2.1, arXiv 2510.04476).
 
 Per block, from the normed input x [B, S, d]:
-  q0 = x Wq [B, S, Nq*hd], k0 = x Wk [B, S, Nkv*hd]
-  q = conv(concat(q0, k0))[:Nq*hd] + mean-skip(q0, k0)          two-stage causal conv over time
-  v = concat(x Wvc, shift_right(x Wvd)) -> [B, S, Nkv, hd]        half the value from the previous token
-  q, k <- sqrt(hd) * l2norm; k *= temp[kv head]; partial RoPE; causal GQA attention; o_proj.
+  q0 = x Wq [B, S, N*H], k0 = x Wk [B, S, K*H]
+  q = conv(concat(q0, k0))[:N*H] + mean-skip(q0, k0)            two-stage causal conv over time
+  v = concat(x Wvc, shift_right(x Wvd)) -> [B, S, K, H]          half the value from the previous token
+  q, k <- sqrt(H) * l2norm; k *= temp[kv head]; partial RoPE; causal GQA attention; o_proj.
+(N query heads, K key/value heads, H head dim; C = (N+K)*H conv channels.)
 
 The conv and value shift need left context; `CCAState` carries it between calls (decoding), and a
 fresh state is all zeros, which is exactly the left zero-padding of the full-sequence forward.
+With a "context" mesh axis (zaya_jax/parallel/context.py) each rank holds a chunk of the sequence:
+its left context is the previous rank's last rows (a halo of conv inputs), and attention reads the
+keys and values of the whole sequence, all-gathered over the axis.
 """
 
 from __future__ import annotations
@@ -17,25 +21,25 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import Mesh
 
 from zaya_jax.kernels import use_pallas
 from zaya_jax.model.attention import attention_allowed, pallas_attention, xla_attention
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.model.rope import apply_rope, rope_cos_sin
+from zaya_jax.parallel.context import context_size, gather_sequence, with_left_context
 
 
 class CCAState(NamedTuple):
     """Left context of the CCA projections for one block.
 
-    conv_bpc: the last P = (t0-1)+(t1-1) raw concat(q0, k0) rows [B, P, (Nq+Nkv)*hd].
-    v_delayed_bv: the previous token's delayed value projection [B, Nkv*hd/2], or None at sequence
+    conv_btc: the last T = (t0-1)+(t1-1) raw concat(q0, k0) rows [B, T, C].
+    v_delayed: the previous token's delayed value projection [B, K*H/2], or None at sequence
       start (then it is the projection of a zero vector, as in transformers).
     """
 
-    conv_bpc: jax.Array
-    v_delayed_bv: jax.Array | None
+    conv_btc: jax.Array
+    v_delayed: jax.Array | None
 
 
 def torch_conv_init(fan_in: int):
@@ -45,7 +49,7 @@ def torch_conv_init(fan_in: int):
 
 
 class DepthwiseConv(nn.Module):
-    """Depthwise 'valid' cross-correlation over time: [B, T, C] -> [B, T - k + 1, C].
+    """Depthwise 'valid' cross-correlation over time (axis -2): [..., T, C] -> [..., T - k + 1, C].
 
     Params: kernel [k, C] (HF conv_qk_depthwise.weight [C, 1, k]), bias [C].
     """
@@ -55,18 +59,19 @@ class DepthwiseConv(nn.Module):
     param_dtype: Any
 
     @nn.compact
-    def __call__(self, u_btc: jax.Array) -> jax.Array:
-        c, k = u_btc.shape[-1], self.kernel_size
+    def __call__(self, u_tc: jax.Array) -> jax.Array:
+        c, k = u_tc.shape[-1], self.kernel_size
         w = self.param("kernel", torch_conv_init(k), (k, c), self.param_dtype).astype(self.dtype)
         b = self.param("bias", torch_conv_init(k), (c,), self.param_dtype).astype(self.dtype)
-        t_out = u_btc.shape[1] - k + 1
+        t_out = u_tc.shape[-2] - k + 1
         # k is 2 or 3: a sum of shifted products is exact and cheaper than a general convolution.
-        out = sum(u_btc[:, i : i + t_out] * w[i] for i in range(k))
+        out = sum(u_tc[..., i : i + t_out, :] * w[i] for i in range(k))
         return out + b
 
 
 class GroupedConv(nn.Module):
-    """Grouped 'valid' cross-correlation over time, one group per head: [B, T, G*h] -> [B, T-k+1, G*h].
+    """Grouped 'valid' cross-correlation over time (axis -2), one group per head:
+    [..., T, G*h] -> [..., T-k+1, G*h].
 
     Params: kernel [k, h_in, G*h_out] (HF conv_qk_grouped.weight [G*h_out, h_in, k]), bias [G*h].
     """
@@ -77,22 +82,25 @@ class GroupedConv(nn.Module):
     param_dtype: Any
 
     @nn.compact
-    def __call__(self, u_btc: jax.Array) -> jax.Array:
-        b_, t, c = u_btc.shape
+    def __call__(self, u_tc: jax.Array) -> jax.Array:
+        *lead, t, c = u_tc.shape
         g, k = self.groups, self.kernel_size
         h = c // g
         w = self.param("kernel", torch_conv_init(h * k), (k, h, c), self.param_dtype).astype(self.dtype)
         bias = self.param("bias", torch_conv_init(h * k), (c,), self.param_dtype).astype(self.dtype)
         w_kigo = w.reshape(k, h, g, h)  # [tap, in within group, group, out within group]
-        u_btgi = u_btc.reshape(b_, t, g, h)
+        u_tgi = u_tc.reshape(*lead, t, g, h)
         t_out = t - k + 1
         out = sum(
             jnp.einsum(
-                "btgi,igo->btgo", u_btgi[:, i : i + t_out], w_kigo[i], preferred_element_type=jnp.float32
+                "...tgi,igo->...tgo",
+                u_tgi[..., i : i + t_out, :, :],
+                w_kigo[i],
+                preferred_element_type=jnp.float32,
             )
             for i in range(k)
         )
-        return (out.reshape(b_, t_out, c) + bias.astype(jnp.float32)).astype(self.dtype)
+        return (out.reshape(*lead, t_out, c) + bias.astype(jnp.float32)).astype(self.dtype)
 
 
 def qk_mean_skip(q0_bsnh: jax.Array, k0_bskh: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -119,8 +127,8 @@ def l2_qk_norm(q_bsnh: jax.Array, k_bskh: jax.Array, temp_k: jax.Array) -> tuple
 
 
 class LayerCache(NamedTuple):
-    """One block's decoding cache (stacked [L, ...] in the model): k, v [B, T, Nkv, hd] preallocated;
-    conv [B, P, C] and v_delayed [B, Nkv*hd/2] as in CCAState."""
+    """One block's decoding cache (stacked [L, ...] in the model): k, v [B, T, K, H] preallocated;
+    conv [B, (t0-1)+(t1-1), C] and v_delayed [B, K*H/2] as in CCAState."""
 
     k: jax.Array
     v: jax.Array
@@ -168,29 +176,36 @@ class CCAttention(nn.Module):
         cfg = self.cfg
         return CCAState(jnp.zeros((batch, cfg.conv_state_len, cfg.conv_channels), cfg.compute_dtype), None)
 
-    def qkv(self, x_bsd: jax.Array, state: CCAState) -> tuple[jax.Array, jax.Array, jax.Array, CCAState]:
-        """Pre-norm q [B,S,Nq,hd], k [B,S,Nkv,hd], v [B,S,Nkv,hd] (all in the compute dtype)."""
+    def qkv(
+        self, x_bsd: jax.Array, state: CCAState | None
+    ) -> tuple[jax.Array, jax.Array, jax.Array, CCAState]:
+        """Pre-norm q [B,S,N,H], k [B,S,K,H], v [B,S,K,H] (all in the compute dtype).
+
+        state None = sequence start. On a "context" mesh the left context of every rank but the
+        first comes from the previous rank (`with_left_context`); `state` is rank 0's."""
         cfg = self.cfg
         b, s, _ = x_bsd.shape
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q0, k0 = self.q_proj(x_bsd), self.k_proj(x_bsd)
         mq, mk = qk_mean_skip(q0.reshape(b, s, nq, hd), k0.reshape(b, s, nkv, hd))
 
-        u = jnp.concatenate([state.conv_bpc.astype(q0.dtype), jnp.concatenate([q0, k0], axis=-1)], axis=1)
-        conv = self.conv_qk_grouped(self.conv_qk_depthwise(u))  # [B, S, C]
+        # u [B, R, P + S/R, C]: each context rank's chunk of the conv input after its left context.
+        rows = cfg.conv_state_len
+        conv_left = None if state is None else state.conv_btc
+        u = with_left_context(jnp.concatenate([q0, k0], axis=-1), conv_left, rows, self.mesh)
+        conv = self.conv_qk_grouped(self.conv_qk_depthwise(u)).reshape(b, s, -1)  # [B, S, C]
         q = conv[..., : nq * hd].reshape(b, s, nq, hd) + mq
         k = conv[..., nq * hd :].reshape(b, s, nkv, hd) + mk
 
         v_cur = self.v_proj_current(x_bsd)
         v_del = self.v_proj_delayed(x_bsd)
-        prev = state.v_delayed_bv
+        prev = None if state is None else state.v_delayed
         if prev is None:
             prev = self.v_proj_delayed(jnp.zeros((b, x_bsd.shape[-1]), x_bsd.dtype))
-        v_shifted = jnp.concatenate([prev[:, None].astype(v_del.dtype), v_del[:, :-1]], axis=1)
+        v_shifted = with_left_context(v_del, prev[:, None], 1, self.mesh)[:, :, :-1].reshape(b, s, -1)
         v = jnp.concatenate([v_cur, v_shifted], axis=-1).reshape(b, s, nkv, hd)
 
-        p = cfg.conv_state_len
-        new_state = CCAState(u[:, u.shape[1] - p :], v_del[:, -1])
+        new_state = CCAState(u[:, -1, u.shape[2] - rows :], v_del[:, -1])
         return q, k, v, new_state
 
     def __call__(
@@ -213,14 +228,16 @@ class CCAttention(nn.Module):
         if padding_mask_bs is not None:
             # Pad tokens must not leak into the conv or the value shift (SPEC 2.1.8).
             x_bsd = x_bsd * padding_mask_bs[..., None].astype(x_bsd.dtype)
-        if state is None:
-            state = self.initial_state(x_bsd.shape[0])
         q, k, v, new_state = self.qkv(x_bsd, state)
         q, k = l2_qk_norm(q, k, self.temp)
         cos, sin = rope_cos_sin(positions_bs, cfg.rotary_dim, rope_theta)
         q = apply_rope(q, cos, sin).astype(cfg.compute_dtype)
         k = apply_rope(k, cos, sin).astype(cfg.compute_dtype)
-        if use_pallas(cfg.attention_impl):
+        if context_size(self.mesh) > 1:
+            o = self._context_attention(
+                q, k, v, positions_bs, padding_mask_bs, segment_ids_bs, sliding_window
+            )
+        elif use_pallas(cfg.attention_impl):
             # The kernel masks by token order: positions are the default arange (training, prefill).
             o = pallas_attention(
                 q,
@@ -244,6 +261,23 @@ class CCAttention(nn.Module):
             o = xla_attention(q, k, v, allowed, scale=cfg.head_dim**-0.5)
         b, s = x_bsd.shape[:2]
         return self.o_proj(o.reshape(b, s, -1)), new_state
+
+    def _context_attention(self, q, k, v, positions_bs, padding_mask_bs, segment_ids_bs, sliding_window):
+        """Attention of this rank's queries over the whole sequence: keys, values and their
+        positions / mask / segments all-gathered over "context"; the mask is on global positions."""
+        if self.cfg.attention_impl == "pallas":
+            # The kernel places queries at the last Sq key positions; rank r's start at r*S/R.
+            raise ValueError("model.attention_impl='pallas' does not support mesh.context > 1: use 'xla'")
+        gather = lambda x: None if x is None else gather_sequence(x, self.mesh)
+        allowed = attention_allowed(
+            positions_bs,
+            gather(positions_bs),
+            key_mask_bt=gather(padding_mask_bs),
+            q_segment_bs=segment_ids_bs,
+            kv_segment_bt=gather(segment_ids_bs),
+            sliding_window=sliding_window,
+        )
+        return xla_attention(q, gather(k), gather(v), allowed, scale=self.cfg.head_dim**-0.5)
 
     def _cached(self, x_bsd, positions_bs, padding_mask_bs, rope_theta, sliding_window, ctx: KVContext):
         cfg = self.cfg
@@ -269,6 +303,6 @@ class CCAttention(nn.Module):
         o = xla_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), allowed, scale=cfg.head_dim**-0.5)
         s = x_bsd.shape[1]
         new = LayerCache(
-            k_all, v_all, st.conv_bpc.astype(lc.conv.dtype), st.v_delayed_bv.astype(lc.v_delayed.dtype)
+            k_all, v_all, st.conv_btc.astype(lc.conv.dtype), st.v_delayed.astype(lc.v_delayed.dtype)
         )
         return self.o_proj(o.reshape(b, s, -1)), new

@@ -27,6 +27,7 @@ from zaya_jax.model.moe import ZayaExperts
 from zaya_jax.model.norm import RMSNorm
 from zaya_jax.model.residual import ResidualScaling
 from zaya_jax.model.router import BALANCING, ZayaRouter
+from zaya_jax.parallel.context import flatten_tokens, unflatten_tokens
 
 
 @flax.struct.dataclass
@@ -76,11 +77,11 @@ class SparseMoeBlock(nn.Module):
     @nn.compact
     def __call__(self, x_bsd, prev_router_state):
         routing = ZayaRouter(self.cfg, name="gate")(x_bsd, prev_router_state)
-        b, s, d = x_bsd.shape
+        tokens = lambda x: flatten_tokens(x, self.mesh)  # [B, S, ...] -> [B*S, ...], no data moved
         y, dropped = ZayaExperts(self.cfg, self.mesh, name="experts")(
-            x_bsd.reshape(b * s, d), routing.expert_bs.reshape(-1), routing.weight_bs.reshape(-1)
+            tokens(x_bsd), tokens(routing.expert_bs), tokens(routing.weight_bs)
         )
-        y = y.reshape(b, s, d)
+        y = unflatten_tokens(y, x_bsd.shape[0], self.mesh)
         if self.cfg.skip_expert_output == "weighted_input":
             skip = self.cfg.num_experts
             w_skip = jnp.where(routing.expert_bs == skip, routing.probs_bse[..., skip], 0.0)

@@ -1,11 +1,14 @@
-"""The device mesh: axes (data, fsdp, expert), sized from the config's mesh section.
+"""The device mesh: axes (data, fsdp, expert, context), sized from the config's mesh section.
 
   data    pure data parallelism; with ZeRO-1 the optimizer state is also split over it
   fsdp    data parallelism whose params, grads and optimizer state are split over it
   expert  data parallelism for attention; the experts of every MoE block are split over it and
           tokens reach their expert by all-to-all (zaya_jax/parallel/expert.py)
+  context splits every sequence: positions are split over it (zaya_jax/parallel/context.py); it is
+          the innermost axis, so the K/V all-gather runs on the fastest links
 
-The batch is split over all three axes, so every device sees different tokens. One axis may be
+Batch rows are split over data, fsdp and expert, positions over context, so every device sees
+different tokens. One axis may be
 -1: it takes the devices the others leave.
 """
 
@@ -20,7 +23,7 @@ from jax.sharding import Mesh
 
 # Adding an axis: one entry here (its default size in DEFAULT_SIZES if not 1) and its key in the
 # config's mesh section (zaya_jax/config.py); every parser and builder below walks this tuple.
-MESH_AXES = ("data", "fsdp", "expert")
+MESH_AXES = ("data", "fsdp", "expert", "context")
 DEFAULT_SIZES = {"data": -1}  # unnamed axes: 1, except data, which takes the devices left
 
 

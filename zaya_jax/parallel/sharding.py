@@ -9,7 +9,8 @@ registry (zaya_jax/params.py); RULES maps logical to mesh axes.
   everything else in the registry (norms, biases, scales, conv taps, router MLP)   replicated: small
 
   rules: expert -> "expert" mesh axis; embed -> "fsdp" (FSDP shards every big matrix on its model
-  width); all other logical axes -> replicated. Batches are split over (data, fsdp, expert).
+  width); all other logical axes -> replicated. Batch rows are split over (data, fsdp, expert), and
+  positions over "context" (zaya_jax/parallel/context.py).
   A parameter of two or more dimensions that the registry does not list is an error (ValueError).
 
 ZeRO-1: each optimizer-state leaf takes its parameter's layout and is additionally split over the
@@ -25,10 +26,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zaya_jax.parallel.context import CONTEXT, ROW_AXES
 from zaya_jax.params import lookup, param_path
 
 RULES: dict[str, str | None] = {"expert": "expert", "embed": "fsdp"}
-BATCH_AXES = ("data", "fsdp", "expert")
+BATCH_AXES = ROW_AXES  # the mesh axes that split batch rows
 
 
 def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
@@ -99,8 +101,8 @@ def opt_state_shardings(opt_state: Any, params: Any, mesh: Mesh, zero1: bool = T
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """[B, ...] batches: rows split over every mesh axis."""
-    return NamedSharding(mesh, P(BATCH_AXES))
+    """[B, S, ...] batches: rows split over BATCH_AXES, positions over "context"."""
+    return NamedSharding(mesh, P(BATCH_AXES, CONTEXT))
 
 
 def shard_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:

@@ -18,6 +18,7 @@ import math
 from typing import Any, Mapping
 
 from zaya_jax.model.config import ZayaConfig
+from zaya_jax.parallel.context import config_context
 from zaya_jax.parallel.mesh import parse_mesh_spec, resolve_mesh_sizes
 from zaya_jax.parallel.sharding import mesh_axes, zero1_spec
 from zaya_jax.sizing.counts import param_counts, param_leaves
@@ -26,9 +27,6 @@ MI300X_MEMORY_GIB = 192.0
 GIB = 2.0**30
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-MESH_AXES = ("data", "fsdp", "expert")
 
 
 def parse_mesh(
@@ -191,8 +189,10 @@ def activation_bytes(
     remat: str,
     loss_chunk: int = 512,
     expert_axis: int = 1,
+    context: int = 1,
 ) -> float:
-    """Estimated activation bytes per device for one microbatch of `micro_batch` sequences.
+    """Estimated activation bytes per device for one microbatch of `micro_batch` sequences (with
+    mesh.context = R > 1: S/R positions of each, and the block's keys and values all-gathered to S).
 
       none           L x (the `activation_terms` of a block) per token
       dots_saveable  L x (block carry + matmul outputs) per token, + one block's full activations
@@ -207,9 +207,9 @@ def activation_bytes(
     """
     if remat not in REMAT_CHOICES:
         raise ValueError(f"remat={remat!r}; expected one of {REMAT_CHOICES}")
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * seq_len // context
     n = cfg.num_hidden_layers
-    block = sum(activation_terms(cfg, seq_len).values())
+    block = sum(activation_terms(cfg, seq_len).values())  # attention still reads all S keys
     carry = 4 * (cfg.hidden_size + cfg.router_hidden_size)
     if remat == "none":
         per_token = n * block
@@ -224,8 +224,20 @@ def activation_bytes(
         per_layer = (pc.active / n - expert) + expert * cfg.num_experts / expert_axis
         casts = (n if remat == "none" else 1) * per_layer * _DTYPE_BYTES[cfg.dtype]
     outside = tokens * 3 * 4 * cfg.hidden_size
-    loss = micro_batch * min(loss_chunk, seq_len) * cfg.vocab_size * 3 * 4
-    return tokens * per_token + casts + outside + loss
+    loss = micro_batch * min(loss_chunk, seq_len // context) * cfg.vocab_size * 3 * 4
+    # The gathered K/V: every block's kept without remat, the recomputed block's otherwise.
+    gathered = 0.0
+    if context > 1:
+        gathered = (n if remat == "none" else 1) * kv_all_gather_bytes(cfg, seq_len, micro_batch, 1)
+    return tokens * per_token + casts + outside + loss + gathered
+
+
+def kv_all_gather_bytes(cfg: ZayaConfig, seq_len: int, micro_batch: int, context: int) -> float:
+    """Bytes one device receives per block in the forward K/V all-gather over `context` ranks
+    (k and v of the other ranks' positions, compute dtype); the backward's reduce-scatter of their
+    gradients moves the same. With context = 1: the whole gathered K/V of `micro_batch` sequences."""
+    kv = 2 * cfg.num_key_value_heads * cfg.head_dim * _DTYPE_BYTES[cfg.dtype]
+    return micro_batch * seq_len * kv * ((context - 1) / context if context > 1 else 1)
 
 
 def memory_per_device(
@@ -256,7 +268,12 @@ def memory_per_device(
     )
     by_remat = {
         r: activation_bytes(
-            cfg, seq_len=seq_len, micro_batch=micro_batch, remat=r, expert_axis=mesh["expert"]
+            cfg,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            remat=r,
+            expert_axis=mesh["expert"],
+            context=mesh["context"],
         )
         for r in REMAT_CHOICES
     }
@@ -277,8 +294,9 @@ def memory_per_device(
 
 
 def config_micro_batch(c: Any, devices: int) -> int:
-    """Sequences per device per microbatch of training config `c` on `devices` devices."""
-    return max(1, c.train.batch_size // c.train.grad_accum // devices)
+    """Sequences per device per microbatch of training config `c` on `devices` devices (with
+    mesh.context = R: per group of R devices, each holding S/R positions of them)."""
+    return max(1, c.train.batch_size // c.train.grad_accum // (devices // config_context(c.mesh, devices)))
 
 
 def config_memory_per_device(c: Any, cfg: ZayaConfig, mesh: Mapping[str, int]) -> MemoryEstimate:

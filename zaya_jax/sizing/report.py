@@ -50,7 +50,7 @@ def report(
         muon_mu_bytes=muon_mu_bytes,
     )
     devices = math.prod(mesh.values())
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * seq_len // mesh["context"]
     warnings = sizing_warnings(cfg, tokens_per_device=tokens, mesh=mesh)
     if mem.total > device_memory_gib * GIB:
         warnings.append(
@@ -62,7 +62,9 @@ def report(
     lines = [header] if header else []
     lines.append(
         f"mesh {' '.join(f'{a}={mesh[a]}' for a in MESH_AXES)} ({devices} devices), "
-        f"micro-batch {micro_batch} sequences x {seq_len} tokens = {tokens:,} tokens/device, "
+        f"micro-batch {micro_batch} sequences x {seq_len} tokens"
+        + (f" / {mesh['context']} context ranks" if mesh["context"] > 1 else "")
+        + f" = {tokens:,} tokens/device, "
         f"remat {remat}, ZeRO-1 {'on' if zero1 else 'off'}"
     )
     lines += _param_lines(pc)
