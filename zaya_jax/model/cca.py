@@ -104,7 +104,7 @@ class GroupedConv(nn.Module):
 
 
 def qk_mean_skip(q0_bsnh: jax.Array, k0_bskh: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The q-k mean skip from the pre-conv projections (SPEC §2.1.2).
+    """The q-k mean skip from the pre-conv projections (docs/model.md §2.1.2).
 
     mq[j] = (q0[j] + k0[j // G]) / 2 per query head j; mk[h] = mean of mq over kv head h's G queries.
     """
@@ -168,7 +168,8 @@ class CCAttention(nn.Module):
         self.v_proj_delayed = dense(nkv * hd // 2)
         self.conv_qk_depthwise = DepthwiseConv(cfg.cca_time0, cfg.compute_dtype, cfg.params_dtype)
         self.conv_qk_grouped = GroupedConv(cfg.cca_time1, nq + nkv, cfg.compute_dtype, cfg.params_dtype)
-        # HF initialises temp to 0 as a loading placeholder; from scratch it must start at 1 (SPEC 2.1.5).
+        # HF initialises temp to 0 as a loading placeholder; from scratch it must start at 1
+        # (docs/model.md §2.1.5).
         self.temp = self.param("temp", nn.initializers.ones, (nkv,), cfg.params_dtype)
         self.o_proj = dense(cfg.hidden_size)
 
@@ -226,7 +227,7 @@ class CCAttention(nn.Module):
         if kv_cache is not None:
             return self._cached(x_bsd, positions_bs, padding_mask_bs, rope_theta, sliding_window, kv_cache)
         if padding_mask_bs is not None:
-            # Pad tokens must not leak into the conv or the value shift (SPEC 2.1.8).
+            # Pad tokens must not leak into the conv or the value shift (docs/model.md §2.1.8).
             x_bsd = x_bsd * padding_mask_bs[..., None].astype(x_bsd.dtype)
         q, k, v, new_state = self.qkv(x_bsd, state)
         q, k = l2_qk_norm(q, k, self.temp)

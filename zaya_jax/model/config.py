@@ -135,26 +135,33 @@ class ZayaConfig:
         for name in ("rope_theta", "sliding_rope_theta", "rms_norm_eps", "initializer_range"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ZayaConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.layer_types is not None:
-            if len(self.layer_types) != self.num_hidden_layers:
-                raise ValueError(
-                    f"ZayaConfig.layer_types has {len(self.layer_types)} entries, expected "
-                    f"num_hidden_layers={self.num_hidden_layers}"
-                )
-            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
-            if bad:
-                raise ValueError(f"ZayaConfig.layer_types: unknown {bad}; expected one of {LAYER_TYPES}")
-            if "hybrid_sliding" in self.layer_types and not (self.sliding_window or 0) > 0:
-                raise ValueError(
-                    "ZayaConfig.sliding_window must be a positive int when layer_types "
-                    "contains 'hybrid_sliding'"
-                )
+        self._validate_layer_types()
         if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
             raise ValueError(f"ZayaConfig.moe_capacity_factor={self.moe_capacity_factor} must be > 0 or None")
         if not self.moe_exchange_capacity_factor > 0:
             raise ValueError(
                 f"ZayaConfig.moe_exchange_capacity_factor={self.moe_exchange_capacity_factor} must be > 0"
             )
+        self._validate_choices()
+
+    def _validate_layer_types(self) -> None:
+        if self.layer_types is None:
+            return
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"ZayaConfig.layer_types has {len(self.layer_types)} entries, expected "
+                f"num_hidden_layers={self.num_hidden_layers}"
+            )
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise ValueError(f"ZayaConfig.layer_types: unknown {bad}; expected one of {LAYER_TYPES}")
+        if "hybrid_sliding" in self.layer_types and not (self.sliding_window or 0) > 0:
+            raise ValueError(
+                "ZayaConfig.sliding_window must be a positive int when layer_types contains 'hybrid_sliding'"
+            )
+
+    def _validate_choices(self) -> None:
+        """Every enumerated field holds one of its allowed values."""
         for name, allowed in (
             ("hidden_act", HIDDEN_ACTS),
             ("dtype", DTYPES),

@@ -1,4 +1,4 @@
-"""The ZAYA1 decoder (SPEC §2): embedding, L scanned blocks (CCA + MoE), final norm, tied head.
+"""The ZAYA1 decoder (docs/model.md §2): embedding, L scanned blocks (CCA + MoE), final norm, tied head.
 
   h = (embed[ids] + input_hidden_states_bias) * input_hidden_states_scale        fp32 [B, S, d]
   per block:  h = ResScale1(CCA(RMSNorm(h)), h);  h = ResScale2(MoE(RMSNorm(h)), h)

@@ -76,6 +76,25 @@ class MuonState(NamedTuple):
     mu: optax.Updates
 
 
+def _look_ahead(mu, grads, t: jax.Array, beta: float, nesterov: bool, bias_correction: bool):
+    """What Newton-Schulz orthogonalises at step t (fp32): the Nesterov mix of the new momentum `mu`
+    and the gradient, or `mu` itself, bias-corrected as optax does."""
+    if nesterov:
+        if bias_correction:
+            # Matches optax: m_t / (1 - beta^{t+1}) and g_t / (1 - beta^t).
+            m_scale = 1.0 / (1.0 - beta ** (t + 1.0))
+            g_scale = 1.0 / (1.0 - beta**t)
+        else:
+            m_scale = g_scale = 1.0
+        return jax.tree.map(
+            lambda m, g: beta * m_scale * m + (1 - beta) * g_scale * g.astype(jnp.float32), mu, grads
+        )
+    # A global rescale of m would be undone by NS's normalisation except for eps; applied anyway
+    # so bias_correction means the same thing here.
+    m_scale = 1.0 / (1.0 - beta**t) if bias_correction else 1.0
+    return jax.tree.map(lambda m: m_scale * m, mu)
+
+
 def scale_by_muon(
     beta: float = 0.95,
     *,
@@ -130,23 +149,7 @@ def scale_by_muon(
             state.mu,
             updates,
         )
-        if nesterov:
-            if bias_correction:
-                # Matches optax: m_t / (1 - beta^{t+1}) and g_t / (1 - beta^t).
-                m_scale = 1.0 / (1.0 - beta ** (t + 1.0))
-                g_scale = 1.0 / (1.0 - beta**t)
-            else:
-                m_scale = g_scale = 1.0
-            look_ahead = jax.tree.map(
-                lambda m, g: beta * m_scale * m + (1 - beta) * g_scale * g.astype(jnp.float32),
-                mu,
-                updates,
-            )
-        else:
-            # A global rescale of m would be undone by NS's normalisation except
-            # for eps; applied anyway so bias_correction means the same thing here.
-            m_scale = 1.0 / (1.0 - beta**t) if bias_correction else 1.0
-            look_ahead = jax.tree.map(lambda m: m_scale * m, mu)
+        look_ahead = _look_ahead(mu, updates, t, beta, nesterov, bias_correction)
         new_updates = jax.tree.map(
             lambda u, g: orthogonalize_fn(
                 u, ns_coeffs=ns_coeffs, ns_steps=ns_steps, ns_dtype=ns_dtype, eps=eps
