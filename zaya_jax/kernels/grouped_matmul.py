@@ -415,7 +415,7 @@ def reference_grouped_matmul(
 
 
 def swiglu_grouped_pallas(
-    x_sorted_td: jax.Array,
+    x_sorted_md: jax.Array,
     gate_up_edf: jax.Array,
     down_efd: jax.Array,
     group_sizes_e: jax.Array,
@@ -430,7 +430,7 @@ def swiglu_grouped_pallas(
     through both grouped matmuls are the Pallas gmm/tgmm kernels.
     """
     h = grouped_matmul(
-        x_sorted_td,
+        x_sorted_md,
         gate_up_edf,
         group_sizes_e,
         preferred_element_type=jnp.float32,
@@ -438,7 +438,7 @@ def swiglu_grouped_pallas(
         **block_kwargs,
     )
     gate, up = jnp.split(h, 2, axis=-1)
-    a = (act(gate) * up).astype(x_sorted_td.dtype)
+    a = (act(gate) * up).astype(x_sorted_md.dtype)
     return grouped_matmul(
         a, down_efd, group_sizes_e, preferred_element_type=jnp.float32, interpret=interpret, **block_kwargs
     )

@@ -3,7 +3,7 @@
 Params: gate_up_proj [E, d, 2I] (gate columns first, HF's [E, 2I, d] transposed), down_proj [E, I, d].
   Expert_e(x) = (silu(x G_e) * (x U_e)) D_e
 
-`ragged_dot` sorts the T tokens by chosen expert and runs one grouped matmul over the contiguous
+`ragged_dot` sorts the M tokens (rows m) by chosen expert and runs one grouped matmul over the contiguous
 groups: each token is multiplied by its own expert only. Tokens routed to the skip class sort last,
 fall outside every group and cost nothing (ragged_dot leaves rows past sum(group_sizes) zero).
 XLA:CPU, though, expands ragged_dot into masked dense matmuls (every expert on every token), so
@@ -22,7 +22,6 @@ from typing import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import Mesh
 
 from zaya_jax.kernels import default_interpret, swiglu_grouped_pallas
@@ -38,83 +37,83 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
-def group_by_expert(expert_t: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
-    """expert_t [T] in [0, E] -> (order [T], group_sizes [E] int32).
+def group_by_expert(expert_m: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """expert_m [M] in [0, E] -> (order [M], group_sizes [E] int32).
 
     `order` lists token indices sorted by expert (stable, skip class E last); group_sizes counts the
-    tokens of each routed expert, so sum(group_sizes) <= T.
+    tokens of each routed expert, so sum(group_sizes) <= M.
     """
-    order = jnp.argsort(expert_t, stable=True)
-    group_sizes = jnp.bincount(expert_t, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    order = jnp.argsort(expert_m, stable=True)
+    group_sizes = jnp.bincount(expert_m, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     return order, group_sizes
 
 
 def swiglu_grouped(
-    x_sorted_td: jax.Array,
+    x_sorted_md: jax.Array,
     gate_up_edf: jax.Array,
     down_efd: jax.Array,
     group_sizes_e: jax.Array,
     act: Callable,
 ) -> jax.Array:
-    """Grouped SwiGLU on expert-sorted tokens [T, d] -> [T, d] (rows past sum(group_sizes) are 0)."""
-    h = jax.lax.ragged_dot(x_sorted_td, gate_up_edf, group_sizes_e, preferred_element_type=jnp.float32)
+    """Grouped SwiGLU on expert-sorted tokens [M, d] -> [M, d] (rows past sum(group_sizes) are 0)."""
+    h = jax.lax.ragged_dot(x_sorted_md, gate_up_edf, group_sizes_e, preferred_element_type=jnp.float32)
     gate, up = jnp.split(h, 2, axis=-1)
-    a = (act(gate) * up).astype(x_sorted_td.dtype)
+    a = (act(gate) * up).astype(x_sorted_md.dtype)
     return jax.lax.ragged_dot(a, down_efd, group_sizes_e, preferred_element_type=jnp.float32)
 
 
 def sparse_moe(
-    x_td: jax.Array,
-    expert_t: jax.Array,
+    x_md: jax.Array,
+    expert_m: jax.Array,
     gate_up_edf: jax.Array,
     down_efd: jax.Array,
     act: Callable,
     swiglu: Callable = swiglu_grouped,
 ) -> jax.Array:
-    """Top-1 sparse dispatch: y[t] = Expert_{expert[t]}(x[t]), 0 for the skip class. fp32 [T, d].
+    """Top-1 sparse dispatch: y[t] = Expert_{expert[t]}(x[t]), 0 for the skip class. fp32 [M, d].
 
     `swiglu` is the grouped SwiGLU on expert-sorted tokens: ragged_dot (default) or the Pallas kernel.
     """
-    order, group_sizes = group_by_expert(expert_t, gate_up_edf.shape[0])
-    y_sorted = swiglu(x_td[order], gate_up_edf, down_efd, group_sizes, act)
+    order, group_sizes = group_by_expert(expert_m, gate_up_edf.shape[0])
+    y_sorted = swiglu(x_md[order], gate_up_edf, down_efd, group_sizes, act)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     return y_sorted[inverse]
 
 
 def tiled_moe(
-    x_td: jax.Array,
-    expert_t: jax.Array,
+    x_md: jax.Array,
+    expert_m: jax.Array,
     gate_up_edf: jax.Array,
     down_efd: jax.Array,
     act: Callable,
     tile: int | None = None,
 ) -> jax.Array:
     """`sparse_moe` on the tiled grouped matmul: y[t] = Expert_{expert[t]}(x[t]), 0 for the skip
-    class. fp32 [T, d]. Tokens go straight into the padded tile layout [P, d] (P <= T + E * tile)
+    class. fp32 [M, d]. Tokens go straight into the padded tile layout [P, d] (P <= M + E * tile)
     and back, one gather each way; padding rows are zero, so act(0) * 0 leaves them zero."""
-    t, e = x_td.shape[0], gate_up_edf.shape[0]
-    order, group_sizes = group_by_expert(expert_t, e)
+    t, e = x_md.shape[0], gate_up_edf.shape[0]
+    order, group_sizes = group_by_expert(expert_m, e)
     layout = tile_layout(group_sizes, t, tile or pick_tile(t, e))
-    token_p = jnp.take(order, layout.src, mode="fill", fill_value=t)  # [P]; T (a zero row) for padding
-    x_pd = gather_rows(x_td, token_p)
-    h = tiled_matmul(x_pd, gate_up_edf, layout.tile_group, preferred_element_type=jnp.float32)
+    token_tiled = jnp.take(order, layout.src, mode="fill", fill_value=t)  # [P]; M (a zero row) for padding
+    x_tiled_md = gather_rows(x_md, token_tiled)
+    h = tiled_matmul(x_tiled_md, gate_up_edf, layout.tile_group, preferred_element_type=jnp.float32)
     gate, up = jnp.split(h, 2, axis=-1)
-    a = (act(gate) * up).astype(x_td.dtype)
-    y_pd = tiled_matmul(a, down_efd, layout.tile_group, preferred_element_type=jnp.float32)
-    row_t = jnp.zeros_like(layout.dst).at[order].set(layout.dst)  # padded row of each token, P if skipped
-    return gather_rows(y_pd, row_t)
+    a = (act(gate) * up).astype(x_md.dtype)
+    y_tiled_md = tiled_matmul(a, down_efd, layout.tile_group, preferred_element_type=jnp.float32)
+    row_m = jnp.zeros_like(layout.dst).at[order].set(layout.dst)  # padded row of each token, P if skipped
+    return gather_rows(y_tiled_md, row_m)
 
 
 def dense_moe(
-    x_td: jax.Array, expert_t: jax.Array, gate_up_edf: jax.Array, down_efd: jax.Array, act: Callable
+    x_md: jax.Array, expert_m: jax.Array, gate_up_edf: jax.Array, down_efd: jax.Array, act: Callable
 ) -> jax.Array:
-    """Reference: every expert on every token, then select. fp32 [T, d]. O(E) times the work."""
-    h = jnp.einsum("td,edf->etf", x_td, gate_up_edf, preferred_element_type=jnp.float32)
+    """Reference: every expert on every token, then select. fp32 [M, d]. O(E) times the work."""
+    h = jnp.einsum("md,edf->emf", x_md, gate_up_edf, preferred_element_type=jnp.float32)
     gate, up = jnp.split(h, 2, axis=-1)
-    a = (act(gate) * up).astype(x_td.dtype)
-    y_etd = jnp.einsum("etf,efd->etd", a, down_efd, preferred_element_type=jnp.float32)
-    onehot_te = jax.nn.one_hot(expert_t, gate_up_edf.shape[0], dtype=jnp.float32)  # skip row is all 0
-    return jnp.einsum("te,etd->td", onehot_te, y_etd)
+    a = (act(gate) * up).astype(x_md.dtype)
+    y_emd = jnp.einsum("emf,efd->emd", a, down_efd, preferred_element_type=jnp.float32)
+    onehot_me = jax.nn.one_hot(expert_m, gate_up_edf.shape[0], dtype=jnp.float32)  # skip row is all 0
+    return jnp.einsum("me,emd->md", onehot_me, y_emd)
 
 
 def resolve_moe_impl(moe_impl: str, backend: str | None = None) -> str:
@@ -140,7 +139,7 @@ def local_dispatch(moe_impl: str) -> Callable:
 
 
 class ZayaExperts(nn.Module):
-    """x [T, d] (compute dtype), expert [T], weight [T] -> (weight * Expert(x) fp32 [T, d], dropped).
+    """x [M, d] (compute dtype), expert [M], weight [M] -> (weight * Expert(x) fp32 [M, d], dropped).
 
     Without a mesh the dispatch runs on the global token array; with one, inside shard_map on each
     device's tokens, exchanging them over the "expert" axis when it is > 1 (zaya_jax/parallel/expert.py).
@@ -152,7 +151,7 @@ class ZayaExperts(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x_td: jax.Array, expert_t: jax.Array, weight_t: jax.Array
+        self, x_md: jax.Array, expert_m: jax.Array, weight_m: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -161,7 +160,7 @@ class ZayaExperts(nn.Module):
         down = self.param("down_proj", init, (e, i, d), cfg.params_dtype)
         moe = local_dispatch(cfg.moe_impl)
         dt, act = cfg.compute_dtype, ACTIVATIONS[cfg.hidden_act]
-        args = (x_td.astype(dt), expert_t, gate_up.astype(dt), down.astype(dt), act)
+        args = (x_md.astype(dt), expert_m, gate_up.astype(dt), down.astype(dt), act)
         if self.mesh is None:
             y, dropped = moe(*args), jnp.zeros((), jnp.int32)
         else:
@@ -172,4 +171,4 @@ class ZayaExperts(nn.Module):
                 capacity_factor=cfg.moe_capacity_factor,
                 exchange_factor=cfg.moe_exchange_capacity_factor,
             )
-        return y * weight_t[:, None].astype(jnp.float32), dropped
+        return y * weight_m[:, None].astype(jnp.float32), dropped

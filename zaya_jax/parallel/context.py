@@ -147,7 +147,7 @@ def flatten_tokens(x_bs: jax.Array, mesh: Mesh | None) -> jax.Array:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def unflatten_tokens(x_t: jax.Array, batch: int, mesh: Mesh | None) -> jax.Array:
+def unflatten_tokens(x_md: jax.Array, batch: int, mesh: Mesh | None) -> jax.Array:
     """tokens [B*S, ...] (as `flatten_tokens` ordered them) -> [B, S, ...]."""
     rows = batch * context_size(mesh)
-    return unfold_sequences(x_t.reshape(rows, x_t.shape[0] // rows, *x_t.shape[1:]), batch, mesh)
+    return unfold_sequences(x_md.reshape(rows, x_md.shape[0] // rows, *x_md.shape[1:]), batch, mesh)

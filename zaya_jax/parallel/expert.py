@@ -70,10 +70,10 @@ def capacity(tokens: int, ranks: int, capacity_factor: float | None) -> int:
     return min(tokens, -(-c // 8) * 8)
 
 
-def _bucket(expert_t: jax.Array, num_experts: int, ranks: int) -> tuple[jax.Array, jax.Array]:
+def _bucket(expert_m: jax.Array, num_experts: int, ranks: int) -> tuple[jax.Array, jax.Array]:
     """(rank [T] (ranks for skip), slot [T]: the token's position within its rank's bucket)."""
     per_rank = num_experts // ranks
-    rank = jnp.where(expert_t < num_experts, expert_t // per_rank, ranks)
+    rank = jnp.where(expert_m < num_experts, expert_m // per_rank, ranks)
     order = jnp.argsort(rank, stable=True)
     sizes = jnp.bincount(rank, length=ranks + 1)
     starts = jnp.cumsum(sizes) - sizes
@@ -82,32 +82,32 @@ def _bucket(expert_t: jax.Array, num_experts: int, ranks: int) -> tuple[jax.Arra
     return rank, slot
 
 
-def _exchange(x_td, rank_t, slot_t, send_t, local_t, n, cap, gate_up, down, act, local_moe):
-    """One round: tokens with `send_t` go to slot `slot_t` (< cap) of rank `rank_t`'s bucket [n, cap,
-    d], run on that rank's expert `local_t` and come back. fp32 [T, d], zero for tokens not sent."""
-    d, per_rank = x_td.shape[1], gate_up.shape[0]  # gate_up holds this device's E/n experts
+def _exchange(x_md, rank_m, slot_m, send_m, local_m, n, cap, gate_up, down, act, local_moe):
+    """One round: tokens with `send_m` go to slot `slot_m` (< cap) of rank `rank_m`'s bucket [n, cap,
+    d], run on that rank's expert `local_m` and come back. fp32 [T, d], zero for tokens not sent."""
+    d, per_rank = x_md.shape[1], gate_up.shape[0]  # gate_up holds this device's E/n experts
     # Ids fit a byte for any realistic E/n; `per_rank` marks an empty slot (the skip class locally).
     id_dtype = jnp.int8 if per_rank < 127 else jnp.int32
-    dest = jnp.where(send_t, rank_t, n)  # row n is out of range: mode="drop" sends nothing
-    slot = jnp.where(send_t, slot_t, 0)
-    send_x = jnp.zeros((n, cap, d), x_td.dtype).at[dest, slot].set(x_td, mode="drop")
-    send_id = jnp.full((n, cap), per_rank, id_dtype).at[dest, slot].set(local_t.astype(id_dtype), mode="drop")
+    dest = jnp.where(send_m, rank_m, n)  # row n is out of range: mode="drop" sends nothing
+    slot = jnp.where(send_m, slot_m, 0)
+    send_x = jnp.zeros((n, cap, d), x_md.dtype).at[dest, slot].set(x_md, mode="drop")
+    send_id = jnp.full((n, cap), per_rank, id_dtype).at[dest, slot].set(local_m.astype(id_dtype), mode="drop")
     recv_x = jax.lax.all_to_all(send_x, "expert", 0, 0)
     recv_id = jax.lax.all_to_all(send_id, "expert", 0, 0).astype(jnp.int32)
     out = local_moe(recv_x.reshape(n * cap, d), recv_id.reshape(-1), gate_up, down, act)
     back = jax.lax.all_to_all(out.reshape(n, cap, d), "expert", 0, 0)
-    return jnp.where(send_t[:, None], back[jnp.minimum(rank_t, n - 1), slot], 0.0)
+    return jnp.where(send_m[:, None], back[jnp.minimum(rank_m, n - 1), slot], 0.0)
 
 
-def _dropless_exchange(x_td, expert_t, num_experts, n, cap, gate_up, down, act, local_moe):
+def _dropless_exchange(x_md, expert_m, num_experts, n, cap, gate_up, down, act, local_moe):
     """The main round with `cap` slots per destination, plus the spill round (T - cap slots) under
     a cond when any bucket of the expert group overflowed. fp32 [T, d]; drops nothing."""
-    t = x_td.shape[0]
-    rank, slot = _bucket(expert_t, num_experts, n)
-    local = expert_t % (num_experts // n)
+    t = x_md.shape[0]
+    rank, slot = _bucket(expert_m, num_experts, n)
+    local = expert_m % (num_experts // n)
     routed = rank < n
     main = routed & (slot < cap)
-    y = _exchange(x_td, rank, slot, main, local, n, cap, gate_up, down, act, local_moe)
+    y = _exchange(x_md, rank, slot, main, local, n, cap, gate_up, down, act, local_moe)
     if cap >= t:
         return y
     spill = routed & ~main
@@ -117,12 +117,12 @@ def _dropless_exchange(x_td, expert_t, num_experts, n, cap, gate_up, down, act, 
         return _exchange(x, rank, slot - cap, spill, local, n, t - cap, g, dn, act, local_moe)
 
     no_spill = lambda x, g, dn: jnp.zeros(x.shape, jnp.float32)
-    return y + jax.lax.cond(overflow, spill_round, no_spill, x_td, gate_up, down)
+    return y + jax.lax.cond(overflow, spill_round, no_spill, x_md, gate_up, down)
 
 
 def expert_parallel_moe(
-    x_td: jax.Array,
-    expert_t: jax.Array,
+    x_md: jax.Array,
+    expert_m: jax.Array,
     gate_up_edf: jax.Array,
     down_efd: jax.Array,
     act: Callable,
@@ -163,4 +163,4 @@ def expert_parallel_moe(
         in_specs=(P(BATCH, None), P(BATCH), P("expert", None, None), P("expert", None, None)),
         out_specs=(P(BATCH, None), P()),
         check_vma=False,
-    )(x_td, expert_t, gate_up_edf, down_efd)
+    )(x_md, expert_m, gate_up_edf, down_efd)
