@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import sys
 import time
@@ -116,36 +115,17 @@ def human_bytes(b: float) -> str:
 
 
 # ------------------------------------------------------------------ expert exchange (issue 17)
-_CALLEES = re.compile(r"\b(body|condition|to_apply|calls|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")
-
-
 def all_to_all_bytes(hlo: str) -> tuple[int, int]:
     """(main path, spill) all-to-all bytes per call of a compiled per-device HLO module.
 
     Bytes are each all-to-all's result (= operand) bytes times how often its computation runs (while
-    bodies x their known trip count, as the dry run counts them). The main path takes branch 0 of
-    every conditional (`lax.cond`'s false branch: the expert exchange's no-overflow case); the
-    other branches' all-to-alls are the spill, counted once as if taken."""
-    from zaya_jax.dry_run import _INSTRUCTION, _TRIP_COUNT, _computations, _shape_bytes
+    bodies x their known trip count), as the dry run counts them (`zaya_jax.hlo`): the main path
+    takes every conditional's default branch (`lax.cond`'s false branch: the expert exchange's
+    no-overflow case); the other branches' all-to-alls are the spill, counted once as if taken."""
+    from zaya_jax import hlo as hlo_lib
 
-    comps, entry = _computations(hlo)
-    totals = [0, 0]
-
-    def visit(name: str, times: int, spill: bool) -> None:
-        for line in comps[name]:
-            m = _INSTRUCTION.match(line)
-            if m and not m.group(2).endswith("-start") and m.group(2).removesuffix("-done") == "all-to-all":
-                totals[spill] += _shape_bytes(m.group(1)) * times
-            trip = _TRIP_COUNT.search(line)
-            for kind, targets in _CALLEES.findall(line):
-                names = [t.strip().lstrip("%") for t in targets.strip("{}").split(",")]
-                k = int(trip.group(1)) if trip and kind in ("body", "condition") else 1
-                for i, callee in enumerate(names):
-                    if callee in comps:
-                        visit(callee, times * k, spill or (kind == "branch_computations" and i > 0))
-
-    visit(entry, 1, False)
-    return totals[0], totals[1]
+    ops = [c for c in hlo_lib.collectives(hlo) if c.op == "all-to-all"]
+    return sum(c.bytes * c.runs.main for c in ops), sum(c.bytes * c.runs.branch for c in ops)
 
 
 def ideal_exchange_bytes(tokens_per_device: int, hidden: int, itemsize: int) -> int:
@@ -160,20 +140,15 @@ def expert_exchange(c, factors: Sequence[float], devices: Sequence[Any]) -> list
     main had before issue 17), against the ideal 4 x T x d x itemsize."""
     import jax.numpy as jnp
 
-    from zaya_jax import config as config_lib
-    from zaya_jax.parallel.mesh import mesh_from_config
-    from zaya_jax.train_state import abstract_batch, train_program
+    from zaya_jax.dry_run import compile_step
 
     rows = []
     for f in factors:
         c = c.copy_and_resolve_references()
         c.model.moe_exchange_capacity_factor = float(f)
-        cfg = config_lib.validate(c)
-        mesh = mesh_from_config(c, devices=devices)
-        program = train_program(c, cfg, mesh)
-        batch = abstract_batch(c.train.batch_size, c.train.seq_len, mesh)
-        hlo = program.train_step.lower(program.abstract_state(), batch).compile().as_text()
-        main, spill = all_to_all_bytes(hlo)
+        step = compile_step(c, list(devices))
+        cfg, mesh = step.cfg, step.mesh
+        main, spill = all_to_all_bytes(step.compiled.as_text())
         blocks = cfg.num_hidden_layers * c.train.grad_accum  # MoE block calls per step
         tokens = c.train.batch_size * c.train.seq_len // (len(devices) * c.train.grad_accum)
         ideal = ideal_exchange_bytes(tokens, cfg.hidden_size, jnp.dtype(cfg.dtype).itemsize)

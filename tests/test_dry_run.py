@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks.collectives import all_to_all_bytes
 from zaya_jax import dry_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,12 +55,18 @@ def check_report(out: str, devices: int) -> None:
 @pytest.mark.slow
 def test_dry_run_tiny_cli(tmp_path):
     """Tiny config on 8 devices with an expert axis: the report, exit 0, nothing written."""
-    proc = run_dry(tmp_path, "configs/tiny.py", "--config.mesh.expert=2")
+    proc = run_dry(tmp_path, "configs/tiny.py", "--config.mesh.expert=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     check_report(out, 8)
-    assert "mesh data=4 fsdp=1 expert=2" in out
+    assert "mesh data=2 fsdp=1 expert=4" in out
     assert table(out, "all-to-all")[0] >= 2  # tokens to their experts' devices and back
+    # The exchange's spill round (only on overflow) has its own row, left out of every step's total.
+    main, spill = table(out, "all-to-all"), table(out, "all-to-all" + dry_run.SPILL)
+    assert spill[0] >= 2 and spill[2] >= 2
+    every_step, with_spill = table(out, "total (every step)"), table(out, "total (with spill taken)")
+    assert with_spill[3] == pytest.approx(every_step[3] + spill[3], abs=0.02)  # MiB/step, 2 decimals
+    assert main[3] < every_step[3] < with_spill[3]
     assert os.listdir(tmp_path) == []
 
 
@@ -115,3 +122,76 @@ def test_collectives_counts_bytes_and_loop_trips():
     assert (gather.ops, gather.bytes, gather.ops_per_step) == (1, 8 * 16 * 4, 1)
     reduce = stats["all-reduce"]
     assert (reduce.ops, reduce.bytes, reduce.ops_per_step, reduce.bytes_per_step) == (1, 4 * 4, 5, 5 * 4 * 4)
+
+
+def test_collectives_main_path_and_spill():
+    """An all-to-all in a 3-trip loop (main path), an all-gather in a cond's default branch (main
+    path) and an all-to-all in its other branch (spill): each counted where it runs, each in its
+    row of the table."""
+    mesh = jax.make_mesh((8,), ("d",), devices=jax.devices()[:8])
+
+    def body(x_bd):
+        x_bd = jax.lax.fori_loop(0, 3, lambda i, v: jax.lax.all_to_all(v, "d", 0, 0, tiled=True), x_bd)
+        flag = jax.lax.pmax((jnp.sum(x_bd) > 0).astype(jnp.int32), "d") > 0
+        spill = lambda v: jax.lax.all_to_all(jnp.concatenate([v, v]) * 2, "d", 0, 0, tiled=True)[:8]
+        main = lambda v: jax.lax.all_gather(v[:1], "d", tiled=True)
+        return jax.lax.cond(flag, spill, main, x_bd)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False)
+    x = jax.ShapeDtypeStruct((64, 4), jnp.float32, sharding=NamedSharding(mesh, P("d")))
+    hlo = jax.jit(fn).lower(x).compile().as_text()
+    stats = dry_run.collectives(hlo)
+    a2a, spill, gather = stats["all-to-all"], stats["all-to-all" + dry_run.SPILL], stats["all-gather"]
+    assert (a2a.ops, a2a.bytes, a2a.ops_per_step, a2a.bytes_per_step) == (1, 8 * 4 * 4, 3, 3 * 8 * 4 * 4)
+    assert (spill.ops, spill.bytes, spill.ops_per_step, spill.bytes_per_step) == (
+        1,
+        16 * 4 * 4,
+        1,
+        16 * 4 * 4,
+    )
+    assert (gather.ops, gather.bytes_per_step) == (1, 8 * 4 * 4)
+    assert all_to_all_bytes(hlo) == (a2a.bytes_per_step, spill.bytes_per_step)
+    rows = dry_run.collective_rows(stats)
+    labels = [row.split("  ")[1] for row in rows[1:-1]]
+    assert rows[-1].startswith("  (spill: only in a conditional's non-default branch")
+    assert labels == [
+        "all-reduce",  # the pmax of the flag
+        "all-gather",
+        "all-to-all",
+        "all-to-all" + dry_run.SPILL,
+        "total (every step)",
+        "total (with spill taken)",
+    ]
+
+
+TINY_EXCHANGE = dict(
+    hidden_size=64, num_hidden_layers=2, num_experts=8, moe_intermediate_size=32, vocab_size=128
+)
+
+
+@pytest.mark.slow
+def test_compiled_step_exchange_main_path_and_spill():
+    """The tiny train step at data=2 x expert=4 (64 tokens per device, fp32, the config of
+    test_expert_exchange's byte count): the dry run's every-step all-to-all bytes are the main round's
+    (C = 24 slots per peer: x / ids forward, y, dy, dx) and its spill row the T - C = 40 others'; both
+    agree with benchmarks.collectives.all_to_all_bytes."""
+    from zaya_jax.config import base_config, set_model
+    from zaya_jax.model import ZayaConfig
+
+    c = base_config()
+    set_model(c, ZayaConfig.tiny(**TINY_EXCHANGE))
+    c.train.batch_size, c.train.seq_len = 8, 64
+    c.mesh.data, c.mesh.fsdp, c.mesh.expert = 2, 1, 4
+    step = dry_run.compile_step(c, jax.devices()[:8])
+    hlo = step.compiled.as_text()
+    stats = dry_run.collectives(hlo)
+    n, t, cap, d, blocks = 4, 64, 24, TINY_EXCHANGE["hidden_size"], 2  # blocks: layers x grad_accum
+    per_slot = 4 * d * 4 + 1  # x, y, dy, dx in fp32 and one byte of expert id, per slot
+    assert stats["all-to-all"].bytes_per_step == blocks * n * cap * per_slot
+    assert stats["all-to-all" + dry_run.SPILL].bytes_per_step == blocks * n * (t - cap) * per_slot
+    main, spill = all_to_all_bytes(hlo)
+    assert (main, spill) == (
+        stats["all-to-all"].bytes_per_step,
+        stats["all-to-all" + dry_run.SPILL].bytes_per_step,
+    )
+    assert step.mesh.shape == {"data": 2, "fsdp": 1, "expert": 4}

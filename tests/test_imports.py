@@ -35,6 +35,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "zaya_jax.metrics",
             "zaya_jax.tokenizer",
             "zaya_jax.params",
+            "zaya_jax.hlo",
         ),
     ),
     ("kernels", ("zaya_jax.kernels",)),

@@ -11,7 +11,11 @@ N CPU devices. It prints
   Collectives         every all-reduce / all-gather / reduce-scatter / all-to-all /
                       collective-permute in the compiled HLO with its result bytes (per device), as
                       written and as executed per step (ops inside the scanned layers run once per
-                      trip of their while loop)
+                      trip of their while loop; `zaya_jax.hlo` reads the HLO). Ops that run only in a
+                      conditional's non-default branch (the expert exchange's spill round, taken
+                      only when a bucket overflowed) get their own "(spill, only if taken)" rows,
+                      counted as if taken: "total (every step)" leaves them out, "total (with
+                      spill taken)" adds them
   Compile             tracing + lowering and XLA compile times
 
 Devices: N = `--dry_run_devices`, else the config's mesh size when no mesh axis is -1, else 8 (one
@@ -26,7 +30,6 @@ persistent compilation cache is switched off for the dry run).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import os
@@ -38,20 +41,13 @@ import jax
 import ml_collections
 
 from zaya_jax import config as config_lib
+from zaya_jax import hlo as hlo_lib
 from zaya_jax import sizing
+from zaya_jax.hlo import COLLECTIVES
 from zaya_jax.parallel.mesh import MESH_AXES, mesh_from_config
 from zaya_jax.train_state import abstract_batch, check_batch_divides, train_program
 
 DEFAULT_DEVICES = 8  # a -1 mesh axis: one node, as `python -m zaya_jax.sizing` assumes
-COLLECTIVES = (
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "all-to-all",
-    "ragged-all-to-all",
-    "collective-permute",
-    "collective-broadcast",
-)
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -96,87 +92,23 @@ class CollectiveStats:
     bytes_per_step: int = 0
 
 
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")  # unindented: instructions are indented
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z][\w\-]*)\(")
-_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+|c64|c128)\[([\d,]*)\]")
-_CALLS = re.compile(r"\b(body|condition|to_apply|calls|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_DTYPE_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
-
-
-def _shape_bytes(text: str) -> int:
-    """Bytes of an HLO result type: an array `f32[8,128]{1,0}` or a tuple of them."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(text):
-        bits = _DTYPE_BITS.get(dtype) or (8 if dtype.startswith("f8") else int(dtype[1:]))
-        total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
-    return total
-
-
-def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
-    """{computation name: its instruction lines} and the ENTRY computation's name."""
-    comps: dict[str, list[str]] = {}
-    entry, current = "", None
-    for line in hlo.splitlines():
-        m = _COMPUTATION.match(line)
-        if m and not line.startswith("HloModule"):
-            current = m.group(2)
-            comps[current] = []
-            entry = current if m.group(1) else entry
-        elif current is not None and line.strip() == "}":
-            current = None
-        elif current is not None:
-            comps[current].append(line)
-    return comps, entry
-
-
-def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
-    """How often each computation runs per call of ENTRY: while bodies x their known trip count
-    (1 when XLA could not infer it); every branch of a conditional counts as taken."""
-    callees: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
-    for name, lines in comps.items():
-        for line in lines:
-            trip = _TRIP_COUNT.search(line)
-            for kind, targets in _CALLS.findall(line):
-                times = int(trip.group(1)) if trip and kind in ("body", "condition") else 1
-                for target in targets.strip("{}").split(","):
-                    target = target.strip().lstrip("%")
-                    if target in comps:
-                        callees[name].append((target, times))
-    runs: dict[str, int] = collections.defaultdict(int)
-
-    def visit(name: str, times: int) -> None:
-        runs[name] += times
-        for callee, k in callees[name]:
-            visit(callee, times * k)
-
-    visit(entry, 1)
-    return runs
+SPILL = " (spill, only if taken)"  # row suffix: ops in a conditional's non-default branch
 
 
 def collectives(hlo: str) -> dict[str, CollectiveStats]:
-    """The collectives of a compiled (per-device) HLO module by kind. Async pairs count once, by
-    their `-done` (whose result is the collective's output); bytes are result bytes per device."""
-    comps, entry = _computations(hlo)
-    runs = _executions(comps, entry)
+    """The collectives of a compiled (per-device) HLO module by kind: those on the main path under
+    their op's name, those only in a conditional's non-default branch (the expert exchange's spill
+    round, run only when a bucket overflowed) under `op + SPILL`, counted once per step as if taken.
+    Bytes are result bytes per device."""
     out: dict[str, CollectiveStats] = {}
-    for name, lines in comps.items():
-        for line in lines:
-            m = _INSTRUCTION.match(line)
-            if not m:
-                continue
-            result, op = m.groups()
-            if op.endswith("-start"):
-                continue
-            op = op.removesuffix("-done")
-            if op not in COLLECTIVES:
-                continue
-            s = out.setdefault(op, CollectiveStats())
-            nbytes, times = _shape_bytes(result), runs.get(name, 0)
-            s.ops += 1
-            s.bytes += nbytes
-            s.ops_per_step += times
-            s.bytes_per_step += nbytes * times
+    for c in hlo_lib.collectives(hlo):
+        for key, times in ((c.op, c.runs.main), (c.op + SPILL, c.runs.branch)):
+            if times or (key == c.op and not c.runs.branch):  # unreached ops stay in the main row
+                s = out.setdefault(key, CollectiveStats())
+                s.ops += 1
+                s.bytes += c.bytes
+                s.ops_per_step += times
+                s.bytes_per_step += c.bytes * times
     return out
 
 
@@ -212,37 +144,70 @@ def memory_rows(stats: Any, est: sizing.MemoryEstimate) -> list[str]:
     return out
 
 
+def _total(stats: list[CollectiveStats]) -> CollectiveStats:
+    return CollectiveStats(
+        *(sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(CollectiveStats))
+    )
+
+
 def collective_rows(stats: dict[str, CollectiveStats]) -> list[str]:
+    """One row per op on the main path, then the spill rows, then the totals: every step's, and with
+    the spill taken."""
     if not stats:
         return ["  none (nothing crosses devices)"]
-    total = CollectiveStats()
-    for s in stats.values():
-        total.ops, total.bytes = total.ops + s.ops, total.bytes + s.bytes
-        total.ops_per_step += s.ops_per_step
-        total.bytes_per_step += s.bytes_per_step
-    rows = [f"  {'op':<22}{'in HLO':>8}{'MiB':>12}{'per step':>10}{'MiB/step':>12}"]
-    for op, s in [*((op, stats[op]) for op in COLLECTIVES if op in stats), ("total", total)]:
+    main = [(op, stats[op]) for op in COLLECTIVES if op in stats]
+    spill = [(op + SPILL, stats[op + SPILL]) for op in COLLECTIVES if op + SPILL in stats]
+    rows = [*main, ("total (every step)", _total([s for _, s in main]))]
+    if spill:
+        rows = [*main, *spill, rows[-1], ("total (with spill taken)", _total([*stats.values()]))]
+    width = max(22, *(len(op) + 2 for op, _ in rows))
+    out = [f"  {'op':<{width}}{'in HLO':>8}{'MiB':>12}{'per step':>10}{'MiB/step':>12}"]
+    for op, s in rows:
         mib, mib_step = s.bytes / 2**20, s.bytes_per_step / 2**20
-        rows.append(f"  {op:<22}{s.ops:>8}{mib:>12.2f}{s.ops_per_step:>10}{mib_step:>12.2f}")
-    return rows
+        out.append(f"  {op:<{width}}{s.ops:>8}{mib:>12.2f}{s.ops_per_step:>10}{mib_step:>12.2f}")
+    if spill:
+        out.append(
+            "  (spill: only in a conditional's non-default branch, e.g. the expert exchange's overflow "
+            "round; per step as if taken)"
+        )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """Config `c`'s train step compiled for a mesh from abstract shapes, and how long that took."""
+
+    compiled: Any  # jax.stages.Compiled
+    mesh: jax.sharding.Mesh
+    cfg: Any  # the validated ZayaConfig
+    lower_s: float
+    compile_s: float
+
+
+def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> CompiledStep:
+    """The step the trainer jits (`train_state.train_program`), lowered from abstract state and batch
+    on a mesh of `devices` and compiled; nothing is allocated."""
+    cfg = config_lib.validate(c)
+    mesh = mesh_from_config(c, devices=devices)
+    check_batch_divides(c, len(devices))
+    program = train_program(c, cfg, mesh)
+    t0 = time.perf_counter()
+    batch = abstract_batch(c.train.batch_size, c.train.seq_len, mesh)
+    lowered = program.train_step.lower(program.abstract_state(), batch)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    return CompiledStep(compiled, mesh, cfg, t1 - t0, time.perf_counter() - t1)
 
 
 def dry_run(c: ml_collections.ConfigDict, num_devices: int | None = None, name: str = "") -> str:
     """Compiles config `c`'s train step on simulated CPU devices; returns the report (see module)."""
     n = device_count(c, num_devices)
     devices = simulated_devices(n)  # first: validate's backend check would start jax with 1 device
-    cfg = config_lib.validate(c)
-    mesh = mesh_from_config(c, devices=devices)
-    check_batch_divides(c, n)
-    batch_size, seq_len, accum = c.train.batch_size, c.train.seq_len, c.train.grad_accum
     # Nothing is written, and the compile time is XLA's: no persistent compilation cache.
     jax.config.update("jax_enable_compilation_cache", False)
-    program = train_program(c, cfg, mesh)
-    t0 = time.perf_counter()
-    lowered = program.train_step.lower(program.abstract_state(), abstract_batch(batch_size, seq_len, mesh))
-    t1 = time.perf_counter()
-    compiled = lowered.compile()
-    t2 = time.perf_counter()
+    step = compile_step(c, devices)
+    compiled, mesh, cfg = step.compiled, step.mesh, step.cfg
+    batch_size, seq_len, accum = c.train.batch_size, c.train.seq_len, c.train.grad_accum
 
     shape = {a: int(mesh.shape[a]) for a in MESH_AXES}
     micro_batch = sizing.config_micro_batch(c, n)
@@ -262,6 +227,7 @@ def dry_run(c: ml_collections.ConfigDict, num_devices: int | None = None, name: 
         "Collectives per device (result bytes; per step: x while-loop trips)",
         *collective_rows(collectives(compiled.as_text())),
         "",
-        f"Compile: trace + lower {t1 - t0:.1f} s, XLA compile {t2 - t1:.1f} s, total {t2 - t0:.1f} s",
+        f"Compile: trace + lower {step.lower_s:.1f} s, XLA compile {step.compile_s:.1f} s, "
+        f"total {step.lower_s + step.compile_s:.1f} s",
     ]
     return "\n".join(lines)
