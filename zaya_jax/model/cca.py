@@ -33,12 +33,12 @@ from zaya_jax.parallel.context import context_size, gather_sequence, with_left_c
 class CCAState(NamedTuple):
     """Left context of the CCA projections for one block.
 
-    conv_btc: the last T = (t0-1)+(t1-1) raw concat(q0, k0) rows [B, T, C].
+    conv: the last P = (t0-1)+(t1-1) raw concat(q0, k0) rows [B, P, C].
     v_delayed: the previous token's delayed value projection [B, K*H/2], or None at sequence
       start (then it is the projection of a zero vector, as in transformers).
     """
 
-    conv_btc: jax.Array
+    conv: jax.Array
     v_delayed: jax.Array | None
 
 
@@ -192,7 +192,7 @@ class CCAttention(nn.Module):
 
         # u [B, R, P + S/R, C]: each context rank's chunk of the conv input after its left context.
         rows = cfg.conv_state_len
-        conv_left = None if state is None else state.conv_btc
+        conv_left = None if state is None else state.conv
         u = with_left_context(jnp.concatenate([q0, k0], axis=-1), conv_left, rows, self.mesh)
         conv = self.conv_qk_grouped(self.conv_qk_depthwise(u)).reshape(b, s, -1)  # [B, S, C]
         q = conv[..., : nq * hd].reshape(b, s, nq, hd) + mq
@@ -303,7 +303,5 @@ class CCAttention(nn.Module):
         )
         o = xla_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), allowed, scale=cfg.head_dim**-0.5)
         s = x_bsd.shape[1]
-        new = LayerCache(
-            k_all, v_all, st.conv_btc.astype(lc.conv.dtype), st.v_delayed.astype(lc.v_delayed.dtype)
-        )
+        new = LayerCache(k_all, v_all, st.conv.astype(lc.conv.dtype), st.v_delayed.astype(lc.v_delayed.dtype))
         return self.o_proj(o.reshape(b, s, -1)), new
