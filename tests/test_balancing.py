@@ -1,4 +1,4 @@
-"""Tests for zaya_jax.balancing: the aux-loss-free bias controller (SPEC §2.2).
+"""Tests for zaya_jax.balancing: the aux-loss-free bias controller (docs/model.md §2.2.4).
 
 Unit tests of the update rule, then the acceptance test: a collapsed router on the tiny model with
 fixed random weights is rebalanced by the bias updates alone.

@@ -206,7 +206,7 @@ def test_name_map_covers_every_variable(layout):
 
 
 def _legacy_dir(tmp_path, cfg, variables):
-    """Writes our variables in the legacy ZAYA1-base layout (names per SPEC §3)."""
+    """Writes our variables in the legacy ZAYA1-base layout (names per docs/model.md §3.2)."""
     flat = flax.traverse_util.flatten_dict(variables)
     table = names.legacy_map(cfg)
     by_name = {m.hf: m for m in table}

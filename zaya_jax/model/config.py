@@ -24,7 +24,7 @@ SKIP_EXPERT_OUTPUTS = ("zero", "weighted_input")
 
 @dataclasses.dataclass(frozen=True)
 class ZayaConfig:
-    """Sizes and numerics of a ZAYA1 model. See ../shared/zaya1/SPEC.md §1-2."""
+    """Sizes and numerics of a ZAYA1 model. See docs/model.md §1-2."""
 
     vocab_size: int = 262272
     hidden_size: int = 2048
@@ -231,7 +231,7 @@ class ZayaConfig:
     # ---------------------------------------------------------------- presets
     @classmethod
     def zaya1_base(cls, **overrides) -> "ZayaConfig":
-        """The released ZAYA1-base / ZAYA1-8B sizes (SPEC §1); RoPE theta of pretraining phase 1."""
+        """The released ZAYA1-base / ZAYA1-8B sizes (docs/model.md §1); RoPE theta of pretraining phase 1."""
         return cls(**{"rope_theta": 10_000.0, **overrides})
 
     @classmethod
