@@ -71,6 +71,8 @@ def _child_peak_rss_mb(cmd: list[str], env: dict) -> float:
 
 
 def run(args) -> dict[str, Any]:
+    import importlib.util
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -80,10 +82,7 @@ def run(args) -> dict[str, Any]:
     from zaya_jax.checkpoint import Checkpointer, abstract_like
     from zaya_jax.optim.chain import lr_schedule, make_optimizer
     from zaya_jax.parallel.mesh import mesh_from_config
-    from zaya_jax.train_state import balancing_config
-    from zaya_jax.train_state import create_train_state, make_train_step, state_shardings
-
-    import importlib.util
+    from zaya_jax.train_state import balancing_config, create_train_state, make_train_step, state_shardings
 
     spec = importlib.util.spec_from_file_location("cfg", os.path.join(ROOT, args.config))
     mod = importlib.util.module_from_spec(spec)
