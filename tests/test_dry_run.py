@@ -194,4 +194,4 @@ def test_compiled_step_exchange_main_path_and_spill():
         stats["all-to-all"].bytes_per_step,
         stats["all-to-all" + dry_run.SPILL].bytes_per_step,
     )
-    assert step.mesh.shape == {"data": 2, "fsdp": 1, "expert": 4}
+    assert step.mesh.shape == {"data": 2, "fsdp": 1, "expert": 4, "context": 1}
