@@ -138,8 +138,10 @@ def memory_rows(stats: Any, est: sizing.MemoryEstimate) -> list[str]:
     for name, xla, ours, what in rows:
         ours_s = f"{ours / scale:>11.3f}   ({what})" if ours is not None else ""
         out.append(f"  {name:<44}{xla / scale:>11.3f}{ours_s}")
+    # With mesh.context = R a device holds S/R positions of each of its sequences.
+    positions = est.seq_len // est.mesh.get("context", 1)
     out.append(
-        f"  (sizing: remat {est.remat}, micro-batch {est.micro_batch} x {est.seq_len} tokens per device)"
+        f"  (sizing: remat {est.remat}, micro-batch {est.micro_batch} x {positions} tokens per device)"
     )
     return out
 
