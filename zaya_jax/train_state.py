@@ -253,7 +253,7 @@ def abstract_train_state(
     trainer, reshard and every checkpoint reader (its `.variables`), the compile target of the dry
     run. The one builder; `train_program(...).abstract_state()` is the same tree."""
     if mesh is None:
-        mesh = make_mesh(data=1, fsdp=1, expert=1, devices=jax.local_devices()[:1])
+        mesh = make_mesh(devices=jax.local_devices()[:1])  # every axis 1
     return _state_layout(c, cfg, mesh).abstract
 
 
