@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from zaya_jax.parallel.mesh import MESH_AXES
+from zaya_jax.parallel.mesh import MESH_AXES, resolve_mesh_sizes
 
 CONTEXT = "context"
 ROW_AXES = tuple(a for a in MESH_AXES if a != CONTEXT)  # the axes that split batch rows
@@ -49,11 +49,10 @@ def context_size(mesh: Mesh | None) -> int:
 
 
 def config_context(mesh_cfg, devices: int) -> int:
-    """R of a config's mesh section on `devices` devices (resolves mesh.context = -1)."""
-    context = mesh_cfg.get("context", 1)
-    if context == -1:  # then every other axis is fixed
-        context = devices // math.prod(mesh_cfg[a] for a in ROW_AXES)
-    return context
+    """R of a config's mesh section on `devices` devices (mesh.context = -1 resolved by the mesh
+    parser)."""
+    sizes = {a: mesh_cfg[a] for a in MESH_AXES if a in mesh_cfg}
+    return resolve_mesh_sizes(sizes, devices)[CONTEXT]
 
 
 def check_local_length(seq_len: int, ranks: int, rows: int) -> None:
