@@ -45,7 +45,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import ast  # noqa: E402
-import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
@@ -83,7 +82,12 @@ from zaya_jax.model.transformer import resolve_scan_layers  # noqa: E402
 from zaya_jax.optim.chain import lr_schedule, make_optimizer, weight_decay_mask  # noqa: E402
 from zaya_jax.parallel.mesh import mesh_from_config  # noqa: E402
 from zaya_jax.parallel.sharding import shard_batch  # noqa: E402
-from zaya_jax.train_state import create_train_state, make_train_step, state_shardings  # noqa: E402
+from zaya_jax.train_state import (  # noqa: E402
+    balancing_config,
+    create_train_state,
+    make_train_step,
+    state_shardings,
+)
 
 OURS, TORCH = "zaya_jax", "torch"
 DTYPES = ("float32", "bfloat16")
@@ -139,14 +143,6 @@ def apply_override(c: ml_collections.ConfigDict, assignment: str) -> None:
         node[name] = _parse_value(raw.strip(), node.get_type(name))
     except (TypeError, ValueError) as e:
         raise ValueError(f"--set {key}={raw}: {e}") from None
-
-
-def balancing_config(c: ml_collections.ConfigDict) -> bal.BalancingConfig | None:
-    """As zaya_jax.train does: None when balancing is disabled."""
-    if not c.balancing.enabled:
-        return None
-    fields = {f.name for f in dataclasses.fields(bal.BalancingConfig)}
-    return bal.BalancingConfig(**{k: v for k, v in c.balancing.items() if k in fields}).validate()
 
 
 def random_tokens(vocab_size: int, batch_size: int, seq_len: int, seed: int) -> np.ndarray:
