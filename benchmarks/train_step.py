@@ -2,7 +2,7 @@
 
     python -m benchmarks.train_step [--config configs/tiny.py] [--set train.batch_size=4 ...]
         [--steps 10] [--warmup 2] [--repeats 3] [--dtype float32|bfloat16]
-        [--out results/train_step.json] [--skip-torch] [--optimizer config|adamw]
+        [--out results/train_step.json] [--skip-torch] [--optimizer both|config|adamw]
 
 (`python benchmarks/train_step.py ...` works too.) Both sides get the same model config and the
 same random token batch [B, S] (train.batch_size x train.seq_len):
@@ -26,9 +26,11 @@ checkpoint after the timed window; console off): its second logged `tokens_per_s
 excluded) is the throughput a user sees, and 1 - bare step time / loop step time is the share of
 time spent outside the step. See benchmarks/README.md for the columns.
 
-`--optimizer adamw` routes every parameter of our side to AdamW (the optim.adamw settings, the
-config's lr schedule and clipping): the like-for-like row against torch's plain AdamW step, with no
-Newton-Schulz. The trainer loop always uses the config's optimizer, so it is not run then.
+Our side runs twice by default (`--optimizer both`), interleaved with torch: `zaya_jax` with the
+config's optimizer (Muon + AdamW, what training runs) and `zaya_jax_adamw` with every parameter on
+AdamW (the optim.adamw settings, the config's lr schedule and clipping): the like-for-like row against
+torch's plain AdamW step, with no Newton-Schulz. `--optimizer config` / `adamw` runs only one of
+them. The trainer loop always uses the config's optimizer, so it is not run with `adamw` alone.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ from zaya_jax.train_state import (  # noqa: E402
     state_shardings,
 )
 
-OURS, TORCH = "zaya_jax", "torch"
+OURS, OURS_ADAMW, TORCH = "zaya_jax", "zaya_jax_adamw", "torch"
 DTYPES = ("float32", "bfloat16")
 
 
@@ -159,7 +161,13 @@ def peak_flops_for_name(name: str) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------- sides
-OPTIMIZERS = ("config", "adamw")
+OPTIMIZERS = ("both", "config", "adamw")
+SIDE_OF_OPTIMIZER = {"config": OURS, "adamw": OURS_ADAMW}
+
+
+def selected_optimizers(optimizer: str) -> tuple[str, ...]:
+    """The optimizers our side runs with for --optimizer ("both" = the config's, then AdamW)."""
+    return ("config", "adamw") if optimizer == "both" else (optimizer,)
 
 
 def make_benchmark_optimizer(c: ml_collections.ConfigDict, optimizer: str) -> optax.GradientTransformation:
@@ -179,9 +187,7 @@ def make_benchmark_optimizer(c: ml_collections.ConfigDict, optimizer: str) -> op
 
 
 class JaxSide:
-    """Our full train step, jit-compiled with the state donated."""
-
-    name = OURS
+    """Our full train step, jit-compiled with the state donated; named after its optimizer."""
 
     def __init__(
         self,
@@ -192,6 +198,7 @@ class JaxSide:
         optimizer: str = "config",
     ):
         steps = c.train.steps
+        self.name = SIDE_OF_OPTIMIZER[optimizer]
         tx = make_benchmark_optimizer(c, optimizer)
         bal_cfg = balancing_config(c)
         t0 = time.perf_counter()
@@ -360,7 +367,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     device: dict[str, Any] = {**host_info(), "jax_peak_bf16_flops": jax_peak}
 
     print(f"building {OURS} (compiling the train step)...", file=sys.stderr, flush=True)
-    sides: list[Any] = [JaxSide(c, cfg, ids, args.seed, args.optimizer)]
+    optimizers = selected_optimizers(args.optimizer)
+    sides: list[Any] = [JaxSide(c, cfg, ids, args.seed, opt) for opt in optimizers]
     torch_peak = None
     if not args.skip_torch:
         import torch
@@ -414,33 +422,32 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 flush=True,
             )
 
-    results: dict[str, Any] = {OURS: None, TORCH: None}
+    results: dict[str, Any] = {}
     for side in sides:
         step_s = statistics.median(times[side.name])
         tokens_per_s = tokens_per_step / step_s
-        peak = jax_peak if side.name == OURS else torch_peak
+        ours = side.name != TORCH
+        peak = jax_peak if ours else torch_peak
         results[side.name] = {
             "step_time_s": step_s,
             "step_times_s": times[side.name],
             "tokens_per_step": tokens_per_step,
             "tokens_per_s": tokens_per_s,
             "model_tflops_per_s": tokens_per_s * flops_per_token / 1e12,
-            "mfu": sizing.mfu(
-                tokens_per_s, cfg, seq_len, sides[0].mesh.size if side.name == OURS else 1, peak
-            ),
+            "mfu": sizing.mfu(tokens_per_s, cfg, seq_len, side.mesh.size if ours else 1, peak),
             "init_s": side.init_s,
             "compile_s": side.compile_s,
             "first_step_s": first_step_s[side.name],
             "final_loss": _finite_or_none(side.loss()),
-            "precision": (
-                f"params {cfg.param_dtype}, matmuls {cfg.dtype}" if side.name == OURS else side.precision
-            ),
+            "precision": f"params {cfg.param_dtype}, matmuls {cfg.dtype}" if ours else side.precision,
         }
-    ratio = (
-        results[OURS]["tokens_per_s"] / results[TORCH]["tokens_per_s"] if results[TORCH] is not None else None
-    )
+    torch_tps = results[TORCH]["tokens_per_s"] if TORCH in results else None
+    for side in sides[: len(optimizers)]:
+        r = results[side.name]
+        r["ratio_to_torch"] = None if torch_tps is None else r["tokens_per_s"] / torch_tps
+    ratio = results[sides[0].name]["ratio_to_torch"]
     loop = None
-    if args.loop_steps and args.optimizer != "config":
+    if args.loop_steps and "config" not in optimizers:
         print("trainer loop skipped: it always runs the config's optimizer", file=sys.stderr, flush=True)
     elif args.loop_steps:
         print(f"running the trainer loop ({2 * args.loop_steps} steps)...", file=sys.stderr, flush=True)
@@ -450,9 +457,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             step_time_s=loop_step_s,
             model_tflops_per_s=loop["tokens_per_s"] * flops_per_token / 1e12,
             outside_step_fraction=1.0 - results[OURS]["step_time_s"] / loop_step_s,
-            ratio_to_torch=(
-                loop["tokens_per_s"] / results[TORCH]["tokens_per_s"] if results[TORCH] is not None else None
-            ),
+            ratio_to_torch=None if torch_tps is None else loop["tokens_per_s"] / torch_tps,
         )
     return {
         "config": {
@@ -484,7 +489,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ report
 def format_table(report: dict[str, Any]) -> str:
-    header = ("side", "step ms", "tokens/s", "TFLOP/s", "MFU", "compile s", "1st step s", "loss")
+    header = ("side", "step ms", "tokens/s", "x torch", "TFLOP/s", "MFU", "compile s", "1st step s", "loss")
     rows = [header]
     for name, r in report["results"].items():
         if r is None:
@@ -494,6 +499,7 @@ def format_table(report: dict[str, Any]) -> str:
                 name,
                 fmt(1e3 * r["step_time_s"], ".2f"),
                 fmt(r["tokens_per_s"], ",.0f"),
+                fmt(r.get("ratio_to_torch"), ".2f"),
                 fmt(r["model_tflops_per_s"], ".4f"),
                 fmt(None if r["mfu"] is None else 100 * r["mfu"], ".1f")
                 + ("%" if r["mfu"] is not None else ""),
@@ -509,6 +515,7 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{OURS} trainer loop",
                 fmt(1e3 * loop["step_time_s"], ".2f"),
                 fmt(loop["tokens_per_s"], ",.0f"),
+                fmt(loop["ratio_to_torch"], ".2f"),
                 fmt(loop["model_tflops_per_s"], ".4f"),
                 "-",
                 "-",
@@ -525,18 +532,20 @@ def summary_line(report: dict[str, Any]) -> str:
         f"{os.path.basename(cfgd['config_file'])} B={cfgd['batch_size']} S={cfgd['seq_len']} "
         f"{cfgd['dtype']}, {report['device']['jax_backend']}"
     )
-    ours = f"{OURS} {res[OURS]['tokens_per_s']:,.0f} tok/s"
     where += f", moe_impl={cfgd['moe_impl']} ({cfgd['moe_impl_resolved']})"
     where += f", scan_layers={cfgd['scan_layers']} ({cfgd['scan_layers_resolved']})"
-    if cfgd["optimizer"] == "adamw":
-        where += ", every parameter on AdamW (--optimizer adamw)"
-    loop = report.get("loop")
-    if report["ratio_tokens_per_s"] is None:
-        return f"train_step: {ours} ({where}; torch skipped)"
-    line = (
-        f"train_step: {OURS}/torch tokens/s = {report['ratio_tokens_per_s']:.2f}x "
-        f"({ours} vs torch {res[TORCH]['tokens_per_s']:,.0f} tok/s; {where})"
+    ours = [name for name in (OURS, OURS_ADAMW) if name in res]
+    if OURS_ADAMW in res:
+        where += f"; {OURS_ADAMW}: every parameter on AdamW, like torch"
+    if TORCH not in res:
+        sides = ", ".join(f"{name} {res[name]['tokens_per_s']:,.0f} tok/s" for name in ours)
+        return f"train_step: {sides} ({where}; torch skipped)"
+    ratios = "; ".join(
+        f"{name}/torch tokens/s = {res[name]['ratio_to_torch']:.2f}x ({res[name]['tokens_per_s']:,.0f} tok/s)"
+        for name in ours
     )
+    line = f"train_step: {ratios}; torch {res[TORCH]['tokens_per_s']:,.0f} tok/s ({where})"
+    loop = report.get("loop")
     if loop is not None:
         line += (
             f"; trainer loop/torch = {loop['ratio_to_torch']:.2f}x "
@@ -580,9 +589,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
-        default="config",
-        help="our side's optimizer: the config's Muon/AdamW chain (default) or AdamW on every "
-        "parameter, like torch's side (skips the trainer loop)",
+        default="both",
+        help="our side's optimizer: both (default: two rows, interleaved), config (the config's "
+        "Muon/AdamW chain) or adamw (every parameter on AdamW, like torch's side; no trainer loop)",
     )
     add_out_arg(p, "train_step")
     add_torch_args(p)

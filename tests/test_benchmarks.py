@@ -68,7 +68,9 @@ def test_train_step_benchmark_writes_report(tmp_path):
     out = tmp_path / "sub" / "train_step.json"
     proc = _run(["-m", "benchmarks.train_step", *TOY, "--loop-steps", "2", "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # Two rows of ours by default, interleaved with torch: the config's optimizer and AdamW only.
     assert "zaya_jax/torch tokens/s =" in proc.stdout, proc.stdout
+    assert "zaya_jax_adamw/torch tokens/s =" in proc.stdout, proc.stdout
     assert "trainer loop/torch =" in proc.stdout and "outside the step" in proc.stdout, proc.stdout
 
     report = json.loads(out.read_text())
@@ -80,9 +82,13 @@ def test_train_step_benchmark_writes_report(tmp_path):
     assert report["device"]["jax_backend"] == "cpu" and report["device"]["torch_device"] == "cpu"
     datetime.datetime.fromisoformat(report["timestamp"])
 
-    assert set(report["results"]) == {"zaya_jax", "torch"}
+    assert set(report["results"]) == {"zaya_jax", "zaya_jax_adamw", "torch"}
+    torch_tps = report["results"]["torch"]["tokens_per_s"]
     for name, r in report["results"].items():
-        assert set(r) == SIDE_KEYS, name
+        assert set(r) == SIDE_KEYS | ({"ratio_to_torch"} if name != "torch" else set()), name
+        if name != "torch":
+            assert r["ratio_to_torch"] == pytest.approx(r["tokens_per_s"] / torch_tps), name
+            assert _positive_finite(r["compile_s"]), name
         assert r["tokens_per_step"] == 2 * 32
         for key in (
             "step_time_s",
@@ -95,12 +101,11 @@ def test_train_step_benchmark_writes_report(tmp_path):
             assert _positive_finite(r[key]), (name, key, r[key])
         assert len(r["step_times_s"]) == 1 and all(_positive_finite(t) for t in r["step_times_s"])
         assert r["mfu"] is None  # no known peak on CPU
-    assert _positive_finite(report["results"]["zaya_jax"]["compile_s"])
     assert report["results"]["torch"]["compile_s"] is None
-    assert _positive_finite(report["ratio_tokens_per_s"])
+    assert report["ratio_tokens_per_s"] == report["results"]["zaya_jax"]["ratio_to_torch"]
     assert cfg["moe_impl"] == "auto" and cfg["moe_impl_resolved"] == "tiled"
     assert cfg["scan_layers"] == "auto" and cfg["scan_layers_resolved"] == "unroll"
-    assert cfg["optimizer"] == "config"
+    assert cfg["optimizer"] == "both"
 
     # the real trainer loop (zaya_jax.train.train) over the same config: its steady-state window
     loop = report["loop"]
@@ -148,7 +153,8 @@ def test_train_step_benchmark_adamw_only_row(tmp_path):
     assert "every parameter on AdamW" in proc.stdout and "trainer loop skipped" in proc.stderr
     report = json.loads(out.read_text())
     assert report["config"]["optimizer"] == "adamw" and report["loop"] is None
-    assert _positive_finite(report["results"]["zaya_jax"]["tokens_per_s"])
+    assert set(report["results"]) == {"zaya_jax_adamw"} and report["ratio_tokens_per_s"] is None
+    assert _positive_finite(report["results"]["zaya_jax_adamw"]["tokens_per_s"])
 
 
 def test_train_step_cli_as_script_and_bad_override(tmp_path):
