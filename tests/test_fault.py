@@ -15,6 +15,7 @@ import pytest
 from zaya_jax.events import read_events
 from zaya_jax.config import base_config
 from zaya_jax.fault import Do, FaultMonitor, SpikeDetector, agree, confirmed_spikes
+from zaya_jax.metrics import read_metrics
 
 from test_train import ROOT, run_train, summary_of, train_losses
 
@@ -123,14 +124,16 @@ def test_rollback_decided_a_step_late_equals_the_synchronous_loop(tmp_path):
     """The loop reads step n's loss after dispatching step n + 1: a NaN at step 5 is skipped and a
     confirmed spike at step 9 (read after step 10 ran, confirmed by step 10's loss) restores the
     same checkpoint, skips the same batches and trains to the same parameters as the loop that
-    reads every loss before the next dispatch (train.sync_every_step) and confirms with an eval step."""
+    reads every loss before the next dispatch (train.sync_every_step) and confirms with an eval step.
+    Every step is logged, a step late too: its record (metrics, skipped count, data position) is the
+    synchronous loop's."""
     from test_checkpoint import _final_params
 
     args = [
         "--config.train.steps=12",
         "--config.checkpoint.every_steps=4",
         "--config.eval.every_steps=0",
-        "--config.logging.every_steps=6",  # steps 5, 9 and 10 are judged a step late
+        "--config.logging.every_steps=1",  # every step but 4, 8 and 12 is judged a step late
         "--config.fault.inject_nan_at_steps=(5,)",
         "--config.fault.inject_spike_at_steps=(9, 10)",
         "--config.fault.spike_window=4",
@@ -141,7 +144,7 @@ def test_rollback_decided_a_step_late_equals_the_synchronous_loop(tmp_path):
         w = tmp_path / mode
         summary = summary_of(run_train(w, *args, f"--config.train.sync_every_step={mode == 'sync'}"))
         events = {kind: read_events(str(w), kind) for kind in ("skipped_update", "spike", "rollback", "save")}
-        runs[mode] = (summary, events, train_losses(w), _final_params(w))
+        runs[mode] = (summary, events, _train_records(w), _final_params(w))
     (s_late, ev_late, loss_late, (step_late, p_late)), (s_sync, ev_sync, loss_sync, (step_sync, p_sync)) = (
         runs["late"],
         runs["sync"],
@@ -165,10 +168,25 @@ def test_rollback_decided_a_step_late_equals_the_synchronous_loop(tmp_path):
     assert {k: s_late[k] for k in ("final_step", "rollbacks", "skipped_updates", "loss", "eval_loss")} == {
         k: s_sync[k] for k in ("final_step", "rollbacks", "skipped_updates", "loss", "eval_loss")
     }
-    assert sorted(loss_late) == [6, 12] and loss_late == loss_sync
+    # one record per step (step 9's rolled-back record replaced by the replay's); all but the
+    # wall-clock fields equal, the skipped update counted from step 5 on
+    assert sorted(loss_late) == list(range(1, 13)) and loss_late == loss_sync
+    assert [loss_late[s]["skipped_steps"] for s in range(1, 13)] == [0] * 4 + [1] * 8
+    assert [loss_late[s]["tokens_seen"] for s in range(1, 13)] == [
+        loss_sync[s]["tokens_seen"] for s in range(1, 13)
+    ]
     assert step_late == step_sync == 12
     for x, y in zip(jax.tree.leaves(p_late), jax.tree.leaves(p_sync), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _train_records(workdir) -> dict[int, dict]:
+    """metrics.jsonl's train records by step, without the fields that time the run."""
+    timed = ("tokens_per_second", "mfu", "time")
+    return {
+        r["step"]: {k: v for k, v in r.items() if k not in timed}
+        for r in read_metrics(str(workdir), split="train")
+    }
 
 
 def _fault_config(**overrides):

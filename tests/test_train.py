@@ -242,7 +242,8 @@ def test_two_processes_match_one_eight_device_process(tmp_path):
 @pytest.mark.slow
 def test_the_loop_reads_each_loss_one_step_late(tmp_path, monkeypatch):
     """The host dispatches step n + 1 before it reads step n's loss, except where something must see
-    step n's verdict first (a log line, an evaluation, a checkpoint, the last step)."""
+    step n's verdict first (an evaluation, a checkpoint, the last step); a logged step is logged
+    when its verdict is read."""
     from zaya_jax import train as train_lib
 
     order = []
@@ -275,6 +276,7 @@ def test_the_loop_reads_each_loss_one_step_late(tmp_path, monkeypatch):
     summary = train_lib.train(c, str(tmp_path / "w"))
     assert summary["final_step"] == 6
     d, r = (lambda n: ("dispatch", n)), (lambda n: ("read", n))
-    # steps 3 and 6 are logged (6 is also evaluated and saved): read before the next dispatch
-    assert order == [d(1), d(2), r(1), d(3), r(2), r(3), d(4), d(5), r(4), d(6), r(5), r(6)]
+    # steps 3 and 6 are logged; only 6 (the last: evaluated and saved) is read before the next
+    # dispatch, logged step 3 is read, and logged, while step 4 runs
+    assert order == [d(1), d(2), r(1), d(3), r(2), d(4), r(3), d(5), r(4), d(6), r(5), r(6)]
     assert sorted(train_losses(tmp_path / "w")) == [3, 6]

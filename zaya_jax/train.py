@@ -21,7 +21,9 @@ the checkpoint before step n and skips the batches since, step n's included, exa
 synchronous loop would, and drops step n + 1's result. A step that is logged, evaluated, saved or
 stopped at, and the last step, is read before anything else is dispatched (a checkpoint is never
 written for a step whose loss was not checked); its spike confirmation is an eval step on the
-next batch. `train.sync_every_step` reads every step that way.
+next batch. `train.sync_every_step` reads every step that way. A logged step is logged when its
+verdict is read, from its own metrics and data position, so logging (even every step) never
+makes the loop wait.
 
 Where things are: this module holds the CLI and `Trainer` (set-up helpers, then a loop of next
 batch, step, faults, log, evaluate, save); zaya_jax/train_state.py the train state, its abstract
@@ -81,11 +83,13 @@ class _Batch:
 
 @dataclasses.dataclass(frozen=True)
 class _InFlight:
-    """A dispatched train step: its metrics are device arrays until read."""
+    """A dispatched train step: its metrics are device arrays until read; `drawn` is how many
+    batches the data iterator had given out once this step took its own (for the step's log)."""
 
     step: int
     metrics: dict[str, jax.Array]
     global_batch: int
+    drawn: int
 
 
 def _read(p: _InFlight) -> tuple[float, bool]:
@@ -192,12 +196,12 @@ class Trainer:
                 pending, self.pending = self.pending, None
                 if self._judge(pending, *_read(pending), functools.partial(_train_loss, current)):
                     continue  # step `done` ran on a discarded state: its result is dropped
+                self._log(pending)
             self.pending, self.step = current, done
             at = self.faults.boundary(done, self.ckpt.due(done))
-            log_due = done % c.logging.every_steps == 0 or done == steps
             eval_due = bool(c.eval.every_steps and done % c.eval.every_steps == 0) or done == steps
-            if not (c.train.sync_every_step or at.stop or at.save or log_due or eval_due):
-                continue  # step `done` is judged after step done + 1 is dispatched
+            if not (c.train.sync_every_step or at.stop or at.save or eval_due):
+                continue  # step `done` is judged (and logged) after step done + 1 is dispatched
             # What follows must see this step's verdict (a checkpoint is never written for a step
             # whose loss was not checked): read it now.
             self.pending = None
@@ -206,8 +210,7 @@ class Trainer:
             next_loss = functools.partial(self._eval_next_loss, done + 1, self.state)
             if self._judge(current, loss, skipped, next_loss):
                 continue
-            if log_due:
-                self._log(done, current.metrics)
+            self._log(current)
             if eval_due:
                 self._evaluate(done)
             if at.save or at.stop or done == steps:
@@ -233,9 +236,10 @@ class Trainer:
         if batch.global_batch not in seen:
             seen.append(batch.global_batch)
         self.state, metrics = self.program.train_step(self.state, batch.batch)
+        drawn = int(self.data.get_state()["next_index"])  # batches given out, this step's included
         if n < self.steps:
             self.ahead = self._fetch(n + 1)
-        return _InFlight(n, metrics, batch.global_batch)
+        return _InFlight(n, metrics, batch.global_batch, drawn)
 
     def _judge(self, p: _InFlight, loss: float, skipped: bool, next_loss: Callable[[], float]) -> bool:
         """Step p's verdict; True if it rolled the run back."""
@@ -276,16 +280,19 @@ class Trainer:
         self.t_last, self.tokens_since = time.perf_counter(), 0
         return True
 
-    def _log(self, step: int, metrics: dict[str, jax.Array]) -> None:
-        m = {k: to_python(v) for k, v in jax.device_get(metrics).items()}
+    def _log(self, p: _InFlight) -> None:
+        """Step p's train record, if one is due; p's verdict has been read (p is finished). Whatever
+        was dispatched since does not show: the record holds p's metrics and data position."""
+        if not (p.step % self.c.logging.every_steps == 0 or p.step == self.steps):
+            return
+        m = {k: to_python(v) for k, v in jax.device_get(p.metrics).items()}
         now = time.perf_counter()
         m["tokens_per_second"] = self.tokens_since / max(now - self.t_last, 1e-9)
-        m["skipped_steps"] = int(self.state.skipped_steps)
         util = sizing.mfu(m["tokens_per_second"], self.cfg, self.seq_len, self.mesh.size, self.peak)
         if util is not None:
             m["mfu"] = util
-        m.update(_data_position(self.data, self.ramp, self.mixture, self.sources, self.seq_len))
-        self.logger.log_train(step, m)
+        m.update(_data_position(p.drawn, self.ramp, self.mixture, self.sources, self.seq_len))
+        self.logger.log_train(p.step, m)
         self.t_last, self.tokens_since = now, 0
         self.summary["loss"] = m["loss"]
 
@@ -388,10 +395,9 @@ def _train_dataset(c: ml_collections.ConfigDict, sources, ramp: BatchRamp):
     return batch_sequences(mixture, **kwargs), mixture
 
 
-def _data_position(data_iter, ramp: BatchRamp, mixture, sources, seq_len: int) -> dict[str, int]:
-    """batch_size, tokens_seen and mixture/<name> (tokens drawn per source) after the batches drawn
-    so far: pure functions of the data position, so a resume continues them exactly."""
-    drawn = int(data_iter.get_state()["next_index"])  # batches, this step's included
+def _data_position(drawn: int, ramp: BatchRamp, mixture, sources, seq_len: int) -> dict[str, int]:
+    """batch_size, tokens_seen and mixture/<name> (tokens drawn per source) after `drawn` batches (a
+    step's own included): pure functions of the data position, so a resume continues them exactly."""
     consumed = ramp.consumed(drawn)
     out = {"batch_size": ramp.size(drawn - 1), "tokens_seen": consumed * seq_len}
     if mixture is not None:

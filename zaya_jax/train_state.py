@@ -190,6 +190,7 @@ def make_train_step(
             "lr": schedule(state.step),
             "tokens": weight,
             "update_skipped": ~finite,
+            "skipped_steps": new_state.skipped_steps,  # so a step can be logged after the next is dispatched
             "dropped_tokens": jnp.sum(dropped),
             "expert_load_max_over_mean": load["load_max_over_mean"],
             "expert_skip_fraction": load["skip_fraction"],
