@@ -26,11 +26,15 @@ checkpoint after the timed window; console off): its second logged `tokens_per_s
 excluded) is the throughput a user sees, and 1 - bare step time / loop step time is the share of
 time spent outside the step. See benchmarks/README.md for the columns.
 
-Our side runs twice by default (`--optimizer both`), interleaved with torch: `zaya_jax` with the
+Each side runs twice by default (`--optimizer both`), all four interleaved: `zaya_jax` with the
 config's optimizer (Muon + AdamW, what training runs) and `zaya_jax_adamw` with every parameter on
-AdamW (the optim.adamw settings, the config's lr schedule and clipping): the like-for-like row against
-torch's plain AdamW step, with no Newton-Schulz. `--optimizer config` / `adamw` runs only one of
-them. The trainer loop always uses the config's optimizer, so it is not run with `adamw` alone.
+AdamW (the optim.adamw settings, the config's lr schedule and clipping); `torch` with
+`torch.optim.AdamW` (the baseline every ratio "x torch" is taken against) and `torch_muon` with our
+chain's Muon / AdamW split in PyTorch (benchmarks/torch_muon.py: the same tensors on Muon, the same
+Newton-Schulz). "x same opt" compares each of ours with the torch side running its optimizer
+(zaya_jax / torch_muon, zaya_jax_adamw / torch). `--optimizer config` / `adamw` runs one pair only
+(`config` keeps the AdamW torch baseline too). The trainer loop always uses the config's optimizer,
+so it is not run with `adamw` alone.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ from zaya_jax.train_state import (  # noqa: E402
     state_shardings,
 )
 
-OURS, OURS_ADAMW, TORCH = "zaya_jax", "zaya_jax_adamw", "torch"
+OURS, OURS_ADAMW, TORCH, TORCH_MUON = "zaya_jax", "zaya_jax_adamw", "torch", "torch_muon"
 DTYPES = ("float32", "bfloat16")
 
 
@@ -163,6 +167,8 @@ def peak_flops_for_name(name: str) -> float | None:
 # ------------------------------------------------------------------------------------------- sides
 OPTIMIZERS = ("both", "config", "adamw")
 SIDE_OF_OPTIMIZER = {"config": OURS, "adamw": OURS_ADAMW}
+# The torch side that runs the same optimizer as each of ours (the like-for-like ratio).
+SAME_OPTIMIZER = {OURS: TORCH_MUON, OURS_ADAMW: TORCH}
 
 
 def selected_optimizers(optimizer: str) -> tuple[str, ...]:
@@ -237,9 +243,8 @@ class JaxSide:
 
 
 class TorchSide:
-    """transformers' ZayaForCausalLM: forward with labels + backward + torch.optim.AdamW."""
-
-    name = TORCH
+    """transformers' ZayaForCausalLM: forward with labels + backward + torch.optim.AdamW, or with
+    `muon` our optimizer chain's Muon / AdamW split (benchmarks/torch_muon.py)."""
 
     def __init__(
         self,
@@ -251,10 +256,14 @@ class TorchSide:
         dtype: str,
         precision: str,
         threads: int,
+        muon: bool = False,
     ):
         import torch
         from transformers import ZayaForCausalLM as HFZayaForCausalLM
 
+        from benchmarks.torch_muon import TorchMuonAdamW
+
+        self.name = TORCH_MUON if muon else TORCH
         self.torch = torch
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
@@ -275,8 +284,12 @@ class TorchSide:
             else "pure bfloat16 params"
         )
         a = c.optim.adamw
-        self.opt = torch.optim.AdamW(
-            model.parameters(), lr=c.optim.lr, betas=(a.b1, a.b2), eps=a.eps, weight_decay=a.weight_decay
+        self.opt = (
+            TorchMuonAdamW(model, c, cfg)
+            if muon
+            else torch.optim.AdamW(
+                model.parameters(), lr=c.optim.lr, betas=(a.b1, a.b2), eps=a.eps, weight_decay=a.weight_decay
+            )
         )
         self.grad_accum = c.train.grad_accum
         self.ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
@@ -378,6 +391,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         print(f"building {TORCH} on {torch_device}...", file=sys.stderr, flush=True)
         side = TorchSide(c, cfg, ids, args.seed, torch_device, cfg.dtype, args.torch_precision, threads)
         sides.append(side)
+        if "config" in optimizers:  # torch with our Muon / AdamW split: the like-for-like Muon row
+            sides.append(
+                TorchSide(
+                    c, cfg, ids, args.seed, torch_device, cfg.dtype, args.torch_precision, threads, muon=True
+                )
+            )
         torch_name = (
             torch.cuda.get_device_name(side.device)
             if side.device.type == "cuda"
@@ -426,7 +445,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     for side in sides:
         step_s = statistics.median(times[side.name])
         tokens_per_s = tokens_per_step / step_s
-        ours = side.name != TORCH
+        ours = side.name in (OURS, OURS_ADAMW)
         peak = jax_peak if ours else torch_peak
         results[side.name] = {
             "step_time_s": step_s,
@@ -443,8 +462,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         }
     torch_tps = results[TORCH]["tokens_per_s"] if TORCH in results else None
     for side in sides[: len(optimizers)]:
-        r = results[side.name]
+        r, same = results[side.name], results.get(SAME_OPTIMIZER[side.name])
         r["ratio_to_torch"] = None if torch_tps is None else r["tokens_per_s"] / torch_tps
+        r["ratio_same_optimizer"] = None if same is None else r["tokens_per_s"] / same["tokens_per_s"]
     ratio = results[sides[0].name]["ratio_to_torch"]
     loop = None
     if args.loop_steps and "config" not in optimizers:
@@ -489,7 +509,18 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ report
 def format_table(report: dict[str, Any]) -> str:
-    header = ("side", "step ms", "tokens/s", "x torch", "TFLOP/s", "MFU", "compile s", "1st step s", "loss")
+    header = (
+        "side",
+        "step ms",
+        "tokens/s",
+        "x torch",
+        "x same opt",
+        "TFLOP/s",
+        "MFU",
+        "compile s",
+        "1st step s",
+        "loss",
+    )
     rows = [header]
     for name, r in report["results"].items():
         if r is None:
@@ -500,6 +531,7 @@ def format_table(report: dict[str, Any]) -> str:
                 fmt(1e3 * r["step_time_s"], ".2f"),
                 fmt(r["tokens_per_s"], ",.0f"),
                 fmt(r.get("ratio_to_torch"), ".2f"),
+                fmt(r.get("ratio_same_optimizer"), ".2f"),
                 fmt(r["model_tflops_per_s"], ".4f"),
                 fmt(None if r["mfu"] is None else 100 * r["mfu"], ".1f")
                 + ("%" if r["mfu"] is not None else ""),
@@ -516,6 +548,7 @@ def format_table(report: dict[str, Any]) -> str:
                 fmt(1e3 * loop["step_time_s"], ".2f"),
                 fmt(loop["tokens_per_s"], ",.0f"),
                 fmt(loop["ratio_to_torch"], ".2f"),
+                "-",
                 fmt(loop["model_tflops_per_s"], ".4f"),
                 "-",
                 "-",
@@ -541,7 +574,12 @@ def summary_line(report: dict[str, Any]) -> str:
         sides = ", ".join(f"{name} {res[name]['tokens_per_s']:,.0f} tok/s" for name in ours)
         return f"train_step: {sides} ({where}; torch skipped)"
     ratios = "; ".join(
-        f"{name}/torch tokens/s = {res[name]['ratio_to_torch']:.2f}x ({res[name]['tokens_per_s']:,.0f} tok/s)"
+        f"{name}/torch tokens/s = {res[name]['ratio_to_torch']:.2f}x ({res[name]['tokens_per_s']:,.0f} tok/s"
+        + (
+            f", {res[name]['ratio_same_optimizer']:.2f}x {SAME_OPTIMIZER[name]})"
+            if SAME_OPTIMIZER[name] != TORCH
+            else ")"
+        )
         for name in ours
     )
     line = f"train_step: {ratios}; torch {res[TORCH]['tokens_per_s']:,.0f} tok/s ({where})"

@@ -82,13 +82,17 @@ def test_train_step_benchmark_writes_report(tmp_path):
     assert report["device"]["jax_backend"] == "cpu" and report["device"]["torch_device"] == "cpu"
     datetime.datetime.fromisoformat(report["timestamp"])
 
-    assert set(report["results"]) == {"zaya_jax", "zaya_jax_adamw", "torch"}
-    torch_tps = report["results"]["torch"]["tokens_per_s"]
-    for name, r in report["results"].items():
-        assert set(r) == SIDE_KEYS | ({"ratio_to_torch"} if name != "torch" else set()), name
-        if name != "torch":
-            assert r["ratio_to_torch"] == pytest.approx(r["tokens_per_s"] / torch_tps), name
-            assert _positive_finite(r["compile_s"]), name
+    # torch twice too: AdamW (the baseline) and our Muon / AdamW split (torch_muon)
+    res = report["results"]
+    assert set(res) == {"zaya_jax", "zaya_jax_adamw", "torch", "torch_muon"}
+    for name, same in (("zaya_jax", "torch_muon"), ("zaya_jax_adamw", "torch")):
+        r = res[name]
+        assert r["ratio_to_torch"] == pytest.approx(r["tokens_per_s"] / res["torch"]["tokens_per_s"]), name
+        assert r["ratio_same_optimizer"] == pytest.approx(r["tokens_per_s"] / res[same]["tokens_per_s"]), name
+        assert _positive_finite(r["compile_s"]), name
+    for name, r in res.items():
+        ratios = {"ratio_to_torch", "ratio_same_optimizer"} if name.startswith("zaya_jax") else set()
+        assert set(r) == SIDE_KEYS | ratios, name
         assert r["tokens_per_step"] == 2 * 32
         for key in (
             "step_time_s",
@@ -101,7 +105,7 @@ def test_train_step_benchmark_writes_report(tmp_path):
             assert _positive_finite(r[key]), (name, key, r[key])
         assert len(r["step_times_s"]) == 1 and all(_positive_finite(t) for t in r["step_times_s"])
         assert r["mfu"] is None  # no known peak on CPU
-    assert report["results"]["torch"]["compile_s"] is None
+    assert res["torch"]["compile_s"] is None and res["torch_muon"]["compile_s"] is None
     assert report["ratio_tokens_per_s"] == report["results"]["zaya_jax"]["ratio_to_torch"]
     assert cfg["moe_impl"] == "auto" and cfg["moe_impl_resolved"] == "tiled"
     assert cfg["scan_layers"] == "auto" and cfg["scan_layers_resolved"] == "unroll"
@@ -141,6 +145,46 @@ def test_adamw_only_optimizer_routes_every_parameter_to_adamw():
         if isinstance(x, optax.ScaleByAdamState)
     ]
     assert len(adam) == 1 and jax.tree.structure(adam[0].mu) == jax.tree.structure(params)
+
+
+def test_torch_muon_mirrors_our_optimizer_chain():
+    # The torch Muon row times the same work as ours: the same tensors on Muon (every other one on
+    # AdamW) and the same Newton-Schulz iteration, in either orientation.
+    import jax
+    import numpy as np
+    import torch
+    from transformers import ZayaForCausalLM as HFZayaForCausalLM
+
+    from benchmarks.reference import hf_config
+    from benchmarks.torch_muon import muon_tensor_names, orthogonalize
+    from zaya_jax.hf.names import native_map
+    from zaya_jax.kernels.newton_schulz import DEFAULT_NS_COEFFS
+    from zaya_jax.kernels.newton_schulz import orthogonalize as ours
+    from zaya_jax.model import ZayaConfig
+    from zaya_jax.model.transformer import init_variables
+    from zaya_jax.optim.chain import param_labels
+    from zaya_jax.params import MUON
+
+    cfg = ZayaConfig.tiny()
+    named = dict(HFZayaForCausalLM(hf_config(cfg)).named_parameters())
+    names = muon_tensor_names(cfg, {n: p.ndim for n, p in named.items()})
+    params = jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0)))["params"]
+    labels = param_labels(params)
+    want = set()
+    for t in native_map(cfg):
+        if t.path[0] == "params":
+            leaf = labels
+            for key in t.path[1:]:
+                leaf = leaf[key]
+            if leaf == MUON:
+                want.add(t.hf)
+    assert names == want and any("experts.gate_up_proj" in n for n in names)
+    assert "model.embed_tokens.weight" not in names
+
+    x = np.random.default_rng(0).standard_normal((3, 16, 40)).astype(np.float32)
+    for arr in (x, x.transpose(0, 2, 1)):
+        got = orthogonalize(torch.as_tensor(arr), DEFAULT_NS_COEFFS, 5, 1e-8).numpy()
+        np.testing.assert_allclose(got, np.asarray(ours(arr)), atol=1e-5)
 
 
 @pytest.mark.slow
