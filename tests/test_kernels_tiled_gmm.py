@@ -2,7 +2,8 @@
 
 Values and gradients (dlhs, drhs) across ragged groups: empty groups, groups smaller than a tile,
 one token, all rows in one group, rows past sum(group_sizes) (skip-class tokens: output 0, no
-gradient). And the point of it: compiled, no group's weights meet rows it was not given.
+gradient). The fused tiled SwiGLU likewise against the two ragged_dots and the activation between
+them. And the point of it: compiled, no group's weights meet rows it was not given.
 Error metric: max|a - b| / max|b| (fp32 within 1e-5, bf16 within 2e-2).
 """
 
@@ -17,9 +18,9 @@ from test_kernels_gmm import operands
 from zaya_jax.kernels.tiled_grouped_matmul import (
     num_tiles,
     pick_tile,
-    tile_layout,
+    tile_window,
     tiled_grouped_matmul,
-    tiled_matmul,
+    tiled_swiglu,
 )
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -86,33 +87,39 @@ def test_fp32_output_from_bf16_operands():
         assert rel_err(a, b) < TOL[jnp.bfloat16]
 
 
-def test_tile_layout():
-    """Every routed row lands once in a tile of its own group, tiles start at group boundaries,
-    padding and rows past sum(group_sizes) read the zero row, and the static bound holds."""
+def test_tile_windows_cover_each_routed_row_once():
+    """The tiles of every group (ceil(size / tm) windows of tm rows inside the T rows) own each of
+    its rows exactly once and nothing else; rows past sum(group_sizes) belong to no tile; the
+    tile count stays within the static bound num_tiles."""
     rng = np.random.default_rng(0)
     t, g = 90, 5
-    layout_fn = jax.jit(tile_layout, static_argnums=(1, 2))
-    for tm in (8, 16, 32):
+    for tm in (1, 8, 16, 32, 90):
         for _ in range(10):
             sizes = rng.multinomial(rng.integers(0, t + 1), np.ones(g) / g) * (rng.random(g) < 0.7)
-            src, dst, tile_group = map(np.asarray, layout_fn(jnp.asarray(sizes, jnp.int32), t, tm))
-            n = num_tiles(t, g, tm)
-            assert src.shape == (n * tm,) and tile_group.shape == (n,) and dst.shape == (t,)
             bounds = np.concatenate([[0], np.cumsum(sizes)])
-            used = int(bounds[-1])
-            assert np.all(dst[used:] == n * tm)
-            np.testing.assert_array_equal(src[dst[:used]], np.arange(used))  # dst inverts src
-            assert np.sum(src < t) == used and np.all(src[src < t] < used)
-            row_group = np.repeat(tile_group, tm)
-            for p in np.flatnonzero(src < t):
-                assert bounds[row_group[p]] <= src[p] < bounds[row_group[p] + 1]
-            n_used = int(np.sum(-(-sizes // tm)))
-            assert np.all(tile_group[:n_used] < g) and np.all(tile_group[n_used:] == g)
-            assert np.all(np.diff(tile_group) >= 0)
+            owner = np.full(t, -1)
+            tiles = 0
+            for grp in range(g):
+                for i in range(-(-int(sizes[grp]) // tm)):
+                    start, keep = tile_window(
+                        jnp.int32(bounds[grp] + i * tm), jnp.int32(bounds[grp + 1]), t, tm
+                    )
+                    start, keep = int(start), np.asarray(keep)[:, 0]
+                    assert 0 <= start <= t - tm and keep.shape == (tm,)
+                    rows = start + np.flatnonzero(keep)
+                    assert np.all(owner[rows] == -1), "a row owned twice"
+                    owner[rows] = grp
+                    tiles += 1
+            np.testing.assert_array_equal(
+                owner, np.repeat(np.r_[np.arange(g), -1], np.r_[sizes, t - bounds[-1]])
+            )
+            assert tiles <= num_tiles(t, g, tm)
 
 
 def test_pick_tile():
-    assert pick_tile(64, 8) == 8 and pick_tile(2048, 8) == 64 and pick_tile(1 << 20, 16) == 128
+    """About the mean group size T / G (a power of two in [8, 256])."""
+    assert pick_tile(64, 8) == 8 and pick_tile(1024, 16) == 64 and pick_tile(2048, 16) == 128
+    assert pick_tile(2048, 8) == 256 and pick_tile(1 << 20, 16) == 256 and pick_tile(1, 4) == 8
 
 
 def _dot_shapes(hlo: str) -> list[tuple[int, ...]]:
@@ -121,12 +128,18 @@ def _dot_shapes(hlo: str) -> list[tuple[int, ...]]:
     return [tuple(int(s) for s in shape.split(",") if s) for shape in shapes]
 
 
+def _loop_flop_bound(compiled, trips: int, trip_flops: int) -> float:
+    """XLA's cost_analysis counts a loop body once: the total is at most its count + (trips - 1)
+    x the FLOPs of one trip's dots."""
+    return compiled.cost_analysis()["flops"] + (trips - 1) * trip_flops
+
+
 def test_no_group_runs_on_rows_it_was_not_given():
     """Compiled forward and gradient at T=256, K=32, N=48, 8 groups: every dot is one tile's
     ([tm, N] or [tm, K] out) or one tile's weight-gradient term ([K, N]), 2 tm K N FLOPs each, in
-    a tile loop of at most num_tiles = T/tm + G trips. XLA's cost_analysis counts a loop body
-    once, so the total is at most its count + (trips - 1) x the dots' FLOPs. That bound must be
-    well below ragged_dot's count on XLA:CPU, which multiplies every group by every row."""
+    tile loops (one per group, inside the loop over groups) of at most num_tiles = T/tm + G trips
+    in all, i.e. T + G tm rows. That bound must be well below ragged_dot's count on XLA:CPU,
+    which multiplies every group by every row."""
     t, k, n, g = 256, 32, 48, 8
     lhs, rhs, _ = operands(t, k, n, g, jnp.float32, seed=2)
     gs = jnp.array([40, 0, 70, 30, 30, 20, 36, 10], jnp.int32)
@@ -144,18 +157,80 @@ def test_no_group_runs_on_rows_it_was_not_given():
         ragged = jax.jit(wrap(jax.lax.ragged_dot)).lower(lhs, rhs).compile()
         shapes = _dot_shapes(tiled.as_text())
         assert shapes and set(shapes) <= {(tm, n), (tm, k), (k, n)}, shapes
-        bound = tiled.cost_analysis()["flops"] + (trips - 1) * len(shapes) * 2 * tm * k * n
+        bound = _loop_flop_bound(tiled, trips, len(shapes) * 2 * tm * k * n)
         dense = ragged.cost_analysis()["flops"]
         one_pass = 2 * t * k * n * (1 if wrap is fwd else 3)
         assert dense > 6 * one_pass  # XLA:CPU still expands ragged_dot (else this test is moot)
-        assert bound < 2 * one_pass < dense / 3, (wrap.__name__, bound, one_pass, dense)
+        padded = (t + g * tm) / t * one_pass  # every row once, plus < tm padding rows per group
+        assert bound < 1.1 * padded < dense / 3, (wrap.__name__, bound, padded, dense)
 
 
-def test_tiled_matmul_rejects_bad_shapes():
+def _swiglu_ref(x, gate_up, down, gs, act):
+    h = jax.lax.ragged_dot(x, gate_up, gs, preferred_element_type=jnp.float32)
+    gate, up = jnp.split(h, 2, axis=-1)
+    return jax.lax.ragged_dot((act(gate) * up).astype(x.dtype), down, gs, preferred_element_type=jnp.float32)
+
+
+@jax.jit
+def _swiglu_both(x, gate_up, down, dy, gs):
+    def vg(f):
+        out, vjp = jax.vjp(lambda *a: f(*a, gs, jax.nn.silu), x, gate_up, down)
+        return (out, *vjp(dy))
+
+    return vg(lambda *a: tiled_swiglu(*a, tile=8)), vg(_swiglu_ref)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_swiglu_matches_ragged_dot(case, dtype):
+    """tiled_swiglu (both projections in one tile loop, custom backward) vs the two ragged_dots
+    and the activation between them: values, dx, dgate_up, ddown; fp32 output; unrouted rows 0."""
+    t, sizes = CASES[case]
+    r = np.random.default_rng(3)
+    g, d, f = len(sizes), 16, 12
+    x = jnp.asarray(r.normal(size=(t, d)), dtype)
+    gate_up = jnp.asarray(r.normal(size=(g, d, 2 * f)) * 0.3, dtype)
+    down = jnp.asarray(r.normal(size=(g, f, d)) * 0.3, dtype)
+    dy = jnp.asarray(r.normal(size=(t, d)), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    got, want = _swiglu_both(x, gate_up, down, dy, gs)
+    if sum(sizes):
+        errs = [rel_err(a, b) for a, b in zip(got, want)]
+        assert max(errs) < TOL[dtype], errs
+    assert got[0].dtype == jnp.float32 and [a.dtype for a in got[1:]] == [dtype] * 3
+    used = sum(sizes)
+    assert not np.any(np.asarray(got[0])[used:]) and not np.any(np.asarray(got[1], np.float32)[used:])
+
+
+def test_fused_swiglu_no_group_runs_on_rows_it_was_not_given():
+    """As above for the fused SwiGLU at T=256, d=32, f=24, 8 groups: per tile the forward runs
+    two dots (6 tm d f FLOPs), the backward four (12 tm d f, h kept from the forward)."""
+    t, d, f, g = 256, 32, 24, 8
+    r = np.random.default_rng(4)
+    x = jnp.asarray(r.normal(size=(t, d)), jnp.float32)
+    gate_up = jnp.asarray(r.normal(size=(g, d, 2 * f)), jnp.float32)
+    down = jnp.asarray(r.normal(size=(g, f, d)), jnp.float32)
+    gs = jnp.array([40, 0, 70, 30, 30, 20, 36, 10], jnp.int32)
+    tm = pick_tile(t, g)
+    trips = num_tiles(t, g, tm)
+    for grad in (False, True):
+        fn = lambda *a: tiled_swiglu(*a, gs, jax.nn.silu)
+        if grad:
+            fn = jax.grad(lambda *a, fn=fn: jnp.sum(fn(*a) ** 2), (0, 1, 2))
+        compiled = jax.jit(fn).lower(x, gate_up, down).compile()
+        shapes = set(_dot_shapes(compiled.as_text()))
+        assert shapes <= {(tm, 2 * f), (tm, d), (tm, f), (d, 2 * f), (f, d)}, shapes
+        trip_flops = (6 + 12 * grad) * tm * d * f
+        one_pass = (6 + 12 * grad) * t * d * f
+        padded = (t + g * tm) / t * one_pass
+        assert _loop_flop_bound(compiled, trips, trip_flops) < 1.1 * padded < g * one_pass / 3
+
+
+def test_rejects_bad_shapes():
     x = jnp.zeros((24, 8))
-    with pytest.raises(ValueError, match="mismatched"):
-        tiled_matmul(x, jnp.zeros((2, 16, 4)), jnp.zeros((3,), jnp.int32))
-    with pytest.raises(ValueError, match="mismatched"):
-        tiled_matmul(x, jnp.zeros((2, 8, 4)), jnp.zeros((5,), jnp.int32))  # 24 rows, 5 tiles
+    with pytest.raises(ValueError, match="want lhs"):
+        tiled_grouped_matmul(x, jnp.zeros((2, 16, 4)), jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="want lhs"):
+        tiled_grouped_matmul(x[None], jnp.zeros((2, 8, 4)), jnp.zeros((2,), jnp.int32))
     with pytest.raises(ValueError, match="group_sizes"):
         tiled_grouped_matmul(x, jnp.zeros((2, 8, 4)), jnp.zeros((3,), jnp.int32))

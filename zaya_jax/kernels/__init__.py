@@ -4,7 +4,7 @@ the plain-XLA tiled grouped matmul (sparse on every backend; moe_impl="auto" on 
   flash_attention / reference_attention     the CCA attention core (zaya_jax.model.attention)
   grouped_matmul / reference_grouped_matmul  ragged expert GEMM (jax.lax.ragged_dot), + tgmm
   swiglu_grouped_pallas                      zaya_jax.model.moe.swiglu_grouped on the kernels
-  tiled_grouped_matmul / tiled_matmul        plain-XLA megablox grouped matmul (row tiles per group)
+  tiled_grouped_matmul                       plain-XLA megablox grouped matmul (row tiles per group)
   newton_schulz / reference_newton_schulz    Muon's orthogonalisation (zaya_jax.optim.muon)
   pick_blocks                                block sizes per kernel / shape / dtype
 
@@ -25,7 +25,7 @@ from zaya_jax.kernels.grouped_matmul import (
     tgmm,
 )
 from zaya_jax.kernels.newton_schulz import newton_schulz, reference_newton_schulz
-from zaya_jax.kernels.tiled_grouped_matmul import tiled_grouped_matmul, tiled_matmul
+from zaya_jax.kernels.tiled_grouped_matmul import tiled_grouped_matmul
 
 # Which backends each kernel compiles for. All kernels are `pl.pallas_call` with
 # `jax.experimental.pallas.triton.CompilerParams`, i.e. the Pallas Triton lowering: the one Pallas
@@ -81,5 +81,4 @@ __all__ = [
     "swiglu_grouped_pallas",
     "tgmm",
     "tiled_grouped_matmul",
-    "tiled_matmul",
 ]

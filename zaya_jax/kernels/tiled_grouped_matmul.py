@@ -1,29 +1,37 @@
 """Tiled grouped matmul in plain JAX/XLA (the megablox algorithm): sparse on every backend.
 
 XLA:CPU expands `jax.lax.ragged_dot` into masked dense matmuls (every group's weights meet every
-row: G times the work). Here rows are laid out group by group, each group padded up to a multiple
-of a row tile of tm rows, so every tile belongs to exactly one group; one batched matmul then
-multiplies each tile by its own group's weights:
+row: G times the work). Here each group's rows (consecutive, in group order) are cut into row
+tiles of tm rows and every tile is multiplied by its own group's weights only:
 
-    tile_layout(group_sizes [G], t, tm) -> TileLayout
-        src [P]   padded row p <- sorted row src[p] (t = a zero row: group padding, unused tiles)
-        dst [T]   sorted row r -> padded row dst[r] (P for rows past sum(group_sizes))
-        tile_group [n]  the group of each tile (G for unused tiles); P = n * tm
-    tiled_matmul(x_pk [P, K], w_gkn [G, K, N], tile_group [n]) -> [P, N]
-        out[tile] = x[tile] @ w[tile_group[tile]]; custom_vjp, the backward is tiled too:
-          dx[tile] = dout[tile] @ w[g]^T        dw[g] = sum over g's tiles of x[tile]^T dout[tile]
     tiled_grouped_matmul(lhs [T, K], rhs [G, K, N], group_sizes [G]) -> [T, N]
-        `jax.lax.ragged_dot`'s contract (rows past sum(group_sizes) are 0) on the three above.
+        `jax.lax.ragged_dot`'s contract (rows past sum(group_sizes) are 0); custom_vjp, the
+        backward is tiled the same way:
+          dlhs[tile] = dout[tile] @ rhs[g]^T        drhs[g] = sum over g's tiles of lhs[tile]^T dout[tile]
 
-Work: P <= T + G * (tm - 1) rows are computed (static bound n = T // tm + G tiles), so FLOPs
-scale with T, not G * T. Axis letters: t (T) sorted rows, p (P) padded rows, n tiles, r rows in a
-tile (tm), k contraction, m output columns, g groups.
+Two nested loops: over groups (each group's [K, N] weights sliced once, its drhs accumulated in
+the loop carry and emitted once), and over that group's ceil(size / tm) tiles. A tile is a window
+of tm rows of the sorted rows themselves, no padded copy: tile i of a group starting at row a
+reads rows [lo, lo + tm) with lo = a + i * tm, shifted back to T - tm where it would run past the
+last row (`tile_window`); the rows of the window outside [lo, group end) belong to an earlier
+tile or another group and are masked out of the write and of drhs. So every routed row is
+computed once per projection, and the work is at most (T / tm + G) tile products: it scales with
+T, not G * T.
+
+    tiled_swiglu(x [T, d], gate_up [G, d, 2f], down [G, f, d], group_sizes [G], act) -> fp32 [T, d]
+        the experts' SwiGLU on the same tiles, both projections and the activation in ONE loop
+        (the MoE's `tiled` path): half the loop trips of two tiled_grouped_matmul calls, and the
+        [tm, 2f] intermediate stays in the tile. Its backward is one loop too, on h [T, 2f] kept
+        from the forward.
+
+On XLA:CPU a loop trip costs more than its dot at these sizes, hence the fused loop and a tile
+about as big as a typical group (`pick_tile`). Axis letters: t (T) rows, r rows in a tile (tm),
+k contraction, m output columns, g groups; d model width and f expert FFN width in tiled_swiglu.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,17 +39,16 @@ import jax.numpy as jnp
 from zaya_jax.kernels.grouped_matmul import _compute_dtype, group_offsets
 
 
-class TileLayout(NamedTuple):
-    src: jax.Array  # [P] int32: sorted row feeding each padded row, T for a zero row
-    dst: jax.Array  # [T] int32: padded row of each sorted row, P for unrouted rows
-    tile_group: jax.Array  # [n] int32: group of each tile, G for unused tiles
-
-
 def pick_tile(t: int, g: int) -> int:
-    """Row tile tm: a power of two in [8, 128], about T / (4 G), so the padding (< G * tm rows)
-    stays under ~25% of T while tiles stay big enough for an efficient matmul."""
+    """Row tile tm: the largest power of two <= T / G (the mean group size), in [8, 256].
+
+    On XLA:CPU each trip of a tile loop costs far more than its dot at these sizes, so a tile
+    as big as a typical group (one or two trips per group) beat smaller tiles with less padding,
+    and twice that (double the padding) lost: the tiled MoE's forward + backward measured on a
+    2-core CPU at T=2048 with (G, d=f) = (8, 128) and (16, 512), and T=1024, G=16, d=256, f=512.
+    The padding stays < G * tm <= T rows."""
     tm = 8
-    while tm < 128 and 2 * tm * 4 * max(g, 1) <= t:
+    while tm < 256 and 2 * tm * max(g, 1) <= t:
         tm *= 2
     return tm
 
@@ -51,34 +58,14 @@ def num_tiles(t: int, g: int, tm: int) -> int:
     return t // tm + g
 
 
-def tile_layout(group_sizes: jax.Array, t: int, tm: int) -> TileLayout:
-    """Pads each group of the T sorted rows to a multiple of tm rows (see the module docstring)."""
-    g = group_sizes.shape[0]
-    n = num_tiles(t, g, tm)
-    starts, sizes = group_offsets(group_sizes, t)  # [G] each, clipped to T rows
-    tiles = (sizes + tm - 1) // tm  # [G]
-    tile_end = jnp.cumsum(tiles)  # [G]
-    pad_starts = (tile_end - tiles) * tm  # [G] first padded row of each group
-    tile_group = jnp.searchsorted(tile_end, jnp.arange(n, dtype=jnp.int32), side="right").astype(jnp.int32)
-    row_group = jnp.repeat(tile_group, tm, total_repeat_length=n * tm)  # [P]
-    gc = jnp.minimum(row_group, g - 1)
-    offset = jnp.arange(n * tm, dtype=jnp.int32) - pad_starts[gc]  # row within its group
-    valid = (row_group < g) & (offset < sizes[gc])
-    src = jnp.where(valid, starts[gc] + offset, t).astype(jnp.int32)
-    rows = jnp.arange(t, dtype=jnp.int32)
-    sorted_group = jnp.searchsorted(starts + sizes, rows, side="right")  # [T]; G past the routed rows
-    sg = jnp.minimum(sorted_group, g - 1)
-    dst = jnp.where(sorted_group < g, pad_starts[sg] + rows - starts[sg], n * tm).astype(jnp.int32)
-    return TileLayout(src, dst, tile_group)
+def tile_window(lo: jax.Array, end: jax.Array, t: int, tm: int) -> tuple[jax.Array, jax.Array]:
+    """The tile whose first new row is lo (of a group ending at row end): (start, keep [tm, 1]).
 
-
-def gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
-    """x [R, c] -> x[idx] [len(idx), c], idx == R (or beyond) giving a zero row."""
-    return jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
-
-
-def _tiles(x_pc: jax.Array, n: int) -> jax.Array:
-    return x_pc.reshape(n, x_pc.shape[0] // n, x_pc.shape[1])
+    The window [start, start + tm) is [lo, lo + tm) moved back to fit in T rows; keep marks the
+    rows it owns, lo <= row < end (needs tm <= T)."""
+    start = jnp.minimum(lo, t - tm)
+    row = start + jnp.arange(tm, dtype=jnp.int32)
+    return start, ((row >= lo) & (row < end))[:, None]
 
 
 def _dot(a, b, contract):
@@ -88,74 +75,74 @@ def _dot(a, b, contract):
     )
 
 
-# A loop over the used tiles, slicing each tile's weights in place, rather than one batched einsum
-# over gathered per-tile weights [n, K, N]: that gather copies K x N weights per tile and measured
-# 3-5x slower on XLA:CPU. The loop also skips the unused trailing tiles.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _tiled(x_pk, w_gkn, tile_group, groups, out_dtype):
-    n = tile_group.shape[0]
-    cdt = _compute_dtype(x_pk.dtype, w_gkn.dtype)
-    x_nrk, w_gkn = _tiles(x_pk.astype(cdt), n), w_gkn.astype(cdt)
-
-    def body(i, out_nrm):
-        w_km = jax.lax.dynamic_index_in_dim(w_gkn, tile_group[i], keepdims=False)
-        return out_nrm.at[i].set(_dot(x_nrk[i], w_km, ((1,), (0,))).astype(out_dtype))
-
-    out = jnp.zeros((n, x_nrk.shape[1], w_gkn.shape[2]), out_dtype)
-    out = jax.lax.fori_loop(0, _used_tiles(tile_group, groups), body, out)
-    return out.reshape(x_pk.shape[0], -1)
+def _write(buf_tc: jax.Array, start: jax.Array, keep: jax.Array, tile_rc: jax.Array) -> jax.Array:
+    """buf[start : start + tm] = tile where keep, else unchanged."""
+    old = jax.lax.dynamic_slice_in_dim(buf_tc, start, tile_rc.shape[0])
+    new = jnp.where(keep, tile_rc.astype(buf_tc.dtype), old)
+    return jax.lax.dynamic_update_slice_in_dim(buf_tc, new, start, 0)
 
 
-def _used_tiles(tile_group: jax.Array, groups: int) -> jax.Array:
-    """Used tiles come first; the rest (group G) compute nothing and stay zero."""
-    return jnp.sum(tile_group < groups).astype(jnp.int32)
+def _over_tiles(start_g, size_g, t: int, tm: int, tile_fn, carry):
+    """fori_loop over one group's tiles: carry = tile_fn(start, keep, carry)."""
+    end = start_g + size_g
+
+    def body(i, c):
+        return tile_fn(*tile_window(start_g + i * tm, end, t, tm), c)
+
+    return jax.lax.fori_loop(0, (size_g + tm - 1) // tm, body, carry)
 
 
-def _tiled_fwd(x_pk, w_gkn, tile_group, groups, out_dtype):
-    return _tiled(x_pk, w_gkn, tile_group, groups, out_dtype), (x_pk, w_gkn, tile_group)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _tiled(x_tk, w_gkm, starts_g, sizes_g, tm, out_dtype):
+    t = x_tk.shape[0]
+    cdt = _compute_dtype(x_tk.dtype, w_gkm.dtype)
+    x_tk = x_tk.astype(cdt)
+
+    def group(out_tm, per_group):
+        w_km, start_g, size_g = per_group
+
+        def tile(start, keep, out):
+            x_rk = jax.lax.dynamic_slice_in_dim(x_tk, start, tm)
+            return _write(out, start, keep, _dot(x_rk, w_km, ((1,), (0,))))
+
+        return _over_tiles(start_g, size_g, t, tm, tile, out_tm), None
+
+    out = jnp.zeros((t, w_gkm.shape[2]), out_dtype)
+    return jax.lax.scan(group, out, (w_gkm.astype(cdt), starts_g, sizes_g))[0]
 
 
-def _tiled_bwd(groups, out_dtype, res, dout_pm):
-    x_pk, w_gkn, tile_group = res
-    n, used = tile_group.shape[0], _used_tiles(tile_group, groups)
-    cdt_x = _compute_dtype(dout_pm.dtype, w_gkn.dtype)  # dx = dout w^T
-    cdt_w = _compute_dtype(x_pk.dtype, dout_pm.dtype)  # dw = x^T dout
-    dout_x, w_x = _tiles(dout_pm.astype(cdt_x), n), w_gkn.astype(cdt_x)
-    x_w, dout_w = _tiles(x_pk.astype(cdt_w), n), _tiles(dout_pm.astype(cdt_w), n)
+def _tiled_fwd(x_tk, w_gkm, starts_g, sizes_g, tm, out_dtype):
+    return _tiled(x_tk, w_gkm, starts_g, sizes_g, tm, out_dtype), (x_tk, w_gkm, starts_g, sizes_g)
 
-    def body(i, carry):
-        dx_nrk, dw_gkm = carry
-        g = tile_group[i]
-        w_km = jax.lax.dynamic_index_in_dim(w_x, g, keepdims=False)
-        dx_nrk = dx_nrk.at[i].set(_dot(dout_x[i], w_km, ((1,), (1,))).astype(dx_nrk.dtype))
-        dw_gkm = dw_gkm.at[g].add(_dot(x_w[i], dout_w[i], ((0,), (0,))))
-        return dx_nrk, dw_gkm
 
-    dx = jnp.zeros((n, x_pk.shape[0] // n, x_pk.shape[1]), x_pk.dtype)
-    dw = jnp.zeros(w_gkn.shape, jnp.float32)
-    dx, dw = jax.lax.fori_loop(0, used, body, (dx, dw))
-    return dx.reshape(x_pk.shape), dw.astype(w_gkn.dtype), None
+def _tiled_bwd(tm, out_dtype, res, dout_tm):
+    x_tk, w_gkm, starts_g, sizes_g = res
+    t = x_tk.shape[0]
+    cdt_x = _compute_dtype(dout_tm.dtype, w_gkm.dtype)  # dx = dout w^T
+    cdt_w = _compute_dtype(x_tk.dtype, dout_tm.dtype)  # dw = x^T dout
+    dout_x, dout_w, x_w = dout_tm.astype(cdt_x), dout_tm.astype(cdt_w), x_tk.astype(cdt_w)
+
+    def group(dx_tk, per_group):
+        w_km, start_g, size_g = per_group
+
+        def tile(start, keep, carry):
+            dx, dw_km = carry
+            dout_rm = jax.lax.dynamic_slice_in_dim(dout_x, start, tm)
+            dx = _write(dx, start, keep, _dot(dout_rm, w_km, ((1,), (1,))))
+            dout_rm = jnp.where(keep, jax.lax.dynamic_slice_in_dim(dout_w, start, tm), 0)
+            x_rk = jax.lax.dynamic_slice_in_dim(x_w, start, tm)
+            return dx, dw_km + _dot(x_rk, dout_rm, ((0,), (0,)))
+
+        dw0 = jnp.zeros(w_km.shape, jnp.float32)
+        dx_tk, dw_km = _over_tiles(start_g, size_g, t, tm, tile, (dx_tk, dw0))
+        return dx_tk, dw_km.astype(w_gkm.dtype)
+
+    dx0 = jnp.zeros(x_tk.shape, x_tk.dtype)
+    dx, dw = jax.lax.scan(group, dx0, (w_gkm.astype(cdt_x), starts_g, sizes_g))
+    return dx, dw, None, None
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
-
-
-def tiled_matmul(
-    x_pk: jax.Array, w_gkn: jax.Array, tile_group: jax.Array, *, preferred_element_type=None
-) -> jax.Array:
-    """x [P, K] in tiles of P / n rows, w [G, K, N], tile_group [n] -> [P, N]: each tile times its
-    group's weights. Tiles of group G (unused) must come last, as `tile_layout` makes them: the
-    loop stops at the first of them, and they give zeros. Differentiable in x and w (tiled
-    backward)."""
-    if x_pk.ndim != 2 or w_gkn.ndim != 3 or tile_group.ndim != 1:
-        raise ValueError(
-            f"tiled_matmul: want x [P,K], w [G,K,N], tile_group [n]; got "
-            f"{x_pk.shape}, {w_gkn.shape}, {tile_group.shape}"
-        )
-    if x_pk.shape[1] != w_gkn.shape[1] or x_pk.shape[0] % max(tile_group.shape[0], 1):
-        raise ValueError(f"tiled_matmul: mismatched shapes {x_pk.shape}, {w_gkn.shape}, {tile_group.shape}")
-    out_dtype = jnp.dtype(preferred_element_type or x_pk.dtype)
-    return _tiled(x_pk, w_gkn, tile_group.astype(jnp.int32), w_gkn.shape[0], out_dtype)
 
 
 def tiled_grouped_matmul(
@@ -166,16 +153,114 @@ def tiled_grouped_matmul(
     tile: int | None = None,
     preferred_element_type=None,
 ) -> jax.Array:
-    """`jax.lax.ragged_dot` on the tiled layout: lhs [T, K], rhs [G, K, N], group_sizes [G] -> [T, N].
+    """`jax.lax.ragged_dot` by row tiles: lhs [T, K], rhs [G, K, N], group_sizes [G] -> [T, N].
 
     Rows of group g (consecutive, in group order) are multiplied by rhs[g]; rows past
-    sum(group_sizes) are 0. tile: rows per tile (default `pick_tile(T, G)`).
+    sum(group_sizes) are 0. Differentiable in lhs and rhs. tile: rows per tile (default
+    `pick_tile(T, G)`, at most T).
     """
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(f"tiled_grouped_matmul: want lhs [T,K], rhs [G,K,N]; got {lhs.shape}, {rhs.shape}")
     t, g = lhs.shape[0], rhs.shape[0]
     if group_sizes.shape != (g,):
         raise ValueError(f"tiled_grouped_matmul: group_sizes {group_sizes.shape} for {g} groups")
-    layout = tile_layout(group_sizes, t, tile or pick_tile(t, g))
-    out = tiled_matmul(
-        gather_rows(lhs, layout.src), rhs, layout.tile_group, preferred_element_type=preferred_element_type
-    )
-    return gather_rows(out, layout.dst)
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    if t == 0:
+        return jnp.zeros((0, rhs.shape[2]), out_dtype)
+    starts, sizes = group_offsets(group_sizes, t)
+    return _tiled(lhs, rhs, starts, sizes, min(tile or pick_tile(t, g), t), out_dtype)
+
+
+# ------------------------------------------------------------------------------- fused SwiGLU
+def _swiglu_tile(x_rd, gu_df, dn_fd, act, cdt):
+    """One tile of act(x G) * (x U) then D: (h [tm, 2f] fp32, y [tm, d] fp32)."""
+    h = _dot(x_rd, gu_df, ((1,), (0,)))
+    gate, up = jnp.split(h, 2, axis=-1)
+    return h, _dot((act(gate) * up).astype(cdt), dn_fd, ((1,), (0,)))
+
+
+def _swiglu_loop(x_td, gu_gdf, dn_gfd, starts_g, sizes_g, tm, act, keep_h):
+    """The fused loop: y [T, d] fp32 (and h [T, 2f] fp32 when keep_h, the backward's residual)."""
+    t = x_td.shape[0]
+    cdt = _compute_dtype(x_td.dtype, gu_gdf.dtype)
+    x_td = x_td.astype(cdt)
+
+    def group(carry, per_group):
+        gu_df, dn_fd, start_g, size_g = per_group
+
+        def tile(start, keep, c):
+            h, y = _swiglu_tile(jax.lax.dynamic_slice_in_dim(x_td, start, tm), gu_df, dn_fd, act, cdt)
+            return (_write(c[0], start, keep, y), *((_write(c[1], start, keep, h),) if keep_h else ()))
+
+        return _over_tiles(start_g, size_g, t, tm, tile, carry), None
+
+    init = (jnp.zeros((t, dn_gfd.shape[2]), jnp.float32),)
+    if keep_h:
+        init += (jnp.zeros((t, gu_gdf.shape[2]), jnp.float32),)
+    per_group = (gu_gdf.astype(cdt), dn_gfd.astype(cdt), starts_g, sizes_g)
+    return jax.lax.scan(group, init, per_group)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _swiglu(x_td, gu_gdf, dn_gfd, starts_g, sizes_g, tm, act):
+    return _swiglu_loop(x_td, gu_gdf, dn_gfd, starts_g, sizes_g, tm, act, False)[0]
+
+
+def _swiglu_fwd(x_td, gu_gdf, dn_gfd, starts_g, sizes_g, tm, act):
+    y, h = _swiglu_loop(x_td, gu_gdf, dn_gfd, starts_g, sizes_g, tm, act, True)
+    return y, (x_td, gu_gdf, dn_gfd, starts_g, sizes_g, h)
+
+
+def _swiglu_bwd(tm, act, res, dy_td):
+    x_td, gu_gdf, dn_gfd, starts_g, sizes_g, h_tf = res
+    t = x_td.shape[0]
+    cdt = _compute_dtype(x_td.dtype, gu_gdf.dtype)
+    x_c, dy_c = x_td.astype(cdt), dy_td.astype(cdt)
+
+    def group(dx_td, per_group):
+        gu_df, dn_fd, start_g, size_g = per_group
+
+        def tile(start, keep, carry):
+            dx, dgu_df, ddn_fd = carry
+            gate, up = jnp.split(jax.lax.dynamic_slice_in_dim(h_tf, start, tm), 2, axis=-1)
+            a, act_vjp = jax.vjp(lambda g, u: act(g) * u, gate, up)
+            dy_rd = jnp.where(keep, jax.lax.dynamic_slice_in_dim(dy_c, start, tm), 0)
+            ddn_fd = ddn_fd + _dot(a.astype(cdt), dy_rd, ((0,), (0,)))
+            dh = jnp.concatenate(act_vjp(_dot(dy_rd, dn_fd, ((1,), (1,)))), axis=-1).astype(cdt)
+            dgu_df = dgu_df + _dot(jax.lax.dynamic_slice_in_dim(x_c, start, tm), dh, ((0,), (0,)))
+            return _write(dx, start, keep, _dot(dh, gu_df, ((1,), (1,)))), dgu_df, ddn_fd
+
+        zeros = (jnp.zeros(gu_df.shape, jnp.float32), jnp.zeros(dn_fd.shape, jnp.float32))
+        dx_td, dgu_df, ddn_fd = _over_tiles(start_g, size_g, t, tm, tile, (dx_td, *zeros))
+        return dx_td, (dgu_df.astype(gu_gdf.dtype), ddn_fd.astype(dn_gfd.dtype))
+
+    per_group = (gu_gdf.astype(cdt), dn_gfd.astype(cdt), starts_g, sizes_g)
+    dx, (dgu, ddn) = jax.lax.scan(group, jnp.zeros(x_td.shape, x_td.dtype), per_group)
+    return dx, dgu, ddn, None, None
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+def tiled_swiglu(
+    x_td: jax.Array,
+    gate_up_gdf: jax.Array,
+    down_gfd: jax.Array,
+    group_sizes: jax.Array,
+    act,
+    *,
+    tile: int | None = None,
+) -> jax.Array:
+    """Grouped SwiGLU (act(x G_g) * (x U_g)) D_g on group-sorted rows, gate and up projections fused
+    in gate_up [G, d, 2f] (gate columns first), down [G, f, d] -> fp32 [T, d] (rows past
+    sum(group_sizes) are 0): both projections in ONE tile loop, the [tm, 2f] intermediate never
+    leaving the tile; the backward is one loop too (h [T, 2f] kept from the forward)."""
+    t, g = x_td.shape[0], gate_up_gdf.shape[0]
+    if group_sizes.shape != (g,) or gate_up_gdf.shape[2] != 2 * down_gfd.shape[1]:
+        raise ValueError(
+            f"tiled_swiglu: shapes {x_td.shape}, {gate_up_gdf.shape}, {down_gfd.shape}, {group_sizes.shape}"
+        )
+    if t == 0:
+        return jnp.zeros((0, down_gfd.shape[2]), jnp.float32)
+    starts, sizes = group_offsets(group_sizes, t)
+    return _swiglu(x_td, gate_up_gdf, down_gfd, starts, sizes, min(tile or pick_tile(t, g), t), act)

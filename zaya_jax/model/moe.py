@@ -7,9 +7,9 @@ Params: gate_up_proj [E, d, 2I] (gate columns first, HF's [E, 2I, d] transposed)
 groups: each token is multiplied by its own expert only. Tokens routed to the skip class sort last,
 fall outside every group and cost nothing (ragged_dot leaves rows past sum(group_sizes) zero).
 XLA:CPU, though, expands ragged_dot into masked dense matmuls (every expert on every token), so
-`tiled` lays the sorted tokens out in row tiles, each group padded to whole tiles, and runs each
-tile with its own expert's weights (zaya_jax/kernels/tiled_grouped_matmul.py): sparse on every
-backend. `auto` (default) is `tiled` on CPU and ragged_dot where it is a native grouped GEMM
+`tiled` cuts each expert's sorted tokens into row tiles and runs each tile through its own
+expert's SwiGLU only, both projections in one loop (zaya_jax/kernels/tiled_grouped_matmul.py):
+sparse on every backend. `auto` (default) is `tiled` on CPU and ragged_dot where it is a native grouped GEMM
 (GPU, TPU); `pallas` is the Triton kernel. `dense` runs every expert on every token and selects;
 it exists as the test reference.
 """
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from zaya_jax.kernels import default_interpret, swiglu_grouped_pallas
-from zaya_jax.kernels.tiled_grouped_matmul import gather_rows, pick_tile, tile_layout, tiled_matmul
+from zaya_jax.kernels.tiled_grouped_matmul import tiled_swiglu
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.parallel.expert import expert_parallel_moe
 
@@ -88,20 +88,11 @@ def tiled_moe(
     act: Callable,
     tile: int | None = None,
 ) -> jax.Array:
-    """`sparse_moe` on the tiled grouped matmul: y[t] = Expert_{expert[t]}(x[t]), 0 for the skip
-    class. fp32 [M, d]. Tokens go straight into the padded tile layout [P, d] (P <= M + E * tile)
-    and back, one gather each way; padding rows are zero, so act(0) * 0 leaves them zero."""
-    t, e = x_md.shape[0], gate_up_edf.shape[0]
-    order, group_sizes = group_by_expert(expert_m, e)
-    layout = tile_layout(group_sizes, t, tile or pick_tile(t, e))
-    token_tiled = jnp.take(order, layout.src, mode="fill", fill_value=t)  # [P]; M (a zero row) for padding
-    x_tiled_md = gather_rows(x_md, token_tiled)
-    h = tiled_matmul(x_tiled_md, gate_up_edf, layout.tile_group, preferred_element_type=jnp.float32)
-    gate, up = jnp.split(h, 2, axis=-1)
-    a = (act(gate) * up).astype(x_md.dtype)
-    y_tiled_md = tiled_matmul(a, down_efd, layout.tile_group, preferred_element_type=jnp.float32)
-    row_m = jnp.zeros_like(layout.dst).at[order].set(layout.dst)  # padded row of each token, P if skipped
-    return gather_rows(y_tiled_md, row_m)
+    """`sparse_moe` on the fused tiled SwiGLU (both projections in one loop over row tiles, each
+    tile with its own expert's weights only; sparse on every backend): y[t] =
+    Expert_{expert[t]}(x[t]), 0 for the skip class. fp32 [M, d]."""
+    swiglu = functools.partial(tiled_swiglu, tile=tile)
+    return sparse_moe(x_md, expert_m, gate_up_edf, down_efd, act, swiglu=swiglu)
 
 
 def dense_moe(
