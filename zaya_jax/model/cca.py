@@ -16,6 +16,7 @@ keys and values of the whole sequence, all-gathered over the axis.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -69,6 +70,60 @@ class DepthwiseConv(nn.Module):
         return out + b
 
 
+def _grouped_conv_btc(x_btc: jax.Array, w_kic: jax.Array, groups: int, pad: int) -> jax.Array:
+    """XLA's grouped convolution over time, fp32 out: x [B, T, C], w [k, C/groups, C] (WIO)."""
+    return jax.lax.conv_general_dilated(
+        x_btc,
+        w_kic,
+        (1,),
+        [(pad, pad)],
+        dimension_numbers=("NWC", "WIO", "NWC"),
+        feature_group_count=groups,
+        preferred_element_type=jnp.float32,
+    )
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def grouped_conv(x_btc: jax.Array, w_kic: jax.Array, groups: int) -> jax.Array:
+    """Grouped 'valid' cross-correlation [B, T, C] -> [B, T-k+1, C] (fp32), one group per head.
+
+    On XLA:CPU the grouped convolution is ~3x faster forward than one einsum per tap, but
+    autodiff's backward of it is slow (fwd+bwd slower than the einsums). So the backward is
+    written out: the input gradient is again a convolution (padded, with the kernel flipped in
+    time and each group's block transposed), the weight gradient one matmul per tap."""
+    return _grouped_conv_btc(x_btc, w_kic, groups, 0)
+
+
+def _grouped_conv_fwd(x_btc, w_kic, groups):
+    return _grouped_conv_btc(x_btc, w_kic, groups, 0), (x_btc, w_kic)
+
+
+def _grouped_conv_bwd(groups, res, dy_btc):
+    x_btc, w_kic = res
+    k, h, c = w_kic.shape
+    b, t, _ = x_btc.shape
+    t_out = t - k + 1
+    # dx[t] = sum_i dy[t - i] w[i]^T per group: a full convolution with the kernel flipped in time
+    # and each group's [in, out] block transposed.
+    w_flip = w_kic.reshape(k, h, groups, h)[::-1].transpose(0, 3, 2, 1).reshape(k, h, c)
+    dx = _grouped_conv_btc(dy_btc.astype(x_btc.dtype), w_flip, groups, k - 1)
+    # dw[i] = sum over (b, t) of x[t + i]^T dy[t] per group.
+    x_btgi = x_btc.reshape(b, t, groups, h)
+    dy_btgo = dy_btc.reshape(b, t_out, groups, h).astype(x_btc.dtype)
+    dw = jnp.stack(
+        [
+            jnp.einsum(
+                "btgi,btgo->igo", x_btgi[:, i : i + t_out], dy_btgo, preferred_element_type=jnp.float32
+            )
+            for i in range(k)
+        ]
+    )
+    return dx.astype(x_btc.dtype), dw.reshape(k, h, c).astype(w_kic.dtype)
+
+
+grouped_conv.defvjp(_grouped_conv_fwd, _grouped_conv_bwd)
+
+
 class GroupedConv(nn.Module):
     """Grouped 'valid' cross-correlation over time (axis -2), one group per head:
     [..., T, G*h] -> [..., T-k+1, G*h].
@@ -88,19 +143,8 @@ class GroupedConv(nn.Module):
         h = c // g
         w = self.param("kernel", torch_conv_init(h * k), (k, h, c), self.param_dtype).astype(self.dtype)
         bias = self.param("bias", torch_conv_init(h * k), (c,), self.param_dtype).astype(self.dtype)
-        w_kigo = w.reshape(k, h, g, h)  # [tap, in within group, group, out within group]
-        u_tgi = u_tc.reshape(*lead, t, g, h)
-        t_out = t - k + 1
-        out = sum(
-            jnp.einsum(
-                "...tgi,igo->...tgo",
-                u_tgi[..., i : i + t_out, :, :],
-                w_kigo[i],
-                preferred_element_type=jnp.float32,
-            )
-            for i in range(k)
-        )
-        return (out.reshape(*lead, t_out, c) + bias.astype(jnp.float32)).astype(self.dtype)
+        out = grouped_conv(u_tc.reshape(-1, t, c), w, g).reshape(*lead, t - k + 1, c)
+        return (out + bias.astype(jnp.float32)).astype(self.dtype)
 
 
 def qk_mean_skip(q0_bsnh: jax.Array, k0_bskh: jax.Array) -> tuple[jax.Array, jax.Array]:
