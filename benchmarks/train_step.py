@@ -85,7 +85,7 @@ from zaya_jax import sizing  # noqa: E402
 from zaya_jax.model import ZayaConfig  # noqa: E402
 from zaya_jax.model.moe import resolve_moe_impl  # noqa: E402
 from zaya_jax.model.transformer import resolve_scan_layers  # noqa: E402
-from zaya_jax.optim.chain import lr_schedule, make_optimizer, weight_decay_mask  # noqa: E402
+from zaya_jax.optim.chain import clip_by_global_norm, lr_schedule, make_optimizer, weight_decay_mask  # noqa: E402
 from zaya_jax.parallel.mesh import mesh_from_config  # noqa: E402
 from zaya_jax.parallel.sharding import shard_batch  # noqa: E402
 from zaya_jax.train_state import (  # noqa: E402
@@ -187,7 +187,7 @@ def make_benchmark_optimizer(c: ml_collections.ConfigDict, optimizer: str) -> op
     schedule = lr_schedule(c, steps)
     lr = lambda step: a.lr_multiplier * schedule(step)  # noqa: E731
     return optax.chain(
-        optax.clip_by_global_norm(float(clip)) if clip else optax.identity(),
+        clip_by_global_norm(float(clip)) if clip else optax.identity(),
         optax.adamw(lr, a.b1, a.b2, a.eps, weight_decay=a.weight_decay, mask=weight_decay_mask),
     )
 

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from zaya_jax import balancing as bal
@@ -65,8 +66,31 @@ def test_non_finite_loss_skips_the_update():
     new, m = step(poisoned, batch)
     assert not np.isfinite(float(m["loss"])) and bool(m["update_skipped"])
     assert int(new.skipped_steps) == 1 and int(new.step) == 1
-    for x, y in zip(jax.tree.leaves(new.params), jax.tree.leaves(poisoned.params)):
+    # everything but the two counters is the old state bit for bit: params, both optimizer states
+    # (Muon / AdamW moments and counts) and the balancing biases
+    kept = lambda s: (s.params, s.opt_state, s.balancing, s.balancing_opt_state)
+    for x, y in zip(jax.tree.leaves(kept(new)), jax.tree.leaves(kept(poisoned)), strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_clip_reuses_the_step_grad_norm():
+    """chain.clip_by_global_norm with the extra argument grad_norm equals optax's clip (which
+    computes the norm itself) bit for bit, and without it too."""
+    from zaya_jax.optim.chain import clip_by_global_norm
+
+    r = np.random.default_rng(0)
+    grads = {
+        "a": jnp.asarray(r.normal(size=(3, 5)), jnp.float32),
+        "b": jnp.asarray(r.normal(size=(7,)), jnp.float32),
+    }
+    for max_norm in (0.5, 100.0):  # clipping active, then not
+        want, _ = optax.clip_by_global_norm(max_norm).update(grads, optax.EmptyState())
+        ours = clip_by_global_norm(max_norm)
+        got, _ = ours.update(grads, ours.init(grads), grad_norm=optax.tree.norm(grads))
+        alone, _ = ours.update(grads, ours.init(grads))
+        for w, g, a in zip(jax.tree.leaves(want), jax.tree.leaves(got), jax.tree.leaves(alone), strict=True):
+            np.testing.assert_array_equal(g, w)
+            np.testing.assert_array_equal(a, w)
 
 
 def test_same_seed_same_losses():

@@ -133,18 +133,49 @@ def accumulated_grads(grad_fn: Callable, state: TrainState, micro: Batch, cfg: Z
 
 
 def balancing_step(
-    state: TrainState, counts: jax.Array, bal_cfg: bal.BalancingConfig | None, cfg: ZayaConfig
-):
-    """(new balancing collection, its optimizer state, expert-load statistics) after the step's
-    global expert counts [l, e+1]; unchanged biases when balancing is off."""
+    state: TrainState, counts: jax.Array, bal_cfg: bal.BalancingConfig | None
+) -> tuple[Any, Any]:
+    """(new balancing collection, its optimizer state) after the step's global expert counts
+    [l, e+1]; unchanged biases when balancing is off."""
+    if bal_cfg is None:
+        return state.balancing, state.balancing_opt_state
     biases = bal.get_balancing_biases({BALANCING: state.balancing})
-    if bal_cfg is not None:
-        new_biases, bal_state, load = bal.balancing_update(biases, counts, state.balancing_opt_state, bal_cfg)
-    else:
-        new_biases, bal_state = biases, state.balancing_opt_state
-        load = bal.expert_load_stats(counts, cfg.num_experts)
-    balancing = bal.set_balancing_biases({BALANCING: state.balancing}, new_biases)[BALANCING]
-    return balancing, bal_state, load
+    new_biases, bal_state, _ = bal.balancing_update(biases, counts, state.balancing_opt_state, bal_cfg)
+    return bal.set_balancing_biases({BALANCING: state.balancing}, new_biases)[BALANCING], bal_state
+
+
+def updated_state(
+    state: TrainState,
+    grads: Any,
+    grad_norm: jax.Array,
+    counts: jax.Array,
+    finite: jax.Array,
+    tx: optax.GradientTransformation,
+    bal_cfg: bal.BalancingConfig | None,
+) -> TrainState:
+    """The state after one optimizer step (params, optimizer state, balancing biases and their
+    state), or, where `finite` is False, the old one bit for bit; step and skipped_steps counted.
+    `tx` gets `grad_norm` (the global norm of `grads`) as an extra argument: the clip of
+    zaya_jax.optim.chain reuses it instead of reading every gradient again.
+
+    A lax.cond rather than a select of new against old: on the common (finite) path no pass
+    reads both whole states and writes a third, and with the state donated the update writes in
+    place; only a skipped step runs the keep-old branch."""
+
+    def update(state: TrainState) -> TrainState:
+        updates, opt_state = optax.with_extra_args_support(tx).update(
+            grads, state.opt_state, state.params, grad_norm=grad_norm
+        )
+        balancing, bal_state = balancing_step(state, counts, bal_cfg)
+        return state.replace(
+            params=optax.apply_updates(state.params, updates),
+            opt_state=opt_state,
+            balancing=balancing,
+            balancing_opt_state=bal_state,
+        )
+
+    new = jax.lax.cond(finite, update, lambda state: state, state)
+    return new.replace(step=state.step + 1, skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32))
 
 
 def make_train_step(
@@ -166,24 +197,13 @@ def make_train_step(
         denom = jnp.maximum(weight, 1.0)
         loss = loss_sum / denom
         grads = jax.tree.map(lambda g: g / denom, grads)
-        grad_norm = optax.global_norm(grads)
-
+        grad_norm = optax.tree.norm(grads)
         # A non-finite loss or gradient skips the whole update (params, optimizer and balancing
         # state) rather than poisoning the run; the trainer counts and reports these.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        balancing, bal_state, load = balancing_step(state, counts, bal_cfg, cfg)
-
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        new_state = TrainState(
-            step=state.step + 1,
-            params=keep(params, state.params),
-            opt_state=keep(opt_state, state.opt_state),
-            balancing=keep(balancing, state.balancing),
-            balancing_opt_state=keep(bal_state, state.balancing_opt_state),
-            skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
-        )
+        new_state = updated_state(state, grads, grad_norm, counts, finite, tx, bal_cfg)
+        # The load that produced `counts` (under the old biases), the same whether or not skipped.
+        load = bal.expert_load_stats(counts, cfg.num_experts)
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,

@@ -1,7 +1,7 @@
 """The training optimizer: global-norm clipping, then Muon or AdamW per parameter.
 
     make_optimizer(cfg, total_steps) = chain(
-        clip_by_global_norm(optim.clip_grad_norm),        # identity if 0/None
+        clip_by_global_norm(optim.clip_grad_norm),        # identity if 0/None; grad_norm= extra arg
         multi_transform({"muon": muon(...), "adamw": adamw(...)}, param_labels))
 
 Which optimizer a parameter gets is decided by its entry in the parameter registry
@@ -63,6 +63,7 @@ __all__ = [
     "MUON",
     "ROUTING_RULES",
     "Rule",
+    "clip_by_global_norm",
     "default_optim_config",
     "describe_routing",
     "lr_schedule",
@@ -178,6 +179,22 @@ def _scaled(schedule: optax.Schedule, multiplier: float) -> optax.Schedule:
     return lambda step: multiplier * schedule(step)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """``optax.clip_by_global_norm`` (the same formula, bit for bit) that takes the norm as the
+    extra argument ``grad_norm`` when the caller already has it: the train step computes the
+    global norm for its metrics and NaN check, so the clip need not read every gradient again.
+    Without ``grad_norm`` it computes the norm itself, as optax does."""
+
+    def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
+        del params, extra_args
+        g_norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+        trigger = g_norm < max_norm
+        clip = lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)
+        return jax.tree.map(clip, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
+
+
 def make_optimizer(cfg: Any, total_steps: int) -> optax.GradientTransformation:
     """Build the optimizer described in the module docstring.
 
@@ -194,7 +211,7 @@ def make_optimizer(cfg: Any, total_steps: int) -> optax.GradientTransformation:
         raise ValueError(f"optim.clip_grad_norm must be >= 0 or None, got {clip}")
     # identity (not omission) when disabled keeps the state tree shape stable, so
     # checkpoints restore whether or not clipping is on.
-    clipper = optax.clip_by_global_norm(float(clip)) if clip else optax.identity()
+    clipper = clip_by_global_norm(float(clip)) if clip else optax.identity()
 
     consistent_rms = mc.consistent_rms
     return optax.chain(
