@@ -226,6 +226,33 @@ def test_fused_swiglu_no_group_runs_on_rows_it_was_not_given():
         assert _loop_flop_bound(compiled, trips, trip_flops) < 1.1 * padded < g * one_pass / 3
 
 
+def test_no_group_reads_the_rows_of_another():
+    """A tile is a window on the sorted rows that may overlap the next group's: those rows must
+    reach neither this group's weights nor their gradients. Group 1's rows are +inf: every
+    output, input gradient and weight gradient of the other groups stays finite (inf * 0 would be
+    NaN), in the tiled matmul and in the fused SwiGLU."""
+    t, d, f = 40, 8, 6
+    sizes = jnp.array([5, 7, 20, 8], jnp.int32)  # tile 16: group 0's window runs into group 1
+    r = np.random.default_rng(5)
+    x = np.asarray(r.normal(size=(t, d)), np.float32)
+    x[5:12] = np.inf
+    x = jnp.asarray(x)
+    w = jnp.asarray(r.normal(size=(4, d, 2 * f)), jnp.float32)
+    down = jnp.asarray(r.normal(size=(4, f, d)), jnp.float32)
+    mine = np.r_[0:5, 12:40]  # every row but group 1's
+    others = np.array([0, 2, 3])
+
+    def check(fn, *ws):
+        out, vjp = jax.vjp(fn, x, *ws)
+        grads = vjp(jnp.ones_like(out).at[5:12].set(0))  # no cotangent on group 1's rows
+        assert np.isfinite(np.asarray(out)[mine]).all() and np.isfinite(np.asarray(grads[0])[mine]).all()
+        for g in grads[1:]:
+            assert np.isfinite(np.asarray(g)[others]).all()
+
+    check(lambda a, b: tiled_grouped_matmul(a, b, sizes, tile=16), w)
+    check(lambda a, b, c: tiled_swiglu(a, b, c, sizes, jax.nn.silu, tile=16), w, down)
+
+
 def test_rejects_bad_shapes():
     x = jnp.zeros((24, 8))
     with pytest.raises(ValueError, match="want lhs"):

@@ -14,9 +14,10 @@ the loop carry and emitted once), and over that group's ceil(size / tm) tiles. A
 of tm rows of the sorted rows themselves, no padded copy: tile i of a group starting at row a
 reads rows [lo, lo + tm) with lo = a + i * tm, shifted back to T - tm where it would run past the
 last row (`tile_window`); the rows of the window outside [lo, group end) belong to an earlier
-tile or another group and are masked out of the write and of drhs. So every routed row is
-computed once per projection, and the work is at most (T / tm + G) tile products: it scales with
-T, not G * T.
+tile or another group: they are read as zeros (`_rows`) and left out of the write, so no group's
+weights ever meet another group's rows (they act as megablox's zero padding). So every routed row
+is computed once per projection, and the work is at most (T / tm + G) tile products: it scales
+with T, not G * T.
 
     tiled_swiglu(x [T, d], gate_up [G, d, 2f], down [G, f, d], group_sizes [G], act) -> fp32 [T, d]
         the experts' SwiGLU on the same tiles, both projections and the activation in ONE loop
@@ -75,6 +76,12 @@ def _dot(a, b, contract):
     )
 
 
+def _rows(x_tc: jax.Array, start: jax.Array, keep: jax.Array, tm: int) -> jax.Array:
+    """x[start : start + tm] with the rows the tile does not own zeroed: another group's tokens
+    never reach this group's weights (nor its gradient)."""
+    return jnp.where(keep, jax.lax.dynamic_slice_in_dim(x_tc, start, tm), 0).astype(x_tc.dtype)
+
+
 def _write(buf_tc: jax.Array, start: jax.Array, keep: jax.Array, tile_rc: jax.Array) -> jax.Array:
     """buf[start : start + tm] = tile where keep, else unchanged."""
     old = jax.lax.dynamic_slice_in_dim(buf_tc, start, tile_rc.shape[0])
@@ -102,8 +109,7 @@ def _tiled(x_tk, w_gkm, starts_g, sizes_g, tm, out_dtype):
         w_km, start_g, size_g = per_group
 
         def tile(start, keep, out):
-            x_rk = jax.lax.dynamic_slice_in_dim(x_tk, start, tm)
-            return _write(out, start, keep, _dot(x_rk, w_km, ((1,), (0,))))
+            return _write(out, start, keep, _dot(_rows(x_tk, start, keep, tm), w_km, ((1,), (0,))))
 
         return _over_tiles(start_g, size_g, t, tm, tile, out_tm), None
 
@@ -127,10 +133,8 @@ def _tiled_bwd(tm, out_dtype, res, dout_tm):
 
         def tile(start, keep, carry):
             dx, dw_km = carry
-            dout_rm = jax.lax.dynamic_slice_in_dim(dout_x, start, tm)
-            dx = _write(dx, start, keep, _dot(dout_rm, w_km, ((1,), (1,))))
-            dout_rm = jnp.where(keep, jax.lax.dynamic_slice_in_dim(dout_w, start, tm), 0)
-            x_rk = jax.lax.dynamic_slice_in_dim(x_w, start, tm)
+            dx = _write(dx, start, keep, _dot(_rows(dout_x, start, keep, tm), w_km, ((1,), (1,))))
+            x_rk, dout_rm = _rows(x_w, start, keep, tm), _rows(dout_w, start, keep, tm)
             return dx, dw_km + _dot(x_rk, dout_rm, ((0,), (0,)))
 
         dw0 = jnp.zeros(w_km.shape, jnp.float32)
@@ -189,7 +193,7 @@ def _swiglu_loop(x_td, gu_gdf, dn_gfd, starts_g, sizes_g, tm, act, keep_h):
         gu_df, dn_fd, start_g, size_g = per_group
 
         def tile(start, keep, c):
-            h, y = _swiglu_tile(jax.lax.dynamic_slice_in_dim(x_td, start, tm), gu_df, dn_fd, act, cdt)
+            h, y = _swiglu_tile(_rows(x_td, start, keep, tm), gu_df, dn_fd, act, cdt)
             return (_write(c[0], start, keep, y), *((_write(c[1], start, keep, h),) if keep_h else ()))
 
         return _over_tiles(start_g, size_g, t, tm, tile, carry), None
@@ -222,12 +226,12 @@ def _swiglu_bwd(tm, act, res, dy_td):
 
         def tile(start, keep, carry):
             dx, dgu_df, ddn_fd = carry
-            gate, up = jnp.split(jax.lax.dynamic_slice_in_dim(h_tf, start, tm), 2, axis=-1)
+            gate, up = jnp.split(_rows(h_tf, start, keep, tm), 2, axis=-1)
             a, act_vjp = jax.vjp(lambda g, u: act(g) * u, gate, up)
-            dy_rd = jnp.where(keep, jax.lax.dynamic_slice_in_dim(dy_c, start, tm), 0)
+            dy_rd = _rows(dy_c, start, keep, tm)
             ddn_fd = ddn_fd + _dot(a.astype(cdt), dy_rd, ((0,), (0,)))
             dh = jnp.concatenate(act_vjp(_dot(dy_rd, dn_fd, ((1,), (1,)))), axis=-1).astype(cdt)
-            dgu_df = dgu_df + _dot(jax.lax.dynamic_slice_in_dim(x_c, start, tm), dh, ((0,), (0,)))
+            dgu_df = dgu_df + _dot(_rows(x_c, start, keep, tm), dh, ((0,), (0,)))
             return _write(dx, start, keep, _dot(dh, gu_df, ((1,), (1,)))), dgu_df, ddn_fd
 
         zeros = (jnp.zeros(gu_df.shape, jnp.float32), jnp.zeros(dn_fd.shape, jnp.float32))
