@@ -174,7 +174,9 @@ def updated_state(
             balancing_opt_state=bal_state,
         )
 
-    new = jax.lax.cond(finite, update, lambda state: state, state)
+    # The update is the false (default, branch 0) computation: zaya_jax.hlo takes branch 0 as the
+    # main path, so the dry run counts the update's collectives on every step.
+    new = jax.lax.cond(~finite, lambda state: state, update, state)
     return new.replace(step=state.step + 1, skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32))
 
 
