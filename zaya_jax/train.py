@@ -18,7 +18,7 @@ put on the devices while step n ran) before step n's loss and skip flag are read
 overlaps step n + 1, and step n + 1's train loss (computed before its update) is the updated
 model's loss on the next batch that confirms a spike at step n. A rollback decided then restores
 the checkpoint before step n and skips the batches since, step n's included, exactly as a
-synchronous loop would, and drops step n + 1's result. A step that is logged, evaluated, saved or
+synchronous loop would, and drops step n + 1's result. A step that is evaluated, saved or
 stopped at, and the last step, is read before anything else is dispatched (a checkpoint is never
 written for a step whose loss was not checked); its spike confirmation is an eval step on the
 next batch. `train.sync_every_step` reads every step that way. A logged step is logged when its
@@ -84,12 +84,13 @@ class _Batch:
 @dataclasses.dataclass(frozen=True)
 class _InFlight:
     """A dispatched train step: its metrics are device arrays until read; `drawn` is how many
-    batches the data iterator had given out once this step took its own (for the step's log)."""
+    batches the data iterator had given out once this step took its own (for the step's log; None
+    when no log is due at this step)."""
 
     step: int
     metrics: dict[str, jax.Array]
     global_batch: int
-    drawn: int
+    drawn: int | None
 
 
 def _read(p: _InFlight) -> tuple[float, bool]:
@@ -236,7 +237,8 @@ class Trainer:
         if batch.global_batch not in seen:
             seen.append(batch.global_batch)
         self.state, metrics = self.program.train_step(self.state, batch.batch)
-        drawn = int(self.data.get_state()["next_index"])  # batches given out, this step's included
+        # Batches given out, this step's included: read now, as the log may come after the next step.
+        drawn = int(self.data.get_state()["next_index"]) if self._log_due(n) else None
         if n < self.steps:
             self.ahead = self._fetch(n + 1)
         return _InFlight(n, metrics, batch.global_batch, drawn)
@@ -280,10 +282,13 @@ class Trainer:
         self.t_last, self.tokens_since = time.perf_counter(), 0
         return True
 
+    def _log_due(self, step: int) -> bool:
+        return step % self.c.logging.every_steps == 0 or step == self.steps
+
     def _log(self, p: _InFlight) -> None:
         """Step p's train record, if one is due; p's verdict has been read (p is finished). Whatever
         was dispatched since does not show: the record holds p's metrics and data position."""
-        if not (p.step % self.c.logging.every_steps == 0 or p.step == self.steps):
+        if not self._log_due(p.step):
             return
         m = {k: to_python(v) for k, v in jax.device_get(p.metrics).items()}
         now = time.perf_counter()
