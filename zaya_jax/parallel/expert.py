@@ -136,6 +136,10 @@ def expert_parallel_moe(
     single-device dispatch (sparse or dense) applied to each device's received tokens.
     `capacity_factor` None is dropless (main exchange of `exchange_factor` x T/n slots per peer plus
     the spill); a number caps every bucket at that factor and drops the rest."""
+    if mesh.size == 1 and capacity_factor is None:
+        # One device exchanges nothing. Without shard_map its transpose adds no all-reduce of the
+        # expert weight gradients over that one device: XLA:CPU would copy all of them each step.
+        return local_moe(x_md, expert_m, gate_up_edf, down_efd, act), jnp.zeros((), jnp.int32)
     num_experts = gate_up_edf.shape[0]
     n = mesh.shape["expert"]
 
