@@ -35,6 +35,13 @@ Newton-Schulz). "x same opt" compares each of ours with the torch side running i
 (zaya_jax / torch_muon, zaya_jax_adamw / torch). `--optimizer config` / `adamw` runs one pair only
 (`config` keeps the AdamW torch baseline too). The trainer loop always uses the config's optimizer,
 so it is not run with `adamw` alone.
+
+"floor ms" is the fastest a side's step could be on this device: the model's training FLOPs
+(`sizing.flops_per_token` x tokens) plus its optimizer's Newton-Schulz FLOPs
+(`sizing.newton_schulz_flops`, 0 for AdamW), at the speed of one large jit-compiled matmul measured
+at start-up (`device.jax_matmul_flops_per_s`). `max_ratio_to_torch` = torch's step time / floor: the
+ratio no implementation of that side could beat here. At a small batch Muon's floor alone can
+exceed torch's whole AdamW step (configs/mid.py on a CPU).
 """
 
 from __future__ import annotations
@@ -149,6 +156,20 @@ def apply_override(c: ml_collections.ConfigDict, assignment: str) -> None:
         node[name] = _parse_value(raw.strip(), node.get_type(name))
     except (TypeError, ValueError) as e:
         raise ValueError(f"--set {key}={raw}: {e}") from None
+
+
+def matmul_flops_per_s(dtype: str, n: int = 1024, repeats: int = 5) -> float:
+    """The best of `repeats` jit-compiled [n, n] x [n, n] matmuls in `dtype` on jax's first device:
+    the speed no step can beat, the divisor of each side's `floor_step_s`."""
+    x = jax.numpy.ones((n, n), dtype)
+    matmul = jax.jit(lambda a: a @ a)
+    matmul(x).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        matmul(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
 
 
 def random_tokens(vocab_size: int, batch_size: int, seq_len: int, seed: int) -> np.ndarray:
@@ -377,7 +398,15 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     jax_device = jax.devices()[0]
     jax_peak = sizing.peak_flops_per_device(jax_device)
-    device: dict[str, Any] = {**host_info(), "jax_peak_bf16_flops": jax_peak}
+    matmul_peak = matmul_flops_per_s(cfg.dtype)
+    device: dict[str, Any] = {
+        **host_info(),
+        "jax_peak_bf16_flops": jax_peak,
+        "jax_matmul_flops_per_s": matmul_peak,
+    }
+    # Muon's Newton-Schulz is paid once per step, outside the model's FLOPs: with the model's, the
+    # FLOPs a step cannot do with fewer, hence a floor on its time at the measured matmul speed.
+    optimizer_flops = {OURS: sizing.newton_schulz_flops(cfg, c.optim.muon.ns_steps), OURS_ADAMW: 0.0}
 
     print(f"building {OURS} (compiling the train step)...", file=sys.stderr, flush=True)
     optimizers = selected_optimizers(args.optimizer)
@@ -465,6 +494,11 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         r, same = results[side.name], results.get(SAME_OPTIMIZER[side.name])
         r["ratio_to_torch"] = None if torch_tps is None else r["tokens_per_s"] / torch_tps
         r["ratio_same_optimizer"] = None if same is None else r["tokens_per_s"] / same["tokens_per_s"]
+        r["optimizer_flops_per_step"] = optimizer_flops[side.name]
+        r["floor_step_s"] = (tokens_per_step * flops_per_token + optimizer_flops[side.name]) / matmul_peak
+        r["max_ratio_to_torch"] = (
+            None if torch_tps is None else tokens_per_step / torch_tps / r["floor_step_s"]
+        )
     ratio = results[sides[0].name]["ratio_to_torch"]
     loop = None
     if args.loop_steps and "config" not in optimizers:
@@ -512,6 +546,7 @@ def format_table(report: dict[str, Any]) -> str:
     header = (
         "side",
         "step ms",
+        "floor ms",
         "tokens/s",
         "x torch",
         "x same opt",
@@ -529,6 +564,7 @@ def format_table(report: dict[str, Any]) -> str:
             (
                 name,
                 fmt(1e3 * r["step_time_s"], ".2f"),
+                fmt(None if r.get("floor_step_s") is None else 1e3 * r["floor_step_s"], ".2f"),
                 fmt(r["tokens_per_s"], ",.0f"),
                 fmt(r.get("ratio_to_torch"), ".2f"),
                 fmt(r.get("ratio_same_optimizer"), ".2f"),
@@ -546,6 +582,7 @@ def format_table(report: dict[str, Any]) -> str:
             (
                 f"{OURS} trainer loop",
                 fmt(1e3 * loop["step_time_s"], ".2f"),
+                "-",
                 fmt(loop["tokens_per_s"], ",.0f"),
                 fmt(loop["ratio_to_torch"], ".2f"),
                 "-",
@@ -576,10 +613,11 @@ def summary_line(report: dict[str, Any]) -> str:
     ratios = "; ".join(
         f"{name}/torch tokens/s = {res[name]['ratio_to_torch']:.2f}x ({res[name]['tokens_per_s']:,.0f} tok/s"
         + (
-            f", {res[name]['ratio_same_optimizer']:.2f}x {SAME_OPTIMIZER[name]})"
+            f", {res[name]['ratio_same_optimizer']:.2f}x {SAME_OPTIMIZER[name]}"
             if SAME_OPTIMIZER[name] != TORCH
-            else ")"
+            else ""
         )
+        + f"; at most {res[name]['max_ratio_to_torch']:.2f}x at the matmul peak)"
         for name in ours
     )
     line = f"train_step: {ratios}; torch {res[TORCH]['tokens_per_s']:,.0f} tok/s ({where})"

@@ -31,6 +31,7 @@ TOY = [
     "--repeats",
     "1",
 ]
+FLOOR_KEYS = {"optimizer_flops_per_step", "floor_step_s", "max_ratio_to_torch"}
 SIDE_KEYS = {
     "step_time_s",
     "step_times_s",
@@ -90,8 +91,18 @@ def test_train_step_benchmark_writes_report(tmp_path):
         assert r["ratio_to_torch"] == pytest.approx(r["tokens_per_s"] / res["torch"]["tokens_per_s"]), name
         assert r["ratio_same_optimizer"] == pytest.approx(r["tokens_per_s"] / res[same]["tokens_per_s"]), name
         assert _positive_finite(r["compile_s"]), name
+        # the floor: the model's and the optimizer's FLOPs at the measured matmul speed
+        peak = report["device"]["jax_matmul_flops_per_s"]
+        floor = (2 * 32 * cfg["flops_per_token"] + r["optimizer_flops_per_step"]) / peak
+        assert r["floor_step_s"] == pytest.approx(floor), name
+        assert r["max_ratio_to_torch"] == pytest.approx(res["torch"]["step_time_s"] / floor), name
+    # Newton-Schulz FLOPs on the config's optimizer only, and more than the toy model's own
+    assert res["zaya_jax_adamw"]["optimizer_flops_per_step"] == 0
+    assert res["zaya_jax"]["optimizer_flops_per_step"] > 2 * 32 * cfg["flops_per_token"]
     for name, r in res.items():
-        ratios = {"ratio_to_torch", "ratio_same_optimizer"} if name.startswith("zaya_jax") else set()
+        ratios = (
+            {"ratio_to_torch", "ratio_same_optimizer", *FLOOR_KEYS} if name.startswith("zaya_jax") else set()
+        )
         assert set(r) == SIDE_KEYS | ratios, name
         assert r["tokens_per_step"] == 2 * 32
         for key in (

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from zaya_jax.model import ZayaConfig, init_variables
-from zaya_jax.sizing import flops_per_token, mfu, param_counts
+from zaya_jax.sizing import flops_per_token, mfu, newton_schulz_flops, param_counts
 
 
 def test_released_model_counts():
@@ -34,6 +34,26 @@ def test_flops_and_mfu():
     assert flops_per_token(cfg, 4096, training=False) * 3 == pytest.approx(f)
     assert mfu(1000.0, cfg, 4096, 8, None) is None
     assert mfu(1000.0, cfg, 4096, 1, f * 1000.0) == pytest.approx(1.0)
+
+
+def test_newton_schulz_flops_equal_xla_cost_of_orthogonalize():
+    """The count equals the matmul FLOPs XLA counts in the Newton-Schulz of every Muon leaf (a
+    stacked [l, e, d, 2i] expert tensor, wide and tall [l, in, out] kernels); XLA also counts the
+    elementwise work (the normalisation, a X + ...), under 3% more here."""
+    from zaya_jax.kernels.newton_schulz import orthogonalize
+    from zaya_jax.sizing import param_leaves
+
+    cfg = ZayaConfig.tiny(num_hidden_layers=2)
+    xla = 0.0
+    for _, shape, label in param_leaves(cfg):
+        if label == "muon":
+            compiled = jax.jit(lambda x: orthogonalize(x, ns_steps=3)).lower(
+                jax.ShapeDtypeStruct(shape, "float32")
+            )
+            xla += compiled.compile().cost_analysis()["flops"]
+    ours = newton_schulz_flops(cfg, ns_steps=3)
+    assert ours <= xla < 1.03 * ours
+    assert newton_schulz_flops(cfg, ns_steps=6) == 2 * ours
 
 
 # --------------------------------------------------------------------- FLOPs breakdown, memory, rules
@@ -211,4 +231,13 @@ def test_sizing_cli_zaya1_base(tmp_path, extra):
         assert "micro-batch 512 sequences" in text and "exceeds the device" in text
     data = json.loads(out.read_text())
     assert data["params"]["total"] == param_counts(ZayaConfig.zaya1_base()).total
+    # Muon's once-per-step Newton-Schulz against the global batch's model FLOPs: small at ZAYA1's batch
+    ns = newton_schulz_flops(ZayaConfig.zaya1_base(), 5)
+    assert data["newton_schulz_flops_per_step"] == pytest.approx(ns)
+    m = re.search(
+        r"Muon Newton-Schulz \(5 iterations\)\s+([\d.]+) TFLOP per optimizer step, ([\d.]+)% of", text
+    )
+    assert m and float(m.group(1)) == pytest.approx(ns / 1e12, abs=1e-3), text
+    step_flops = 4096 * 4096 * data["flops_per_token"]["training"]["total"]
+    assert float(m.group(2)) == pytest.approx(100 * ns / step_flops, abs=0.01)
     assert data["memory_per_device_bytes"]["mesh"] == {"data": 8, "fsdp": 1, "expert": 1, "context": 1}

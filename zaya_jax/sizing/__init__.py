@@ -22,6 +22,7 @@ from zaya_jax.sizing.flops import (
     flops_per_token,
     mean_keys_per_query,
     mfu,
+    newton_schulz_flops,
     peak_flops_per_device,
 )
 from zaya_jax.sizing.memory import (
@@ -64,6 +65,7 @@ __all__ = [
     "mean_keys_per_query",
     "memory_per_device",
     "mfu",
+    "newton_schulz_flops",
     "param_counts",
     "param_leaves",
     "param_mesh_axes",

@@ -70,6 +70,8 @@ def main(argv) -> None:
         device_memory_gib=f.device_memory_gib,
         header=header,
         muon_mu_bytes=_DTYPE_BYTES.get(c.optim.muon.mu_dtype, 4),
+        step_tokens=c.train.batch_size * seq_len,
+        ns_steps=c.optim.muon.ns_steps,
     )
     if c.train.batch_size % (c.train.grad_accum * devices) and not f.micro_batch:
         text += (

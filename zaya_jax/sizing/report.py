@@ -8,7 +8,7 @@ from typing import Any, Mapping
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.parallel.mesh import MESH_AXES
 from zaya_jax.sizing.counts import ParamCounts, param_counts
-from zaya_jax.sizing.flops import FlopsBreakdown, flops_breakdown
+from zaya_jax.sizing.flops import FlopsBreakdown, flops_breakdown, newton_schulz_flops
 from zaya_jax.sizing.memory import GIB, MI300X_MEMORY_GIB, MemoryEstimate, memory_per_device
 from zaya_jax.sizing.rules import GEMM_PEAK_WORK_FLOPS, gemm_shapes, sizing_warnings
 
@@ -36,10 +36,15 @@ def report(
     device_memory_gib: float = MI300X_MEMORY_GIB,
     header: str = "",
     muon_mu_bytes: int = 4,
+    step_tokens: int | None = None,
+    ns_steps: int = 5,
 ) -> tuple[str, dict[str, Any]]:
-    """The sizing printout and the same numbers as a JSON-able dict."""
+    """The sizing printout and the same numbers as a JSON-able dict. `step_tokens`: the global
+    batch in tokens, to compare Muon's Newton-Schulz with the step's model FLOPs (with `ns_steps`
+    iterations)."""
     pc = param_counts(cfg)
     fb = flops_breakdown(cfg, seq_len)
+    ns = newton_schulz_flops(cfg, ns_steps)
     mem = memory_per_device(
         cfg,
         seq_len=seq_len,
@@ -69,6 +74,7 @@ def report(
     )
     lines += _param_lines(pc)
     lines += _flops_lines(cfg, pc, fb, seq_len)
+    lines += _muon_lines(ns, ns_steps, step_tokens and step_tokens * fb.training_total)
     lines += _memory_lines(cfg, mem, devices, remat, device_memory_gib)
     lines += _gemm_lines(gemms, tokens)
     lines += ["", "Sizing rules" + (":" if warnings else ": all dimensions follow them")]
@@ -81,6 +87,7 @@ def report(
             "active": pc.active,
         },
         "flops_per_token": {"seq_len": seq_len, "forward": fb.as_dict(False), "training": fb.as_dict(True)},
+        "newton_schulz_flops_per_step": ns,
         "memory_per_device_bytes": mem.as_dict(),
         "gemms": [
             {"name": g[0], "m": g[1], "n": g[2], "k": g[3], "flops": 2 * g[1] * g[2] * g[3]} for g in gemms
@@ -121,6 +128,14 @@ def _flops_lines(cfg: ZayaConfig, pc: ParamCounts, fb: FlopsBreakdown, seq_len: 
         f"GFLOP: the attention core is the rest)"
     )
     return lines
+
+
+def _muon_lines(ns: float, ns_steps: int, step_flops: float | None) -> list[str]:
+    """Muon's Newton-Schulz is paid once per optimizer step, so its share falls as the batch grows."""
+    line = f"  Muon Newton-Schulz ({ns_steps} iterations)  {ns / 1e12:.3f} TFLOP per optimizer step"
+    if step_flops:
+        line += f", {ns / step_flops:.2%} of the step's {step_flops / 1e12:,.3f} TFLOP of model FLOPs"
+    return [line]
 
 
 def _memory_lines(
