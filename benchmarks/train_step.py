@@ -92,7 +92,7 @@ from zaya_jax import sizing  # noqa: E402
 from zaya_jax.model import ZayaConfig  # noqa: E402
 from zaya_jax.model.moe import resolve_moe_impl  # noqa: E402
 from zaya_jax.model.transformer import resolve_scan_layers  # noqa: E402
-from zaya_jax.optim.chain import clip_by_global_norm, lr_schedule, make_optimizer, weight_decay_mask  # noqa: E402
+from zaya_jax.optim.chain import adamw, gradient_clipping, lr_schedule, make_optimizer  # noqa: E402
 from zaya_jax.parallel.mesh import mesh_from_config  # noqa: E402
 from zaya_jax.parallel.sharding import shard_batch  # noqa: E402
 from zaya_jax.train_state import (  # noqa: E402
@@ -201,16 +201,9 @@ def make_benchmark_optimizer(c: ml_collections.ConfigDict, optimizer: str) -> op
     """ "config": the trainer's optimizer (zaya_jax.optim.chain: Muon on the matrices, AdamW on the
     rest). "adamw": every parameter on AdamW with optim.adamw's settings, the same lr schedule, weight
     decay mask and clipping: what torch's side runs, for a like-for-like row."""
-    steps = c.train.steps
     if optimizer == "config":
-        return make_optimizer(c, total_steps=steps)
-    a, clip = c.optim.adamw, c.optim.clip_grad_norm
-    schedule = lr_schedule(c, steps)
-    lr = lambda step: a.lr_multiplier * schedule(step)  # noqa: E731
-    return optax.chain(
-        clip_by_global_norm(float(clip)) if clip else optax.identity(),
-        optax.adamw(lr, a.b1, a.b2, a.eps, weight_decay=a.weight_decay, mask=weight_decay_mask),
-    )
+        return make_optimizer(c, total_steps=c.train.steps)
+    return optax.chain(gradient_clipping(c), adamw(c, lr_schedule(c, c.train.steps)))
 
 
 class JaxSide:

@@ -60,12 +60,14 @@ from zaya_jax.params import ADAMW, MUON, PARAMS, Rule, optimizer_rule, param_pat
 
 __all__ = [
     "ADAMW",
+    "adamw",
     "MUON",
     "ROUTING_RULES",
     "Rule",
     "clip_by_global_norm",
     "default_optim_config",
     "describe_routing",
+    "gradient_clipping",
     "lr_schedule",
     "make_optimizer",
     "match_rule",
@@ -195,6 +197,30 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
 
 
+def gradient_clipping(cfg: Any) -> optax.GradientTransformation:
+    """The chain's first transform: `clip_by_global_norm(optim.clip_grad_norm)`, or identity when it
+    is 0 / None. Identity (not omission) keeps the state tree's shape, so checkpoints restore
+    whether or not clipping is on."""
+    clip = _optim_section(cfg).clip_grad_norm
+    if clip is not None and clip < 0:
+        raise ValueError(f"optim.clip_grad_norm must be >= 0 or None, got {clip}")
+    return clip_by_global_norm(float(clip)) if clip else optax.identity()
+
+
+def adamw(cfg: Any, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """AdamW with `optim.adamw`'s settings on `schedule` x its lr_multiplier, decoupled weight
+    decay where the registry says so (`weight_decay_mask`)."""
+    ac = _optim_section(cfg).adamw
+    return optax.adamw(
+        _scaled(schedule, ac.lr_multiplier),
+        b1=ac.b1,
+        b2=ac.b2,
+        eps=ac.eps,
+        weight_decay=ac.weight_decay,
+        mask=weight_decay_mask,
+    )
+
+
 def make_optimizer(cfg: Any, total_steps: int) -> optax.GradientTransformation:
     """Build the optimizer described in the module docstring.
 
@@ -204,18 +230,10 @@ def make_optimizer(cfg: Any, total_steps: int) -> optax.GradientTransformation:
     """
     oc = _optim_section(cfg)
     schedule = lr_schedule(oc, total_steps)
-    mc, ac = oc.muon, oc.adamw
-
-    clip = oc.clip_grad_norm
-    if clip is not None and clip < 0:
-        raise ValueError(f"optim.clip_grad_norm must be >= 0 or None, got {clip}")
-    # identity (not omission) when disabled keeps the state tree shape stable, so
-    # checkpoints restore whether or not clipping is on.
-    clipper = clip_by_global_norm(float(clip)) if clip else optax.identity()
-
+    mc = oc.muon
     consistent_rms = mc.consistent_rms
     return optax.chain(
-        clipper,
+        gradient_clipping(oc),
         optax.multi_transform(
             {
                 MUON: muon(
@@ -233,14 +251,7 @@ def make_optimizer(cfg: Any, total_steps: int) -> optax.GradientTransformation:
                     weight_decay_mask=weight_decay_mask,
                     orthogonalize_fn=_orthogonalize_fn(getattr(mc, "ns_impl", "xla")),
                 ),
-                ADAMW: optax.adamw(
-                    _scaled(schedule, ac.lr_multiplier),
-                    b1=ac.b1,
-                    b2=ac.b2,
-                    eps=ac.eps,
-                    weight_decay=ac.weight_decay,
-                    mask=weight_decay_mask,
-                ),
+                ADAMW: adamw(oc, schedule),
             },
             param_labels,
         ),
