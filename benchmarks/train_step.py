@@ -3,6 +3,7 @@
     python -m benchmarks.train_step [--config configs/tiny.py] [--set train.batch_size=4 ...]
         [--steps 10] [--warmup 2] [--repeats 3] [--dtype float32|bfloat16]
         [--out results/train_step.json] [--skip-torch] [--optimizer both|config|adamw]
+        [--host-memory reuse|default]
 
 (`python benchmarks/train_step.py ...` works too.) Both sides get the same model config and the
 same random token batch [B, S] (train.batch_size x train.seq_len):
@@ -42,6 +43,10 @@ so it is not run with `adamw` alone.
 at start-up (`device.jax_matmul_flops_per_s`). `max_ratio_to_torch` = torch's step time / floor: the
 ratio no implementation of that side could beat here. At a small batch Muon's floor alone can
 exceed torch's whole AdamW step (configs/mid.py on a CPU).
+
+`--host-memory reuse` (the default) sets glibc's malloc as `python -m zaya_jax.train` does
+(`train.reuse_host_memory`, zaya_jax/host_memory.py) before either framework starts: one process,
+so both sides run under it. `default` leaves the C library's settings, for comparison.
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ from benchmarks.common import (  # noqa: E402
 from benchmarks.reference import add_torch_args, hf_config, model_report, resolve_torch_device  # noqa: E402
 from zaya_jax import balancing as bal  # noqa: E402
 from zaya_jax import config as config_lib  # noqa: E402
-from zaya_jax import sizing  # noqa: E402
+from zaya_jax import host_memory, sizing  # noqa: E402
 from zaya_jax.model import ZayaConfig  # noqa: E402
 from zaya_jax.model.moe import resolve_moe_impl  # noqa: E402
 from zaya_jax.model.transformer import resolve_scan_layers  # noqa: E402
@@ -158,9 +163,10 @@ def apply_override(c: ml_collections.ConfigDict, assignment: str) -> None:
         raise ValueError(f"--set {key}={raw}: {e}") from None
 
 
-def matmul_flops_per_s(dtype: str, n: int = 1024, repeats: int = 5) -> float:
+def matmul_flops_per_s(dtype: str, n: int = 1024, repeats: int = 30) -> float:
     """The best of `repeats` jit-compiled [n, n] x [n, n] matmuls in `dtype` on jax's first device:
-    the speed no step can beat, the divisor of each side's `floor_step_s`."""
+    the speed no step can beat, the divisor of each side's `floor_step_s`. (The first few calls of
+    a fresh process ran at half speed on the CPU: best of 5 was sometimes one of them.)"""
     x = jax.numpy.ones((n, n), dtype)
     matmul = jax.jit(lambda a: a @ a)
     matmul(x).block_until_ready()
@@ -523,6 +529,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "scan_layers": cfg.scan_layers,
             "scan_layers_resolved": resolve_scan_layers(cfg.scan_layers, cfg.num_hidden_layers),
             "optimizer": args.optimizer,
+            "host_memory": args.host_memory,
             "flops_per_token": flops_per_token,
             **model_report(cfg, args.set),
         },
@@ -662,6 +669,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="our side's optimizer: both (default: two rows, interleaved), config (the config's "
         "Muon/AdamW chain) or adamw (every parameter on AdamW, like torch's side; no trainer loop)",
     )
+    p.add_argument(
+        "--host-memory",
+        choices=("reuse", "default"),
+        default="reuse",
+        help="reuse (default): glibc malloc set as zaya_jax.train sets it (zaya_jax/host_memory.py), "
+        "for both sides; default: the C library's defaults",
+    )
     add_out_arg(p, "train_step")
     add_torch_args(p)
     p.add_argument(
@@ -681,6 +695,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.host_memory == "reuse":
+        # As zaya_jax.train does, before jax starts its threads; for both frameworks in this process
+        # (torch's CPU buffers come from malloc too).
+        host_memory.reuse_freed_memory()
     try:
         build_config(args)  # fail fast, in one line, on a bad config file or override
     except (KeyError, ValueError, TypeError, FileNotFoundError) as e:

@@ -121,6 +121,7 @@ def test_train_step_benchmark_writes_report(tmp_path):
     assert cfg["moe_impl"] == "auto" and cfg["moe_impl_resolved"] == "tiled"
     assert cfg["scan_layers"] == "auto" and cfg["scan_layers_resolved"] == "unroll"
     assert cfg["optimizer"] == "both"
+    assert cfg["host_memory"] == "reuse"  # glibc malloc set as the trainer sets it
 
     # the real trainer loop (zaya_jax.train.train) over the same config: its steady-state window
     loop = report["loop"]

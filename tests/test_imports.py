@@ -36,6 +36,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "zaya_jax.tokenizer",
             "zaya_jax.params",
             "zaya_jax.hlo",
+            "zaya_jax.host_memory",
         ),
     ),
     ("kernels", ("zaya_jax.kernels",)),

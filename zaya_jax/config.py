@@ -18,6 +18,9 @@ overrides any key (`--config.train.steps=100`). Sections:
   train.init_from           a checkpoint directory whose params start this run (phase chaining); unset = random
   train.sync_every_step     read each step's loss before the next step is dispatched (the host then
                             waits for the device every step); off = one step late (zaya_jax/train.py)
+  train.reuse_host_memory   set glibc's malloc so freed host buffers (XLA:CPU's per-step temporaries)
+                            are reused, not unmapped and faulted in again (zaya_jax/host_memory.py);
+                            applied by `python -m zaya_jax.train` before jax starts
   optim.*                   see zaya_jax.optim.chain (lr, schedule, warmup, muon.*, adamw.*, clipping)
   balancing.*               aux-loss-free router balancing: `enabled` plus one key per field of
                             zaya_jax.balancing.BalancingConfig (lr, b1, b2, eps, weight_decay,
@@ -94,6 +97,7 @@ def base_config() -> ml_collections.ConfigDict:
             "init_from": config_dict.placeholder(str),
             "batch_ramp": config_dict.placeholder(str),
             "sync_every_step": False,
+            "reuse_host_memory": True,
         }
     )
     c.optim = default_optim_config()
@@ -222,11 +226,8 @@ def _validate_train(c: ml_collections.ConfigDict, cfg: ZayaConfig) -> None:
         "train.seq_len",
         f"{t.seq_len} exceeds model.max_position_embeddings={cfg.max_position_embeddings}",
     )
-    _check(
-        isinstance(t.sync_every_step, bool),
-        "train.sync_every_step",
-        f"must be True or False, got {t.sync_every_step!r}",
-    )
+    for key in ("sync_every_step", "reuse_host_memory"):
+        _check(isinstance(t[key], bool), f"train.{key}", f"must be True or False, got {t[key]!r}")
 
 
 def _validate_optim(c: ml_collections.ConfigDict) -> None:

@@ -49,7 +49,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zaya_jax import cli, dry_run, sizing
+from zaya_jax import cli, dry_run, host_memory, sizing
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
 from zaya_jax.cli import UserError
@@ -480,6 +480,8 @@ def _define_flags() -> None:
 
 
 def main(argv):
+    if FLAGS.config is not None and FLAGS.config.train.reuse_host_memory is True:
+        host_memory.reuse_freed_memory()  # before jax starts its threads (zaya_jax/host_memory.py)
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
