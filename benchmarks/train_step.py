@@ -16,7 +16,9 @@ same random token batch [B, S] (train.batch_size x train.seq_len):
             fp32 parameters under `torch.autocast` (like our fp32 params + bf16 matmuls), or pure
             bf16 parameters with `--torch-precision pure`.
 
-The timed loop alternates the two sides `--repeats` times (order flipped every repeat, ABBA), each
+Each torch side runs in a process of its own (spawned, driven over a pipe; `IsolatedTorchSide`):
+next to jax in one process torch's CPU step measured 10-15% slower than alone. The timed loop
+alternates the two sides `--repeats` times (order flipped every repeat, ABBA), each
 time `--warmup` untimed steps then `--steps` timed steps; a side's step time is the median over its
 repeats of (timed wall time / steps), so machine noise hits both sides alike.
 
@@ -64,6 +66,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import ast  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -295,6 +298,7 @@ class TorchSide:
             model = model.to(torch.bfloat16)
         model.train()
         self.model = model
+        self.attn_implementation = getattr(model.config, "_attn_implementation", None)
         self.autocast = bf16 and precision == "autocast"
         self.precision = (
             "float32"
@@ -338,6 +342,74 @@ class TorchSide:
 
     def loss(self) -> float | None:
         return None if self._loss is None else float(self._loss)
+
+
+def _serve_torch_side(conn: Any, kwargs: dict[str, Any], reuse_host_memory: bool) -> None:
+    """The child process of an IsolatedTorchSide: builds a TorchSide and runs the parent's commands."""
+    if reuse_host_memory:
+        host_memory.reuse_freed_memory()
+    try:
+        side = TorchSide(**kwargs)
+    except Exception as e:  # raised again in the parent
+        conn.send(e)
+        return
+    conn.send(
+        {
+            "name": side.name,
+            "init_s": side.init_s,
+            "precision": side.precision,
+            "device": str(side.device),
+            "attn_implementation": side.attn_implementation,
+        }
+    )
+    while True:
+        command, n = conn.recv()
+        if command == "run":
+            side.run(n)
+            conn.send(None)
+        elif command == "loss":
+            conn.send(side.loss())
+        else:
+            return
+
+
+class IsolatedTorchSide:
+    """A TorchSide in a process of its own (spawned), driven over a pipe; the parent times `run`.
+
+    In one process with jax (its compiled programs, buffers and thread pool) torch's CPU step ran
+    10-15% slower than alone (benchmarks/README.md, "Page faults"), which flattered every ratio.
+    Here the frameworks share no process; the alternation and the timing loop are unchanged (a
+    command's round trip over the pipe is well under a millisecond)."""
+
+    def __init__(self, reuse_host_memory: bool, **kwargs: Any):
+        import multiprocessing
+
+        import torch
+
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_serve_torch_side, args=(child, kwargs, reuse_host_memory), daemon=True
+        )
+        self._proc.start()
+        info = self._conn.recv()
+        if isinstance(info, BaseException):
+            raise info
+        self.name, self.init_s, self.precision = info["name"], info["init_s"], info["precision"]
+        self.device, self.attn_implementation = torch.device(info["device"]), info["attn_implementation"]
+        self.compile_s = None
+
+    def run(self, n: int) -> None:
+        self._conn.send(("run", n))
+        self._conn.recv()
+
+    def loss(self) -> float | None:
+        self._conn.send(("loss", 0))
+        return self._conn.recv()
+
+    def close(self) -> None:
+        self._conn.send(("stop", 0))
+        self._proc.join(timeout=60)
 
 
 def run_trainer_loop(c: ml_collections.ConfigDict, loop_steps: int) -> dict[str, Any]:
@@ -417,14 +489,22 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         torch_device = resolve_torch_device(args.torch_device)
         print(f"building {TORCH} on {torch_device}...", file=sys.stderr, flush=True)
-        side = TorchSide(c, cfg, ids, args.seed, torch_device, cfg.dtype, args.torch_precision, threads)
+        torch_side = functools.partial(
+            IsolatedTorchSide,
+            args.host_memory == "reuse",
+            c=c,
+            cfg=cfg,
+            ids=ids,
+            seed=args.seed,
+            device=torch_device,
+            dtype=cfg.dtype,
+            precision=args.torch_precision,
+            threads=threads,
+        )
+        side = torch_side()
         sides.append(side)
         if "config" in optimizers:  # torch with our Muon / AdamW split: the like-for-like Muon row
-            sides.append(
-                TorchSide(
-                    c, cfg, ids, args.seed, torch_device, cfg.dtype, args.torch_precision, threads, muon=True
-                )
-            )
+            sides.append(torch_side(muon=True))
         torch_name = (
             torch.cuda.get_device_name(side.device)
             if side.device.type == "cuda"
@@ -436,10 +516,11 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             torch_device_name=torch_name,
             torch_version=torch.__version__,
             transformers_version=transformers.__version__,
-            torch_num_threads=torch.get_num_threads(),
+            torch_num_threads=threads,
+            torch_process="its own (spawned), alternating with ours",
             torch_peak_bf16_flops=torch_peak,
             omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
-            torch_attn_implementation=getattr(side.model.config, "_attn_implementation", None),
+            torch_attn_implementation=side.attn_implementation,
         )
         jax_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
         if jax_gpu != (side.device.type == "cuda"):
@@ -498,6 +579,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         r["max_ratio_to_torch"] = (
             None if torch_tps is None else tokens_per_step / torch_tps / r["floor_step_s"]
         )
+    for side in sides:
+        if isinstance(side, IsolatedTorchSide):
+            side.close()
     ratio = results[sides[0].name]["ratio_to_torch"]
     loop = None
     if args.loop_steps and "config" not in optimizers:
