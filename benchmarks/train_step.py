@@ -93,6 +93,7 @@ from benchmarks.common import (  # noqa: E402
     print_and_write,
     require_positive,
 )
+from benchmarks.gemm import time_gemm  # noqa: E402
 from benchmarks.reference import add_torch_args, hf_config, model_report, resolve_torch_device  # noqa: E402
 from zaya_jax import balancing as bal  # noqa: E402
 from zaya_jax import config as config_lib  # noqa: E402
@@ -168,17 +169,10 @@ def apply_override(c: ml_collections.ConfigDict, assignment: str) -> None:
 
 def matmul_flops_per_s(dtype: str, n: int = 1024, repeats: int = 30) -> float:
     """The best of `repeats` jit-compiled [n, n] x [n, n] matmuls in `dtype` on jax's first device:
-    the speed no step can beat, the divisor of each side's `floor_step_s`. (The first few calls of
-    a fresh process ran at half speed on the CPU: best of 5 was sometimes one of them.)"""
-    x = jax.numpy.ones((n, n), dtype)
-    matmul = jax.jit(lambda a: a @ a)
-    matmul(x).block_until_ready()
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        matmul(x).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n**3 / best
+    the speed no step can beat, the divisor of each side's `floor_step_s` (timed by
+    benchmarks/gemm.py). The first few calls of a fresh process ran at half speed on the CPU: best
+    of 5 was sometimes one of them."""
+    return 2.0 * n**3 / min(time_gemm(n, n, n, dtype, warmup=1, iters=repeats))
 
 
 def random_tokens(vocab_size: int, batch_size: int, seq_len: int, seed: int) -> np.ndarray:
@@ -577,7 +571,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         r["optimizer_flops_per_step"] = optimizer_flops[side.name]
         r["floor_step_s"] = (tokens_per_step * flops_per_token + optimizer_flops[side.name]) / matmul_peak
         r["max_ratio_to_torch"] = (
-            None if torch_tps is None else tokens_per_step / torch_tps / r["floor_step_s"]
+            None if torch_tps is None else results[TORCH]["step_time_s"] / r["floor_step_s"]
         )
     for side in sides:
         if isinstance(side, IsolatedTorchSide):
