@@ -62,6 +62,15 @@ def _compile(fn: Callable, args: Sequence[Any]):
     return lowered.compile()
 
 
+def _gpu() -> dict[str, str]:
+    """perf mode's kernel keywords: Triton for this process' GPU (its warps: cuda or rocm)."""
+    import jax
+
+    from zaya_jax.parallel.mesh import device_platform
+
+    return {"platform": device_platform(jax.devices()[0])}
+
+
 def _time(compiled, args: Sequence[Any], warmup: int, iters: int) -> list[float]:
     import jax
 
@@ -227,6 +236,8 @@ def attention_cases(args, perf: bool) -> list[dict[str, Any]]:
                     )
                     if interp:  # check mode: small tiles so the tiny shapes span several of them
                         kw.update(interpret=True, block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+                    else:
+                        kw.update(_gpu())
                     return fn(q, k, v, **kw)
 
                 return f
@@ -313,7 +324,7 @@ def gmm_cases(args, perf: bool, swiglu: bool) -> list[dict[str, Any]]:
             down = (0.02 * jax.random.normal(ks[2], (e, i, d), jnp.float32)).astype(dtype)
             routing = "skewed" if skew else "uniform"
             extra = {"tokens": t, "routed": routed, "d": d, "I": i, "experts": e, "routing": routing}
-            interp = {} if perf else dict(interpret=True, block_m=16, block_n=16, block_k=16)
+            interp = _gpu() if perf else dict(interpret=True, block_m=16, block_n=16, block_k=16)
             if not swiglu:
                 a = jax.random.normal(ks[0], (t, i), jnp.float32).astype(dtype)  # the down GEMM's input
                 for wname, lhs, w in (("gate_up", x, gate_up), ("down", a, down)):
@@ -429,7 +440,7 @@ def ns_cases(args, perf: bool) -> list[dict[str, Any]]:
         m, n = sorted(shape[-2:])
         flops = 5 * bt * (4.0 * m * m * n + 2.0 * m**3)
         for nsd in ns_dtypes:
-            interp = {} if perf else dict(interpret=True, block=16, block_k=16)
+            interp = _gpu() if perf else dict(interpret=True, block=16, block_k=16)
             kern = lambda x, nsd=nsd: newton_schulz(x, ns_dtype=nsd, **interp)  # noqa: E731
             ref = lambda x, nsd=nsd: orthogonalize(x, ns_dtype=nsd)  # noqa: E731
             rows.append(

@@ -101,6 +101,7 @@ from zaya_jax import host_memory, sizing  # noqa: E402
 from zaya_jax.model import ZayaConfig  # noqa: E402
 from zaya_jax.model.moe import resolve_moe_impl  # noqa: E402
 from zaya_jax.model.transformer import resolve_scan_layers  # noqa: E402
+from zaya_jax.parallel.mesh import mesh_platform  # noqa: E402
 from zaya_jax.optim.chain import adamw, gradient_clipping, lr_schedule, make_optimizer  # noqa: E402
 from zaya_jax.parallel.mesh import mesh_from_config  # noqa: E402
 from zaya_jax.parallel.sharding import shard_batch  # noqa: E402
@@ -603,9 +604,11 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "repeats": args.repeats,
             "seed": args.seed,
             "moe_impl": cfg.moe_impl,
-            "moe_impl_resolved": resolve_moe_impl(cfg.moe_impl),
+            "moe_impl_resolved": resolve_moe_impl(cfg.moe_impl, mesh_platform(None)),
             "scan_layers": cfg.scan_layers,
-            "scan_layers_resolved": resolve_scan_layers(cfg.scan_layers, cfg.num_hidden_layers),
+            "scan_layers_resolved": resolve_scan_layers(
+                cfg.scan_layers, cfg.num_hidden_layers, mesh_platform(None)
+            ),
             "optimizer": args.optimizer,
             "host_memory": args.host_memory,
             "flops_per_token": flops_per_token,

@@ -358,7 +358,12 @@ def test_pick_blocks_rules_and_package_exports():
                         assert size >= 16 and size & (size - 1) == 0, (kernel, key, size)
     with pytest.raises(ValueError, match="unknown kernel"):
         pick_blocks("nope", {})
-    assert K.default_interpret() is (jax.default_backend() == "cpu")
+    assert K.kernel_options("cpu") == {"interpret": True, "platform": "cpu"}
+    assert K.kernel_options("rocm") == {"interpret": False, "platform": "rocm"}
+    # ROCm's 64-lane wavefronts: the same threads in half the warps, whatever this process runs on.
+    for kernel in ("flash_attention", "grouped_matmul", "newton_schulz"):
+        cuda, rocm = pick_blocks(kernel, {}, platform="cuda"), pick_blocks(kernel, {}, platform="rocm")
+        assert rocm["num_warps"] * 2 == cuda["num_warps"] == pick_blocks(kernel, {})["num_warps"]
     assert set(K.SUPPORTED) >= {"flash_attention", "grouped_matmul", "newton_schulz"}
     for name in K.__all__:
         assert hasattr(K, name), name

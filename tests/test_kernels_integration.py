@@ -38,9 +38,13 @@ def _batch(b=2, s=19):
 
 
 def test_impl_resolution_and_backend_check():
-    assert use_pallas("pallas") and not use_pallas("xla") and not use_pallas("ragged_dot")
-    assert use_pallas("auto") == (jax.default_backend() == "gpu")
-    check_backend("pallas", "auto", "xla")  # CPU runs the kernels interpreted: allowed
+    assert use_pallas("pallas", "cpu") and not use_pallas("xla", "cuda") and not use_pallas("ragged_dot", "rocm")
+    assert use_pallas("auto", "cuda") and use_pallas("auto", "rocm") and not use_pallas("auto", "cpu")
+    check_backend("cpu", "pallas", "auto", "xla")  # CPU runs the kernels interpreted: allowed
+    check_backend("rocm", "pallas")
+    check_backend("tpu", "auto", "xla")  # auto falls back to XLA there
+    with pytest.raises(ValueError, match="platform 'tpu' lacks"):
+        check_backend("tpu", "pallas")
     with pytest.raises(ValueError, match="attention_impl"):
         ZayaConfig.tiny(attention_impl="triton")
 

@@ -99,11 +99,19 @@ def test_tiled_one_token_values_and_grads():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
 
-def test_auto_picks_tiled_on_cpu_and_ragged_dot_on_accelerators():
+def test_auto_follows_the_platform_compiled_for():
+    """tiled on CPU, the Pallas grouped matmul on GPUs (XLA:GPU's ragged_dot is dense: tests/
+    test_gpu_compile.py), ragged_dot on TPU; the platform is an argument, never the process'."""
     assert resolve_moe_impl("auto", "cpu") == "tiled"
-    assert resolve_moe_impl("auto", "gpu") == resolve_moe_impl("auto", "tpu") == "ragged_dot"
-    assert resolve_moe_impl("pallas", "cpu") == "pallas" and resolve_moe_impl("dense", "gpu") == "dense"
-    assert local_dispatch("auto") is (tiled_moe if jax.default_backend() == "cpu" else sparse_moe)
+    assert resolve_moe_impl("auto", "cuda") == resolve_moe_impl("auto", "rocm") == "pallas"
+    assert resolve_moe_impl("auto", "tpu") == "ragged_dot"
+    assert resolve_moe_impl("pallas", "cpu") == "pallas" and resolve_moe_impl("dense", "cuda") == "dense"
+    assert resolve_moe_impl("ragged_dot", "rocm") == "ragged_dot"
+    assert local_dispatch("auto", "cpu") is tiled_moe
+    gpu = local_dispatch("auto", "rocm")  # Triton, not interpreted, with ROCm's warps
+    assert gpu.func is sparse_moe
+    assert gpu.keywords["swiglu"].keywords == {"interpret": False, "platform": "rocm"}
+    assert local_dispatch("pallas", "cpu").keywords["swiglu"].keywords["interpret"] is True
 
 
 def test_tiled_dispatch_is_sparse():

@@ -52,6 +52,6 @@ def test_auto_unrolls_shallow_models_on_cpu_only():
     assert resolve_scan_layers("auto", 4, "cpu") == "unroll"
     assert resolve_scan_layers("auto", 8, "cpu") == "unroll"
     assert resolve_scan_layers("auto", 40, "cpu") == "scan"
-    assert resolve_scan_layers("auto", 4, "gpu") == "scan"
+    assert resolve_scan_layers("auto", 4, "rocm") == resolve_scan_layers("auto", 4, "cuda") == "scan"
     assert resolve_scan_layers("scan", 4, "cpu") == "scan"
-    assert resolve_scan_layers("unroll", 40, "gpu") == "unroll"
+    assert resolve_scan_layers("unroll", 40, "cuda") == "unroll"

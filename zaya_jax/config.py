@@ -177,8 +177,10 @@ def _check(cond: bool, key: str, message: str) -> None:
         raise ValueError(f"config.{key}: {message}")
 
 
-def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
-    """Checks the whole config once, before anything is built. Returns the model config."""
+def validate(c: ml_collections.ConfigDict, platform: str | None = None) -> ZayaConfig:
+    """Checks the whole config once, before anything is built. Returns the model config.
+    platform: of the devices the run compiles for (zaya_jax.parallel.mesh.device_platform; the dry
+    run's target); None: the default device's, looked up only if a kernel is set to 'pallas'."""
     _validate_keys(c)
     cfg = model_config(c)
     _check(
@@ -186,10 +188,14 @@ def validate(c: ml_collections.ConfigDict) -> ZayaConfig:
         "optim.muon.ns_impl",
         f"{c.optim.muon.ns_impl!r}; expected 'xla', 'pallas' or 'auto'",
     )
-    # A Pallas choice on a backend without the Triton lowering fails here, not inside jit.
-    from zaya_jax.kernels import check_backend
+    # A Pallas choice for devices without the Triton lowering fails here, not inside jit ("auto"
+    # falls back to XLA there, so only an explicit 'pallas' needs the devices' platform).
+    impls = (cfg.attention_impl, cfg.moe_impl, c.optim.muon.ns_impl)
+    if "pallas" in impls:
+        from zaya_jax.kernels import check_backend
+        from zaya_jax.parallel.mesh import mesh_platform
 
-    check_backend(cfg.attention_impl, cfg.moe_impl, c.optim.muon.ns_impl)
+        check_backend(platform or mesh_platform(None), *impls)
     _validate_train(c, cfg)
     _validate_data(c)
     _validate_optim(c)

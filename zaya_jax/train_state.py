@@ -25,7 +25,7 @@ from zaya_jax.loss import chunked_cross_entropy
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
 from zaya_jax.parallel.context import CONTEXT, check_local_length, config_context, fold_sequences
-from zaya_jax.parallel.mesh import make_mesh
+from zaya_jax.parallel.mesh import make_mesh, mesh_platform
 from zaya_jax.parallel.sharding import BATCH_AXES, batch_sharding, opt_state_shardings, param_shardings
 
 Batch = dict[str, jax.Array]  # input_ids / targets int32 [B, S], loss_mask fp32 [B, S]
@@ -259,7 +259,7 @@ class _StateLayout:
 def _state_layout(c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh) -> _StateLayout:
     """The optimizer and balancing of config `c`, its initial-state function and that state's
     shapes and shardings on `mesh` (traced with jax.eval_shape: nothing allocated)."""
-    tx = make_optimizer(c, total_steps=c.train.steps)
+    tx = make_optimizer(c, total_steps=c.train.steps, platform=mesh_platform(mesh))
     bal_cfg = balancing_config(c)
     create = lambda: create_train_state(cfg, tx, bal_cfg or bal.BalancingConfig(), jax.random.key(c.seed))
     shapes = jax.eval_shape(create)

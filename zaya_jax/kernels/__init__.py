@@ -8,13 +8,16 @@ the plain-XLA tiled grouped matmul (sparse on every backend; moe_impl="auto" on 
   newton_schulz / reference_newton_schulz    Muon's orthogonalisation (zaya_jax.optim.muon)
   pick_blocks                                block sizes per kernel / shape / dtype
 
-Every kernel takes `interpret=`; pass `default_interpret()` to run the kernel body as plain JAX on
-CPU (tests, CI) and compiled Triton on GPUs.
+Every kernel takes `interpret=` and `platform=`; pass `**kernel_options(platform)` with the platform
+of the devices the program is compiled for ("cpu" / "cuda" / "rocm", zaya_jax.parallel.mesh.
+mesh_platform): the kernel body runs as plain JAX on CPU (tests, CI) and as compiled Triton, with
+that GPU's warp counts, on GPUs. Nothing here reads the process' default backend: a dry run
+compiles for GPU devices from a CPU process.
 """
 
 from __future__ import annotations
 
-import jax
+from typing import Any
 
 from zaya_jax.kernels.block_sizes import pick_blocks
 from zaya_jax.kernels.flash_attention import flash_attention, reference_attention, reference_mask
@@ -43,24 +46,32 @@ SUPPORTED: dict[str, dict[str, str]] = {
 }
 
 
-def default_interpret() -> bool:
-    """True when the default backend is CPU (no Triton there: run the kernels interpreted)."""
-    return jax.default_backend() == "cpu"
+GPU_PLATFORMS = ("cuda", "rocm")  # the platforms with a Pallas Triton lowering
 
 
-def use_pallas(impl: str) -> bool:
-    """Resolves a config's kernel choice: "pallas" -> True; "auto" -> True on GPU; else False."""
-    return impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")
+def interpret_on(platform: str) -> bool:
+    """True on CPU (no Triton there: the kernels run interpreted), False on a GPU platform."""
+    return platform == "cpu"
 
 
-def check_backend(*impls: str) -> None:
-    """Start-up check: a Pallas choice on a backend without the Triton lowering (TPU) is an error
+def kernel_options(platform: str) -> dict[str, Any]:
+    """The keywords every kernel takes for a program compiled for `platform`: interpret on CPU,
+    Triton with the platform's block sizes / warps on GPUs."""
+    return {"interpret": interpret_on(platform), "platform": platform}
+
+
+def use_pallas(impl: str, platform: str) -> bool:
+    """Resolves a config's kernel choice: "pallas" -> True; "auto" -> True on a GPU platform."""
+    return impl == "pallas" or (impl == "auto" and platform in GPU_PLATFORMS)
+
+
+def check_backend(platform: str, *impls: str) -> None:
+    """Start-up check: a Pallas choice for devices without the Triton lowering (TPU) is an error
     here, with the fix named, instead of a lowering failure deep inside jit."""
-    backend = jax.default_backend()
-    if any(use_pallas(i) for i in impls) and backend not in ("gpu", "cpu"):
+    if any(use_pallas(i, platform) for i in impls) and platform not in (*GPU_PLATFORMS, "cpu"):
         raise ValueError(
             f"Pallas kernels (model.attention_impl / model.moe_impl / optim.muon.ns_impl = "
-            f"'pallas') use the Triton lowering, which backend {backend!r} lacks; use 'xla' "
+            f"'pallas') use the Triton lowering, which platform {platform!r} lacks; use 'xla' "
             "or 'auto'"
         )
 
@@ -68,7 +79,9 @@ def check_backend(*impls: str) -> None:
 __all__ = [
     "SUPPORTED",
     "check_backend",
-    "default_interpret",
+    "GPU_PLATFORMS",
+    "interpret_on",
+    "kernel_options",
     "use_pallas",
     "flash_attention",
     "grouped_matmul",

@@ -74,27 +74,14 @@ def _clip(block: int, dim: int | None, floor: int = 16) -> int:
     return max(floor, min(block, _p2(dim)))
 
 
-def gpu_platform() -> str | None:
-    """'rocm' or 'cuda' for the default device, None when it is not a GPU."""
-    import jax
-
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return None
-    if dev.platform not in ("gpu", "cuda", "rocm"):
-        return None
-    version = str(getattr(dev.client, "platform_version", "")).lower()
-    return "rocm" if dev.platform == "rocm" or "rocm" in version or "hip" in version else "cuda"
-
-
 def pick_blocks(
     kernel: str, shapes: Mapping[str, int], dtype: Any = jnp.bfloat16, platform: str | None = None
 ) -> dict[str, Any]:
     """Block sizes for `kernel` (one of KERNELS) on a problem of `shapes` in `dtype`.
 
-    See the module docstring for the keys of `shapes` and the rules. platform: "rocm" / "cuda"
-    (default: the default device's, see `gpu_platform`); it only changes num_warps. Every block is
+    See the module docstring for the keys of `shapes` and the rules. platform: the platform the
+    kernel is compiled for ("rocm" halves num_warps; "cuda", "cpu" or None keep the table's
+    32-lane warps); it only changes num_warps. Every block is
     a power of two >= 16; the result is a fresh dict (callers may override entries).
     """
     if kernel not in TABLE:
@@ -150,6 +137,6 @@ def pick_blocks(
         out["block"] = _clip(out["block"], short)
         out["block_k"] = _clip(out["block_k"], short)
         out["num_warps"] = 4 if out["block"] <= 64 else 8
-    if (platform or gpu_platform()) == "rocm":  # 64-lane wavefronts: same threads, half the warps
+    if platform == "rocm":  # 64-lane wavefronts: same threads, half the warps
         out["num_warps"] = max(1, out["num_warps"] // 2)
     return out

@@ -436,12 +436,13 @@ def flash_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool = False,
+    platform: str | None = None,
 ) -> jax.Array:
     """Pallas flash attention (forward + custom_vjp backward); see the module docstring.
 
     q [B, Sq, Nq, hd], k/v [B, Sk, Nkv, hd] (Nq a multiple of Nkv) -> [B, Sq, Nq, hd] (q.dtype).
-    Block sizes default to `pick_blocks("flash_attention", ...)`; given ones must be powers of two
-    >= 16 (they are clipped to the next power of two of the sequence lengths).
+    Block sizes default to `pick_blocks("flash_attention", ..., platform)`; given ones must be powers
+    of two >= 16 (they are clipped to the next power of two of the sequence lengths).
     """
     b, sq, nq, hd = q.shape
     _, sk, nkv, hd_k = k.shape
@@ -453,7 +454,7 @@ def flash_attention(
         raise ValueError("flash_attention: pass both q_segment_ids and kv_segment_ids or neither")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         k, v = k.astype(q.dtype), v.astype(q.dtype)
-    picked = pick_blocks("flash_attention", {"seq_q": sq, "seq_k": sk, "head_dim": hd}, q.dtype)
+    picked = pick_blocks("flash_attention", {"seq_q": sq, "seq_k": sk, "head_dim": hd}, q.dtype, platform)
 
     def blk(given, key, seq):
         size = picked[key] if given is None else int(given)

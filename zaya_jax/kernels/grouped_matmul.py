@@ -259,6 +259,7 @@ def tgmm(
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool = False,
+    platform: str | None = None,
 ) -> jax.Array:
     """Transposed grouped matmul: out[g] = lhs_g^T dout_g, [G, K, N] (zeros for empty groups).
 
@@ -270,9 +271,8 @@ def tgmm(
     n_dim = dout.shape[1]
     groups = group_sizes.shape[0]
     out_dtype = lhs.dtype if out_dtype is None else out_dtype
-    picked = pick_blocks(
-        "tgmm", {"m": t, "k": k_dim, "n": n_dim, "groups": groups}, _compute_dtype(lhs.dtype, dout.dtype)
-    )
+    cdt = _compute_dtype(lhs.dtype, dout.dtype)
+    picked = pick_blocks("tgmm", {"m": t, "k": k_dim, "n": n_dim, "groups": groups}, cdt, platform)
     bm = _block("block_m", block_m, picked["block_m"], t)
     bk = _block("block_k", block_k, picked["block_k"], k_dim)
     bn = _block("block_n", block_n, picked["block_n"], n_dim)
@@ -344,7 +344,9 @@ def _gmm_bwd(opts, res, dout):
         num_stages=o["num_stages"],
         interpret=o["interpret"],
     )
-    drhs = tgmm(lhs, dout, group_sizes, out_dtype=rhs.dtype, interpret=o["interpret"])
+    drhs = tgmm(
+        lhs, dout, group_sizes, out_dtype=rhs.dtype, interpret=o["interpret"], platform=o["platform"]
+    )
     return dlhs, drhs, None
 
 
@@ -369,13 +371,14 @@ def grouped_matmul(
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool = False,
+    platform: str | None = None,
 ) -> jax.Array:
     """Pallas ragged_dot: lhs [T, K], rhs [G, K, N], group_sizes [G] int -> [T, N].
 
     Rows of group g (consecutive, in group order) are multiplied by rhs[g]; rows past
     sum(group_sizes) are 0. Output dtype: preferred_element_type, default lhs.dtype (as
     `jax.lax.ragged_dot`). Differentiable in lhs and rhs (custom_vjp with Pallas kernels); block
-    sizes default to `pick_blocks("grouped_matmul", ...)`.
+    sizes default to `pick_blocks("grouped_matmul", ..., platform)`.
     """
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
         raise ValueError(
@@ -387,9 +390,9 @@ def grouped_matmul(
     if k2 != k_dim or group_sizes.shape[0] != groups:
         raise ValueError(f"grouped_matmul: mismatched shapes {lhs.shape}, {rhs.shape}, {group_sizes.shape}")
     cdt = _compute_dtype(lhs.dtype, rhs.dtype)
-    picked = pick_blocks("grouped_matmul", {"m": t, "k": k_dim, "n": n_dim, "groups": groups}, cdt)
+    picked = pick_blocks("grouped_matmul", {"m": t, "k": k_dim, "n": n_dim, "groups": groups}, cdt, platform)
     # The backward's dlhs = dout [T, N] @ rhs^T [N, K] swaps the roles of K and N.
-    bwd = pick_blocks("grouped_matmul", {"m": t, "k": n_dim, "n": k_dim, "groups": groups}, cdt)
+    bwd = pick_blocks("grouped_matmul", {"m": t, "k": n_dim, "n": k_dim, "groups": groups}, cdt, platform)
     opts = (
         ("block_m", _block("block_m", block_m, picked["block_m"], t)),
         ("block_n", _block("block_n", block_n, picked["block_n"], n_dim)),
@@ -400,6 +403,7 @@ def grouped_matmul(
         ("num_warps", num_warps or picked["num_warps"]),
         ("num_stages", num_stages or picked["num_stages"]),
         ("interpret", bool(interpret)),
+        ("platform", platform),
     )
     return _gmm(lhs, rhs, group_sizes.astype(jnp.int32), opts)
 
@@ -421,6 +425,7 @@ def swiglu_grouped_pallas(
     group_sizes_e: jax.Array,
     act: Callable,
     interpret: bool = False,
+    platform: str | None = None,
     **block_kwargs,
 ) -> jax.Array:
     """`zaya_jax.model.moe.swiglu_grouped` on the Pallas grouped matmul: expert-sorted tokens
@@ -435,10 +440,17 @@ def swiglu_grouped_pallas(
         group_sizes_e,
         preferred_element_type=jnp.float32,
         interpret=interpret,
+        platform=platform,
         **block_kwargs,
     )
     gate, up = jnp.split(h, 2, axis=-1)
     a = (act(gate) * up).astype(x_sorted_md.dtype)
     return grouped_matmul(
-        a, down_efd, group_sizes_e, preferred_element_type=jnp.float32, interpret=interpret, **block_kwargs
+        a,
+        down_efd,
+        group_sizes_e,
+        preferred_element_type=jnp.float32,
+        interpret=interpret,
+        platform=platform,
+        **block_kwargs,
     )

@@ -216,9 +216,11 @@ def newton_schulz(
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool = False,
+    platform: str | None = None,
 ) -> jax.Array:
     """Pallas `orthogonalize`: approximate U V^T of each [m, n] slice of x [..., m, n] (tall slices
-    are transposed in and out: the kernels only do the wide case)."""
+    are transposed in and out: the kernels only do the wide case). platform: the GPU it is
+    compiled for (block_sizes.pick_blocks: warps)."""
     if x.ndim < 2:
         raise ValueError(f"newton_schulz needs ndim >= 2 ([..., m, n]), got shape {x.shape}")
     a, b, c = validate_ns_coeffs(ns_coeffs)
@@ -235,7 +237,7 @@ def newton_schulz(
     norm = jnp.sqrt(jnp.sum(jnp.square(x32), axis=(-2, -1), keepdims=True))
     xs = (x32 / (norm + eps)).astype(ns_dtype)
 
-    picked = pick_blocks("newton_schulz", {"m": m, "n": n}, ns_dtype)
+    picked = pick_blocks("newton_schulz", {"m": m, "n": n}, ns_dtype, platform)
 
     def blk(given, key):
         size = picked[key] if given is None else int(given)

@@ -11,9 +11,9 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from zaya_jax.kernels import default_interpret, flash_attention
+from zaya_jax.kernels import flash_attention, kernel_options
 from zaya_jax.kernels.xla_attention import MASK_VALUE, attention_allowed, xla_attention
-from zaya_jax.parallel.mesh import MESH_AXES
+from zaya_jax.parallel.mesh import MESH_AXES, mesh_platform
 
 __all__ = ["MASK_VALUE", "attention_allowed", "pallas_attention", "xla_attention"]
 
@@ -31,7 +31,8 @@ def pallas_attention(
 ) -> jax.Array:
     """The Pallas flash-attention kernel with the semantics of `xla_attention` + `attention_allowed`
     (positions = token order). On a mesh it runs per device on the batch shard: a pallas_call is
-    not partitioned by XLA."""
+    not partitioned by XLA. Triton for the mesh's GPUs, interpreted on CPU (`mesh_platform`)."""
+    options = kernel_options(mesh_platform(mesh))
 
     def run(q, k, v, seg, mask):
         return flash_attention(
@@ -44,7 +45,7 @@ def pallas_attention(
             kv_segment_ids=seg,
             key_mask=mask,
             sliding_window=sliding_window,
-            interpret=default_interpret(),
+            **options,
         )
 
     if mesh is None:

@@ -29,6 +29,7 @@ from zaya_jax.model.attention import attention_allowed, pallas_attention, xla_at
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.model.rope import apply_rope, rope_cos_sin
 from zaya_jax.parallel.context import context_size, gather_sequence, with_left_context
+from zaya_jax.parallel.mesh import mesh_platform
 
 
 class CCAState(NamedTuple):
@@ -282,7 +283,7 @@ class CCAttention(nn.Module):
             o = self._context_attention(
                 q, k, v, positions_bs, padding_mask_bs, segment_ids_bs, sliding_window
             )
-        elif use_pallas(cfg.attention_impl):
+        elif use_pallas(cfg.attention_impl, mesh_platform(self.mesh)):
             # The kernel masks by token order: positions are the default arange (training, prefill).
             o = pallas_attention(
                 q,

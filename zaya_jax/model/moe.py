@@ -9,8 +9,10 @@ fall outside every group and cost nothing (ragged_dot leaves rows past sum(group
 XLA:CPU, though, expands ragged_dot into masked dense matmuls (every expert on every token), so
 `tiled` cuts each expert's sorted tokens into row tiles and runs each tile through its own
 expert's SwiGLU only, both projections in one loop (zaya_jax/kernels/tiled_grouped_matmul.py):
-sparse on every backend. `auto` (default) is `tiled` on CPU and ragged_dot where it is a native grouped GEMM
-(GPU, TPU); `pallas` is the Triton kernel. `dense` runs every expert on every token and selects;
+sparse on every backend. `auto` (default) is `tiled` on CPU, `pallas` (the Triton grouped matmul)
+on GPUs, where XLA:GPU expands ragged_dot densely too (docs/conventions.md, "Experts on a GPU"), and
+ragged_dot on TPU, where it is a native grouped GEMM; the platform is that of the devices the step
+is compiled for (the mesh's). `dense` runs every expert on every token and selects;
 it exists as the test reference.
 """
 
@@ -24,10 +26,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from zaya_jax.kernels import default_interpret, swiglu_grouped_pallas
+from zaya_jax.kernels import kernel_options, swiglu_grouped_pallas
 from zaya_jax.kernels.tiled_grouped_matmul import tiled_swiglu
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.parallel.expert import expert_parallel_moe
+from zaya_jax.parallel.mesh import mesh_platform
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
@@ -107,25 +110,25 @@ def dense_moe(
     return jnp.einsum("me,emd->md", onehot_me, y_emd)
 
 
-def resolve_moe_impl(moe_impl: str, backend: str | None = None) -> str:
-    """`auto` -> "tiled" on CPU (where ragged_dot is expanded densely), "ragged_dot" on GPU/TPU
-    (a native grouped GEMM there); any other value is returned as is."""
+def resolve_moe_impl(moe_impl: str, platform: str) -> str:
+    """`auto` for devices of `platform` (zaya_jax.parallel.mesh.device_platform): "tiled" on CPU,
+    "pallas" on GPUs (XLA:CPU and XLA:GPU both expand ragged_dot into every expert on every
+    token), "ragged_dot" on TPU (a native grouped GEMM there); any other value is returned as is."""
     if moe_impl != "auto":
         return moe_impl
-    return "tiled" if (backend or jax.default_backend()) == "cpu" else "ragged_dot"
+    return {"cpu": "tiled", "cuda": "pallas", "rocm": "pallas"}.get(platform, "ragged_dot")
 
 
-def local_dispatch(moe_impl: str) -> Callable:
-    """The single-device MoE function for a config's `moe_impl`."""
-    impl = resolve_moe_impl(moe_impl)
+def local_dispatch(moe_impl: str, platform: str) -> Callable:
+    """The single-device MoE function for a config's `moe_impl` on devices of `platform`."""
+    impl = resolve_moe_impl(moe_impl, platform)
     if impl == "dense":
         return dense_moe
     if impl == "tiled":
         return tiled_moe
     if impl == "pallas":
-        return functools.partial(
-            sparse_moe, swiglu=functools.partial(swiglu_grouped_pallas, interpret=default_interpret())
-        )
+        swiglu = functools.partial(swiglu_grouped_pallas, **kernel_options(platform))
+        return functools.partial(sparse_moe, swiglu=swiglu)
     return sparse_moe
 
 
@@ -149,7 +152,7 @@ class ZayaExperts(nn.Module):
         init = nn.initializers.normal(cfg.initializer_range)
         gate_up = self.param("gate_up_proj", init, (e, d, 2 * i), cfg.params_dtype)
         down = self.param("down_proj", init, (e, i, d), cfg.params_dtype)
-        moe = local_dispatch(cfg.moe_impl)
+        moe = local_dispatch(cfg.moe_impl, mesh_platform(self.mesh))
         dt, act = cfg.compute_dtype, ACTIVATIONS[cfg.hidden_act]
         args = (x_md.astype(dt), expert_m, gate_up.astype(dt), down.astype(dt), act)
         if self.mesh is None:

@@ -28,6 +28,7 @@ from zaya_jax.model.norm import RMSNorm
 from zaya_jax.model.residual import ResidualScaling
 from zaya_jax.model.router import BALANCING, ZayaRouter
 from zaya_jax.parallel.context import flatten_tokens, unflatten_tokens
+from zaya_jax.parallel.mesh import mesh_platform
 
 
 @flax.struct.dataclass
@@ -134,8 +135,9 @@ class ZayaBlock(nn.Module):
 MAX_AUTO_UNROLLED_LAYERS = 8
 
 
-def resolve_scan_layers(scan_layers: str, num_layers: int, backend: str | None = None) -> str:
-    """ "scan" or "unroll" for a config's `scan_layers`; "auto" -> "unroll" on CPU for at most
+def resolve_scan_layers(scan_layers: str, num_layers: int, platform: str) -> str:
+    """ "scan" or "unroll" for a config's `scan_layers` on devices of `platform` (the mesh's,
+    zaya_jax.parallel.mesh.mesh_platform); "auto" -> "unroll" on CPU for at most
     MAX_AUTO_UNROLLED_LAYERS blocks, else "scan".
 
     Why unroll on CPU: a rolled scan runs as an XLA while loop whose per-layer outputs (the [l, ...]
@@ -148,8 +150,7 @@ def resolve_scan_layers(scan_layers: str, num_layers: int, backend: str | None =
     """
     if scan_layers != "auto":
         return scan_layers
-    cpu = (backend or jax.default_backend()) == "cpu"
-    return "unroll" if cpu and num_layers <= MAX_AUTO_UNROLLED_LAYERS else "scan"
+    return "unroll" if platform == "cpu" and num_layers <= MAX_AUTO_UNROLLED_LAYERS else "scan"
 
 
 REMAT_POLICIES = {
@@ -185,7 +186,8 @@ class ZayaForCausalLM(nn.Module):
         block = ZayaBlock
         if cfg.remat != "none":
             block = nn.remat(ZayaBlock, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-        unroll = resolve_scan_layers(cfg.scan_layers, cfg.num_hidden_layers) == "unroll"
+        platform = mesh_platform(self.mesh)
+        unroll = resolve_scan_layers(cfg.scan_layers, cfg.num_hidden_layers, platform) == "unroll"
         self.layers = nn.scan(
             block,
             variable_axes={"params": 0, BALANCING: 0},

@@ -1,6 +1,6 @@
 """The training optimizer: global-norm clipping, then Muon or AdamW per parameter.
 
-    make_optimizer(cfg, total_steps) = chain(
+    make_optimizer(cfg, total_steps, platform) = chain(
         clip_by_global_norm(optim.clip_grad_norm),        # identity if 0/None; grad_norm= extra arg
         multi_transform({"muon": muon(...), "adamw": adamw(...)}, param_labels))
 
@@ -33,7 +33,8 @@ with an ``optim`` field or the optim ConfigDict itself)::
     optim.muon.ns_steps      Newton–Schulz iterations (5)
     optim.muon.ns_coeffs     quintic NS coefficients (3.4445, -4.7750, 2.0315)
     optim.muon.ns_dtype      "float32" | "bfloat16": dtype NS runs in
-    optim.muon.ns_impl       "xla" | "pallas" | "auto": who runs NS (auto = Pallas on GPU)
+    optim.muon.ns_impl       "xla" | "pallas" | "auto": who runs NS (auto = Pallas on GPU: the
+                             `platform` of make_optimizer, the devices the step is compiled for)
     optim.muon.mu_dtype      momentum buffer dtype ("float32")
     optim.muon.eps           added to the Frobenius norm before NS
     optim.muon.consistent_rms  0.2: update RMS matched to AdamW (lr/wd transfer);
@@ -165,15 +166,20 @@ def lr_schedule(cfg: Any, total_steps: int) -> optax.Schedule:
     return make_schedule(oc.schedule, **kw)
 
 
-def _orthogonalize_fn(ns_impl: str):
-    """None (the XLA default) or the Pallas Newton-Schulz kernel, by ``optim.muon.ns_impl``."""
+def _orthogonalize_fn(ns_impl: str, platform: str | None):
+    """None (the XLA default) or the Pallas Newton-Schulz kernel, by ``optim.muon.ns_impl``, for
+    devices of ``platform`` (None: the default device's, where a mesh-less step runs)."""
     if ns_impl not in ("xla", "pallas", "auto"):
         raise ValueError(f"optim.muon.ns_impl={ns_impl!r}; expected 'xla', 'pallas' or 'auto'")
-    from zaya_jax import kernels  # the kernels package is only needed when selected
-
-    if not kernels.use_pallas(ns_impl):
+    if ns_impl == "xla":
         return None
-    return functools.partial(kernels.newton_schulz, interpret=kernels.default_interpret())
+    from zaya_jax import kernels  # the kernels package is only needed when selected
+    from zaya_jax.parallel.mesh import mesh_platform
+
+    platform = platform or mesh_platform(None)
+    if not kernels.use_pallas(ns_impl, platform):
+        return None
+    return functools.partial(kernels.newton_schulz, **kernels.kernel_options(platform))
 
 
 def _scaled(schedule: optax.Schedule, multiplier: float) -> optax.Schedule:
@@ -221,12 +227,15 @@ def adamw(cfg: Any, schedule: optax.Schedule) -> optax.GradientTransformation:
     )
 
 
-def make_optimizer(cfg: Any, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(cfg: Any, total_steps: int, platform: str | None = None) -> optax.GradientTransformation:
     """Build the optimizer described in the module docstring.
 
     Args:
       cfg: training config with an ``optim`` field, or the optim config itself.
       total_steps: number of optimizer steps the schedule spans.
+      platform: of the devices the update is compiled for ("cpu" / "cuda" / "rocm", the mesh's:
+        zaya_jax.parallel.mesh.mesh_platform); decides ``ns_impl="auto"`` and the kernel's
+        Triton-vs-interpret. None: the default device's.
     """
     oc = _optim_section(cfg)
     schedule = lr_schedule(oc, total_steps)
@@ -249,7 +258,7 @@ def make_optimizer(cfg: Any, total_steps: int) -> optax.GradientTransformation:
                     consistent_rms=None if consistent_rms is None else float(consistent_rms),
                     weight_decay=mc.weight_decay,
                     weight_decay_mask=weight_decay_mask,
-                    orthogonalize_fn=_orthogonalize_fn(getattr(mc, "ns_impl", "xla")),
+                    orthogonalize_fn=_orthogonalize_fn(getattr(mc, "ns_impl", "xla"), platform),
                 ),
                 ADAMW: adamw(oc, schedule),
             },

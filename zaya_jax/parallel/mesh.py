@@ -117,6 +117,26 @@ def make_mesh(
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
 
 
+def device_platform(device: jax.Device) -> str:
+    """"cpu", "cuda", "rocm" or "tpu": the compiler a device's programs go through. A GPU device
+    (real, or one of a deviceless GPU topology, zaya_jax/gpu_target.py) reports "gpu" as its
+    platform; its client names the vendor (jax reads the same attribute to pick the lowering)."""
+    client = getattr(device, "client", None)
+    raw = getattr(client, "_raw_platform", None) or device.platform
+    if raw == "gpu":  # an older client: the vendor is in its version string
+        raw = "rocm" if "rocm" in str(getattr(client, "platform_version", "")).lower() else "cuda"
+    return raw
+
+
+def mesh_platform(mesh: Mesh | None) -> str:
+    """The platform (`device_platform`) of the devices a mesh's programs are compiled for; without
+    a mesh, the default device's (where an un-meshed jit runs). Every backend choice (kernels'
+    Triton vs interpret, the `auto` impls) reads this, never the process' default backend: a dry
+    run compiles for GPU devices from a CPU process."""
+    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    return device_platform(device)
+
+
 def mesh_from_config(c, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The mesh of a training config (`mesh.<axis>` for every axis) over `devices` (default: all),
     validated against them."""
