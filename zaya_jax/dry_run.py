@@ -1,13 +1,27 @@
-"""`python -m zaya_jax.train --config CONFIG --dry_run [--dry_run_devices N]`: compile the real train
-step of any config at full size on simulated CPU devices, without allocating it.
+"""`python -m zaya_jax.train --config CONFIG --dry_run [--dry_run_devices N] [--dry_run_target T]
+[--dry_run_fit]`: compile the real train step of any config at full size for N devices, without
+allocating it.
 
 The step is the one the trainer jits (`train_state.train_program`: same optimizer, schedule,
 balancing, shardings and donation), traced from abstract shapes (`jax.eval_shape` of the initial
 state, `jax.ShapeDtypeStruct`s carrying the mesh's NamedShardings), lowered and compiled for a mesh of
-N CPU devices. It prints
+N devices of the target:
+
+  cpu (default)   N simulated CPU devices, XLA:CPU's compiler
+  mi300x, h100    N GPUs of that kind, deviceless (zaya_jax/gpu_target.py): XLA's GPU compiler
+                  (ROCm / CUDA) with its fusions, Triton kernels and vendor GEMMs; every backend
+                  choice (kernels' Triton vs interpret, the `auto` impls) follows the target
+  PATH            a GpuTargetConfig text file (another GPU kind or jaxlib; docs/conventions.md)
+
+It prints
 
   Memory per device   XLA's buffer assignment of the compiled per-device program
-                      (`compiled.memory_analysis()`) next to `zaya_jax.sizing`'s estimate
+                      (`compiled.memory_analysis()`) next to `zaya_jax.sizing`'s estimate; for a GPU
+                      target also the device's memory, and a step that does not fit ends the run
+                      with one `error:` line naming the overshoot (XLA compiles it all the same)
+  Largest microbatch  with --dry_run_fit (GPU targets): the step compiled at 1, 2, 4, ...
+                      sequences per device per microbatch (train.grad_accum set to match) until one
+                      does not fit; the largest that does
   Collectives         every all-reduce / all-gather / reduce-scatter / all-to-all /
                       collective-permute in the compiled HLO with its result bytes (per device), as
                       written and as executed per step (ops inside the scanned layers run once per
@@ -16,16 +30,22 @@ N CPU devices. It prints
                       only when a bucket overflowed) get their own "(spill, only if taken)" rows,
                       counted as if taken: "total (every step)" leaves them out, "total (with
                       spill taken)" adds them
+  Compiled work       (GPU targets) the kernels the compiler made of the step: our Triton kernels,
+                      XLA's Triton fusions, vendor GEMM calls (cuBLAS / hipBLASLt), convolutions;
+                      the dot FLOPs per step (trip counts included) of the model's forward and
+                      backward against sizing's model FLOPs (6 x active params x tokens + attention,
+                      times the remat factor): the useful share; the experts' share against the
+                      routed work; the rest (the optimizer's Newton-Schulz)
   Compile             tracing + lowering and XLA compile times
 
 Devices: N = `--dry_run_devices`, else the config's mesh size when no mesh axis is -1, else 8 (one
-node). The CPU platform is made to simulate N devices by setting
+node). For the CPU target the platform is made to simulate N devices by setting
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` (and JAX_PLATFORMS=cpu) in this process before
-jax creates its backends: jax reads both when the first device is requested, not at import, so this
-works from `main()` without re-executing the process (jax 0.10.2). The numbers are those of XLA:CPU's
-program: GPU/TPU compilers fuse and schedule differently (temporaries most of all), and kernels that
-only lower for GPU (`*_impl="pallas"`) cannot be compiled here. Nothing is written to disk (the
-persistent compilation cache is switched off for the dry run).
+jax creates its backends; a GPU target also pins jax to CPU first (the CUDA plugin's driver check):
+jax reads both when the first device is requested, not at import, so this works from `main()`
+without re-executing the process (jax 0.10.2). XLA:CPU's numbers are not a GPU's (GPU compilers
+fuse and schedule differently, temporaries most of all): use a GPU target for those. Nothing is
+written to disk (the persistent compilation cache is switched off for the dry run).
 """
 
 from __future__ import annotations
@@ -41,10 +61,15 @@ import jax
 import ml_collections
 
 from zaya_jax import config as config_lib
+from zaya_jax import gpu_target
 from zaya_jax import hlo as hlo_lib
 from zaya_jax import sizing
 from zaya_jax.hlo import COLLECTIVES
-from zaya_jax.parallel.mesh import MESH_AXES, mesh_from_config
+from zaya_jax.kernels import use_pallas
+from zaya_jax.model.moe import resolve_moe_impl
+from zaya_jax.model.transformer import resolve_scan_layers
+from zaya_jax.parallel.context import config_context
+from zaya_jax.parallel.mesh import MESH_AXES, device_platform, mesh_from_config
 from zaya_jax.train_state import abstract_batch, check_batch_divides, train_program
 
 DEFAULT_DEVICES = 8  # a -1 mesh axis: one node, as `python -m zaya_jax.sizing` assumes
@@ -189,7 +214,7 @@ class CompiledStep:
 def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> CompiledStep:
     """The step the trainer jits (`train_state.train_program`), lowered from abstract state and batch
     on a mesh of `devices` and compiled; nothing is allocated."""
-    cfg = config_lib.validate(c)
+    cfg = config_lib.validate(c, device_platform(devices[0]))
     mesh = mesh_from_config(c, devices=devices)
     check_batch_divides(c, len(devices))
     program = train_program(c, cfg, mesh)
@@ -201,35 +226,258 @@ def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> Com
     return CompiledStep(compiled, mesh, cfg, t1 - t0, time.perf_counter() - t1)
 
 
-def dry_run(c: ml_collections.ConfigDict, num_devices: int | None = None, name: str = "") -> str:
-    """Compiles config `c`'s train step on simulated CPU devices; returns the report (see module)."""
+def memory_total(stats: Any) -> int:
+    """Bytes a compiled step needs per device: arguments + outputs - alias + temporaries."""
+    return (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+        + stats.temp_size_in_bytes
+    )
+
+
+def device_rows(total: int, target: gpu_target.GpuTarget) -> tuple[list[str], str | None]:
+    """The device-memory row and, when the step does not fit, the one-line error naming the
+    overshoot."""
+    gib, cap = total / sizing.GIB, target.memory_bytes / sizing.GIB
+    label = f"  {'device memory (' + target.name + ')':<44}{cap:>11.3f}   "
+    if total <= target.memory_bytes:
+        return [label + f"fits: {100 * total / target.memory_bytes:.1f}% used"], None
+    over = (total - target.memory_bytes) / sizing.GIB
+    row = label + f"DOES NOT FIT: {over:.2f} GiB over"
+    error = (
+        f"the train step needs {gib:.2f} GiB per device, {over:.2f} GiB more than the {target.name}'s "
+        f"{cap:.0f} GiB (XLA: arguments + outputs - alias + temporaries): lower the sequences per device "
+        "per microbatch (raise train.grad_accum; --dry_run_fit finds the largest that fits), set "
+        "model.remat, or add devices"
+    )
+    return [row], error
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """The dry run's printout, and the one-line error it ends with (None when the step fits)."""
+
+    text: str
+    error: str | None = None
+
+
+def dry_run(
+    c: ml_collections.ConfigDict,
+    num_devices: int | None = None,
+    name: str = "",
+    target: str = "cpu",
+    fit: bool = False,
+) -> Report:
+    """Compiles config `c`'s train step for `num_devices` devices of `target` ("cpu": simulated
+    CPU devices; "mi300x", "h100" or a target config file: deviceless GPUs); returns the report
+    (see module)."""
     n = device_count(c, num_devices)
-    devices = simulated_devices(n)  # first: validate's backend check would start jax with 1 device
+    gpu = None if target == "cpu" else gpu_target.load_target(target)
+    if fit and gpu is None:
+        raise ValueError(
+            "--dry_run_fit needs a GPU --dry_run_target (mi300x, h100 or a file): CPU has no device memory"
+        )
+    if gpu is None:
+        devices = simulated_devices(n)  # first: validate's backend check would start jax with 1 device
+    else:
+        gpu_target.prepare_process()
+        devices = gpu_target.target_devices(gpu, n)
     # Nothing is written, and the compile time is XLA's: no persistent compilation cache.
     jax.config.update("jax_enable_compilation_cache", False)
     step = compile_step(c, devices)
     compiled, mesh, cfg = step.compiled, step.mesh, step.cfg
-    batch_size, seq_len, accum = c.train.batch_size, c.train.seq_len, c.train.grad_accum
-
     shape = {a: int(mesh.shape[a]) for a in MESH_AXES}
-    micro_batch = sizing.config_micro_batch(c, n)
     est = sizing.config_memory_per_device(c, cfg, shape)
-    pc = sizing.param_counts(cfg)
+    stats = compiled.memory_analysis()
     lines = [
-        f"dry run: {name or 'config'} on {n} simulated CPU devices, mesh "
-        + " ".join(f"{a}={s}" for a, s in shape.items())
-        + f", ZeRO-1 {'on' if c.mesh.zero1 else 'off'}",
-        f"  {pc.total / 1e6:,.1f}M parameters ({pc.active / 1e6:,.1f}M active), global batch {batch_size} x "
-        f"{seq_len} tokens, grad_accum {accum}: {micro_batch} sequences per device per microbatch, "
-        f"remat {cfg.remat}, compute {cfg.dtype}, params {cfg.param_dtype}",
+        *_header(c, cfg, shape, gpu, n, name),
         "",
         "Memory per device (XLA: compiled.memory_analysis(); sizing: zaya_jax.sizing's estimate)",
-        *memory_rows(compiled.memory_analysis(), est),
-        "",
-        "Collectives per device (result bytes; per step: x while-loop trips)",
-        *collective_rows(collectives(compiled.as_text())),
+    ]
+    lines += memory_rows(stats, est)
+    error = None
+    if gpu is not None:
+        rows, error = device_rows(memory_total(stats), gpu)
+        lines += rows
+    if fit:
+        lines += ["", *fit_rows(fit_search(c, devices, gpu, step))]
+    lines += ["", "Collectives per device (result bytes; per step: x while-loop trips)"]
+    lines += collective_rows(collectives(compiled.as_text()))
+    if gpu is not None:
+        lines += ["", *work_rows(compiled.as_text(), c, cfg, n)]
+    lines += [
         "",
         f"Compile: trace + lower {step.lower_s:.1f} s, XLA compile {step.compile_s:.1f} s, "
         f"total {step.lower_s + step.compile_s:.1f} s",
     ]
-    return "\n".join(lines)
+    return Report("\n".join(lines), error)
+
+
+def impl_summary(c: ml_collections.ConfigDict, cfg: Any, platform: str) -> str:
+    """The impls the step was built with on `platform` (each `auto` resolved, as the model does)."""
+    pallas = lambda impl: "pallas" if use_pallas(impl, platform) else "xla"  # noqa: E731
+    chosen = {
+        "attention": (cfg.attention_impl, pallas(cfg.attention_impl)),
+        "experts": (cfg.moe_impl, resolve_moe_impl(cfg.moe_impl, platform)),
+        "Newton-Schulz": (c.optim.muon.ns_impl, pallas(c.optim.muon.ns_impl)),
+        "layers": (cfg.scan_layers, resolve_scan_layers(cfg.scan_layers, cfg.num_hidden_layers, platform)),
+    }
+    shown = [
+        f"{part} {got}" + (f" ({given})" if given != got else "") for part, (given, got) in chosen.items()
+    ]
+    return f"on {platform}: " + ", ".join(shown)
+
+
+def _header(c, cfg, shape: dict[str, int], gpu: gpu_target.GpuTarget | None, n: int, name: str) -> list[str]:
+    where = (
+        f"{n} simulated CPU devices"
+        if gpu is None
+        else f"{n} x {gpu.name} ({gpu.platform.upper()}, {gpu.arch}; deviceless, XLA's GPU compiler)"
+    )
+    pc = sizing.param_counts(cfg)
+    micro_batch = sizing.config_micro_batch(c, n)
+    platform = "cpu" if gpu is None else gpu.platform
+    return [
+        f"dry run: {name or 'config'} on {where}, mesh "
+        + " ".join(f"{a}={s}" for a, s in shape.items())
+        + f", ZeRO-1 {'on' if c.mesh.zero1 else 'off'}",
+        f"  {pc.total / 1e6:,.1f}M parameters ({pc.active / 1e6:,.1f}M active), global batch "
+        f"{c.train.batch_size} x {c.train.seq_len} tokens, grad_accum {c.train.grad_accum}: {micro_batch} "
+        f"sequences per device per microbatch, remat {cfg.remat}, compute {cfg.dtype}, "
+        f"params {cfg.param_dtype}",
+        "  " + impl_summary(c, cfg, platform),
+    ]
+
+
+# ------------------------------------------------------------------------------------ fit search
+@dataclasses.dataclass(frozen=True)
+class FitTry:
+    """One compile of the fit search: sequences per device per microbatch, its grad_accum, and
+    the bytes per device it needs (None when XLA did not compile it, `note` says why)."""
+
+    micro: int
+    grad_accum: int
+    total: int | None
+    fits: bool
+    note: str = ""
+
+
+def microbatch_sizes(c: ml_collections.ConfigDict, devices: int) -> list[int]:
+    """Sequences per device per microbatch that train.batch_size allows, smallest first: the
+    divisors m of the per-device batch (so grad_accum = per-device batch / m is whole)."""
+    rows = devices // config_context(c.mesh, devices)
+    per_device = c.train.batch_size // rows
+    return [m for m in range(1, per_device + 1) if per_device % m == 0]
+
+
+def with_microbatch(c: ml_collections.ConfigDict, micro: int, devices: int) -> ml_collections.ConfigDict:
+    """A copy of `c` whose train.grad_accum gives `micro` sequences per device per microbatch."""
+    out = c.copy_and_resolve_references()
+    rows = devices // config_context(c.mesh, devices)
+    out.train.grad_accum = c.train.batch_size // (rows * micro)
+    return out
+
+
+def fit_search(c, devices: list, gpu: gpu_target.GpuTarget, done: CompiledStep | None = None) -> list[FitTry]:
+    """Compiles the step at 1, 2, 4, ... sequences per device per microbatch (powers of two that
+    divide the per-device batch, then the largest) until one does not fit the device; a compile
+    XLA refuses counts as not fitting. `done` (the config's own step) is reused at its size."""
+    sizes = microbatch_sizes(c, len(devices))
+    ladder = [m for m in sizes if m & (m - 1) == 0]
+    if sizes[-1] not in ladder:
+        ladder.append(sizes[-1])
+    tries = []
+    for micro in ladder:
+        trial = with_microbatch(c, micro, len(devices))
+        try:
+            if done is not None and trial.train.grad_accum == c.train.grad_accum:
+                compiled = done.compiled
+            else:
+                compiled = compile_step(trial, devices).compiled
+            total = memory_total(compiled.memory_analysis())
+            tries.append(FitTry(micro, trial.train.grad_accum, total, total <= gpu.memory_bytes))
+        except Exception as e:  # noqa: BLE001 - XLA's compile errors (out of memory, ...) vary by version
+            tries.append(FitTry(micro, trial.train.grad_accum, None, False, str(e).splitlines()[0][:120]))
+        if not tries[-1].fits:
+            break
+    return tries
+
+
+def fit_rows(tries: list[FitTry]) -> list[str]:
+    best = [t for t in tries if t.fits]
+    head = "Largest microbatch that fits: " + (
+        f"{best[-1].micro} sequences per device (train.grad_accum={best[-1].grad_accum})"
+        if best
+        else "none (not even 1 sequence per device)"
+    )
+    out = [head, f"  {'sequences/device':>18}{'grad_accum':>12}{'GiB/device':>12}   verdict"]
+    for t in tries:
+        gib = f"{t.total / sizing.GIB:>12.2f}" if t.total is not None else f"{'-':>12}"
+        verdict = (
+            "fits" if t.fits else ("does not fit" if t.total is not None else f"did not compile: {t.note}")
+        )
+        out.append(f"  {t.micro:>18}{t.grad_accum:>12}{gib}   {verdict}")
+    return out
+
+
+# --------------------------------------------------------------------------------- compiled work
+def is_model(w: hlo_lib.Work) -> bool:
+    """Work of the model's forward / backward (the loss head included), by jax's op_name."""
+    return "ZayaForCausalLM" in w.op_name
+
+
+def is_expert(w: hlo_lib.Work) -> bool:
+    return "/experts/" in w.op_name
+
+
+def flops_per_step(works: list[hlo_lib.Work], keep=lambda w: True) -> float:
+    """Dot FLOPs of the kept work per step on the main path (trip counts included)."""
+    return sum(w.flops * w.runs.main for w in works if keep(w))
+
+
+def kernel_rows(works: list[hlo_lib.Work]) -> list[str]:
+    """One row per (kind, name): instructions in the HLO, runs per step, TFLOP per step."""
+    groups: dict[tuple[str, str], list[hlo_lib.Work]] = {}
+    for w in works:
+        groups.setdefault((w.kind, w.name), []).append(w)
+    out = [f"  {'kind':<15}{'name':<34}{'in HLO':>8}{'per step':>10}{'FLOP/step':>12}"]
+    for (kind, name), ws in sorted(groups.items()):
+        flops = flops_per_step(ws)
+        shown = f"{_flops(flops):>12}" if flops else f"{'-':>12}"
+        out.append(f"  {kind:<15}{name[:33]:<34}{len(ws):>8}{sum(w.runs.main for w in ws):>10}{shown}")
+    return out
+
+
+def _flops(x: float) -> str:
+    """FLOPs with an SI prefix: 1.234 T, 56.7 G, ..."""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.4g} {prefix}"
+    return f"{x:.4g} "
+
+
+def work_rows(hlo: str, c: ml_collections.ConfigDict, cfg: Any, n: int) -> list[str]:
+    """What XLA:GPU made of the step (kernels) and its dot FLOPs against sizing's model FLOPs."""
+    works = hlo_lib.work(hlo)
+    tokens = c.train.batch_size * c.train.seq_len / n  # per device per step
+    remat = sizing.REMAT_DOT_FACTOR[cfg.remat]
+    breakdown = sizing.flops_breakdown(cfg, c.train.seq_len)
+    model = sizing.flops_per_token(cfg, c.train.seq_len) * tokens * remat
+    routed = 3 * breakdown.moe_active * tokens * remat
+    compiled, experts = flops_per_step(works, is_model), flops_per_step(works, is_expert)
+    rest = flops_per_step(works, lambda w: not is_model(w))
+    ratio = lambda a, b: f"{a / b:.2f}x" if b else "-"  # noqa: E731
+    return [
+        "Compiled work per device (trip counts included; Triton kernels: the FLOPs they declare)",
+        *kernel_rows(works),
+        f"  model dot FLOPs per step: compiled {_flops(compiled)}FLOP, sizing {_flops(model)}FLOP "
+        f"(6 x active params x tokens + attention, x remat {remat:.2f}): useful share "
+        f"{model / compiled:.0%}"
+        if compiled
+        else "  model dot FLOPs per step: none found",
+        f"  experts: compiled {_flops(experts)}FLOP vs routed {_flops(routed)}FLOP "
+        f"(tokens x one expert, x3 fwd+bwd, x remat): {ratio(experts, routed)} (grouped kernels count "
+        "their tiles' worst-case padding; with mesh.expert the exchange's slots)",
+        f"  outside the model (optimizer: Newton-Schulz, once per step): {_flops(rest)}FLOP",
+    ]

@@ -1,8 +1,13 @@
 """A reader of compiled HLO text (`compiled.as_text()`): its computations, how often each runs per
-call, and the collectives in it with their result bytes.
+call, the collectives in it with their result bytes, and its work: dots (with their FLOPs), vendor
+GEMM calls, convolutions, Triton kernels (ours, and XLA's Triton fusions).
 
-Read by `zaya_jax.dry_run` (the collectives table of `train --dry_run`) and
+Read by `zaya_jax.dry_run` (the collectives, kernels and FLOPs of `train --dry_run`) and
 `benchmarks/collectives.py` (the expert exchange's all-to-all bytes, issue 17).
+
+Operand shapes: XLA:CPU's text writes every operand with its shape; XLA:GPU's names operands only
+(`dot(%a, %b)`), so a dot's contraction sizes are looked up in the declarations of its computation
+(every instruction, parameters included, is declared `%name = TYPE op(...)`).
 
 Runs per call: a while body (and condition) runs its known trip count times per run of its caller
 (1 when XLA could not infer it). A conditional's default branch, branch 0 of an indexed conditional
@@ -36,6 +41,12 @@ _CALLS = re.compile(
     r"(\{[^}]*\}|%?[\w.\-]+)"
 )
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_OPERANDS = re.compile(r"\s[a-z][\w\-]*\(([^)]*)\)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_TRITON_NAME = re.compile(r'\bname = "([^"]*)"')
+_FUSION_KIND = re.compile(r'"kind":"(__[\w]+)"')
 _DTYPE_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
 
 
@@ -127,4 +138,107 @@ def collectives(hlo: str) -> list[Collective]:
             op = m.group(2).removesuffix("-done")
             if op in COLLECTIVES:
                 out.append(Collective(op, shape_bytes(m.group(1)), runs[name]))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- work
+TRITON_CALL = "__gpu$xla.gpu.triton"  # a Pallas (Triton lowering) kernel in XLA:GPU's HLO
+# Our kernels' names end with FLOPS_TAG + the dot FLOPs one call can do at most (zaya_jax/kernels/
+# flops.py): a Triton kernel's work is inside its IR, not in the HLO.
+FLOPS_TAG = "_flops_"
+GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__hipblaslt$", "__rocblas")  # vendor GEMM prefixes
+CONV_CALLS = ("__cudnn$conv", "__miopen$conv")
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """One instruction that does matrix work (or names a kernel): its kind, name, dot FLOPs per run
+    (0 where the HLO does not say), jax's op_name (where in the program) and its runs per step.
+
+    kind: "dot" (an HLO dot, standalone or inside a fusion), "gemm" (a vendor GEMM custom call:
+    cuBLAS / cuBLASLt / hipBLASLt / rocBLAS), "triton" (a Pallas kernel; name without the FLOPs
+    tag), "triton fusion" (XLA's own Triton fusion: its dots are counted as "dot"),
+    "convolution" (an HLO convolution or a cuDNN / MIOpen conv call)."""
+
+    kind: str
+    name: str
+    flops: float
+    op_name: str
+    runs: Runs
+
+
+def _dims(type_text: str) -> list[int]:
+    """Dimensions of the first array in an HLO type (a tuple's first element)."""
+    m = _ARRAY.search(type_text)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _declared(lines: list[str]) -> dict[str, str]:
+    """{instruction name: its result type} of one computation."""
+    out = {}
+    for line in lines:
+        name, inst = _NAME.match(line), _INSTRUCTION.match(line)
+        if name and inst:
+            out[name.group(1)] = inst.group(1)
+    return out
+
+
+def _lhs_dims(line: str, declared: dict[str, str]) -> list[int]:
+    """The first operand's dimensions: written inline (XLA:CPU) or declared (XLA:GPU)."""
+    m = _OPERANDS.search(line)
+    first = m.group(1).split(",")[0].strip() if m else ""
+    if _ARRAY.match(first):
+        return _dims(first)
+    return _dims(declared.get(first.lstrip("%"), ""))
+
+
+def _contracting(line: str, json_key: str, hlo_key: str) -> list[int]:
+    m = re.search(rf'"{json_key}":\[([^\]]*)\]', line) or re.search(rf"{hlo_key}=\{{([\d,]*)\}}", line)
+    return [int(d.strip('"')) for d in m.group(1).split(",") if d.strip('"')] if m else []
+
+
+def _gemm_flops(result: str, line: str, declared: dict[str, str]) -> float:
+    """2 x output elements x contraction size of a dot or a GEMM call."""
+    lhs = _lhs_dims(line, declared)
+    contracting = _contracting(line, "lhs_contracting_dimensions", "lhs_contracting_dims")
+    k = math.prod(lhs[d] for d in contracting if d < len(lhs)) if lhs else 0
+    return 2.0 * math.prod(_dims(result)) * k
+
+
+def _instruction_work(line: str, declared: dict[str, str], runs: Runs) -> Work | None:
+    m = _INSTRUCTION.match(line)
+    if not m:
+        return None
+    result, op = m.group(1), m.group(2)
+    op_name = found.group(1) if (found := _OP_NAME.search(line)) else ""
+    target = found.group(1) if (found := _TARGET.search(line)) else ""
+    if op == "dot":
+        return Work("dot", "dot", _gemm_flops(result, line, declared), op_name, runs)
+    if op == "convolution" or target.startswith(CONV_CALLS):
+        return Work("convolution", target or "convolution", 0.0, op_name, runs)
+    if target.startswith(GEMM_CALLS):
+        return Work("gemm", target, _gemm_flops(result, line, declared), op_name, runs)
+    if target == TRITON_CALL:
+        name = found.group(1) if (found := _TRITON_NAME.search(line)) else "?"
+        base, tag, flops = name.rpartition(FLOPS_TAG)
+        declared = float(flops) if tag and flops.isdigit() else 0.0
+        return Work("triton", base if tag else name, declared, op_name, runs)
+    kind = _FUSION_KIND.search(line) if op == "fusion" else None
+    if kind and kind.group(1).startswith("__triton"):
+        return Work("triton fusion", kind.group(1), 0.0, op_name, runs)
+    return None
+
+
+def work(hlo: str) -> list[Work]:
+    """Every dot, vendor GEMM, convolution and Triton kernel / fusion of a compiled module, with the
+    runs of its computation per call (`executions`)."""
+    comps, entry = computations(hlo)
+    runs = executions(comps, entry)
+    out = []
+    for name, lines in comps.items():
+        declared = _declared(lines)
+        for line in lines:
+            w = _instruction_work(line, declared, runs[name])
+            if w is not None:
+                out.append(w)
     return out

@@ -31,8 +31,10 @@ sharded form and the jitted train / eval steps; zaya_jax/fault.py every fault de
 (`FaultMonitor.after_step`); zaya_jax/train_eval.py the evaluations; zaya_jax/checkpoint.py the
 Orbax checkpoints; zaya_jax/metrics.py the metric records.
 
-`--dry_run` (no --workdir) compiles this train step at full size on simulated CPU devices and
-prints memory per device, collectives and compile time instead (zaya_jax/dry_run.py).
+`--dry_run` (no --workdir) compiles this train step at full size on simulated CPU devices, or with
+`--dry_run_target=mi300x|h100|FILE` for deviceless GPUs through XLA's GPU compiler, and prints
+memory per device, collectives, compiled kernels and FLOPs and compile time instead; a step that
+does not fit the GPU is an error (zaya_jax/dry_run.py).
 """
 
 from __future__ import annotations
@@ -471,11 +473,22 @@ def _define_flags() -> None:
     flags.DEFINE_bool(
         "dry_run",
         False,
-        "Compile the full-size train step on simulated CPU devices, print memory per device, "
+        "Compile the full-size train step (for --dry_run_target), print memory per device, "
         "collectives and compile time, and exit; needs no --workdir (zaya_jax/dry_run.py).",
     )
     flags.DEFINE_integer(
         "dry_run_devices", None, "Devices --dry_run simulates (default: the mesh size; 8 if an axis is -1)."
+    )
+    flags.DEFINE_string(
+        "dry_run_target",
+        "cpu",
+        "What --dry_run compiles for: cpu (simulated CPU devices), mi300x or h100 (deviceless GPUs, "
+        "XLA's GPU compiler; pip install -e '.[gpu_compile]'), or a GpuTargetConfig text file.",
+    )
+    flags.DEFINE_bool(
+        "dry_run_fit",
+        False,
+        "With a GPU --dry_run_target: also find the largest microbatch (sequences per device) that fits.",
     )
 
 
@@ -487,7 +500,12 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     if FLAGS.dry_run and FLAGS.config is not None:  # before jax starts: it picks the simulated devices
         name = config_flags.get_config_filename(FLAGS["config"])
-        print(dry_run.dry_run(FLAGS.config, FLAGS.dry_run_devices, name), flush=True)
+        report = dry_run.dry_run(
+            FLAGS.config, FLAGS.dry_run_devices, name, target=FLAGS.dry_run_target, fit=FLAGS.dry_run_fit
+        )
+        print(report.text, flush=True)
+        if report.error:
+            raise UserError(report.error)
         return
     initialize_from_env()
     if FLAGS.config is None or not FLAGS.workdir:

@@ -63,6 +63,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from zaya_jax.kernels.block_sizes import pick_blocks
+from zaya_jax.kernels.flops import causal_pairs, tagged
 from zaya_jax.kernels.xla_attention import xla_attention
 
 # Masked logits (base-2 domain). Finite, so a row whose visited keys are all masked gives
@@ -228,6 +229,12 @@ def _aux_inputs_and_specs(cfg: _Cfg, qseg, kseg, kmask, window):
     return args, specs
 
 
+def _flops(cfg: _Cfg, heads_x_hd: int, dots: int, bq: int, bk: int) -> int:
+    """Dot FLOPs of one kernel call: `dots` [bq, hd] x [hd, bk]-sized products per visited block
+    (kernels/flops.py), over batch x query heads."""
+    return 2 * dots * heads_x_hd * causal_pairs(cfg.sq, cfg.sk, bq, bk, cfg.offset, cfg.causal)
+
+
 def _params(cfg: _Cfg):
     return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -246,7 +253,7 @@ def _fwd_call(cfg: _Cfg, q, k, v, qseg, kseg, kmask, window):
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, nq, sq), jnp.float32)],
         compiler_params=_params(cfg),
         interpret=cfg.interpret,
-        name="zaya_flash_attention_fwd",
+        name=tagged("zaya_flash_attention_fwd", _flops(cfg, b * nq * hd, 2, cfg.block_q, cfg.block_k)),
     )(q, k, v, *aux)
     return o, lse
 
@@ -351,6 +358,7 @@ def _bwd_calls(cfg: _Cfg, q, k, v, qseg, kseg, kmask, window, do, lse, delta):
     g = cfg.groups
     aux, aux_specs = _aux_inputs_and_specs(cfg, qseg, kseg, kmask, window)
     params = _params(cfg)
+    bwd_flops = lambda dots: _flops(cfg, b * nq * hd, dots, cfg.block_q_bwd, cfg.block_k_bwd)  # noqa: E731
 
     # dq: grid over (query blocks, batch, query heads).
     q_spec = pl.BlockSpec((None, sq, None, hd), lambda i, bb, h: (bb, 0, h, 0))
@@ -364,7 +372,7 @@ def _bwd_calls(cfg: _Cfg, q, k, v, qseg, kseg, kmask, window, do, lse, delta):
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=params,
         interpret=cfg.interpret,
-        name="zaya_flash_attention_dq",
+        name=tagged("zaya_flash_attention_dq", bwd_flops(3)),
     )(q, k, v, do, lse, delta, *aux)
 
     # dk, dv: grid over (key blocks, batch, kv heads); the G query heads of a group are one block
@@ -380,7 +388,7 @@ def _bwd_calls(cfg: _Cfg, q, k, v, qseg, kseg, kmask, window, do, lse, delta):
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=params,
         interpret=cfg.interpret,
-        name="zaya_flash_attention_dkv",
+        name=tagged("zaya_flash_attention_dkv", bwd_flops(4)),
     )(q, k, v, do, lse, delta, *aux)
     return dq, dk, dv
 

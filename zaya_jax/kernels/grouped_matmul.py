@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from zaya_jax.kernels.block_sizes import pick_blocks
+from zaya_jax.kernels.flops import grouped_tiles, padded, tagged
 
 
 def _dot(a, b, contract=((1,), (0,))):
@@ -199,6 +200,8 @@ def _gmm_call(
         compute_dtype=_compute_dtype(lhs.dtype, rhs.dtype),
     )
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
+    used_tiles = min(n_tiles, grouped_tiles(t, groups, block_m))  # the tail's tiles run no dot
+    flops = 2 * used_tiles * block_m * padded(n_dim, block_n) * padded(k_dim, block_k)
     return pl.pallas_call(
         kernel,
         grid=(n_tiles, pl.cdiv(n_dim, block_n)),
@@ -213,7 +216,7 @@ def _gmm_call(
         out_shape=jax.ShapeDtypeStruct((t, n_dim), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="zaya_gmm",
+        name=tagged("zaya_gmm", flops),
     )(tg, ts, te, lhs, rhs)
 
 
@@ -289,6 +292,7 @@ def tgmm(
         compute_dtype=_compute_dtype(lhs.dtype, dout.dtype),
     )
     whole = lambda shape: pl.BlockSpec(shape, lambda g, i, j: (0,) * len(shape))  # noqa: E731
+    flops = 2 * grouped_tiles(t, groups, bm) * bm * padded(k_dim, bk) * padded(n_dim, bn)
     return pl.pallas_call(
         kernel,
         grid=(groups, pl.cdiv(k_dim, bk), pl.cdiv(n_dim, bn)),
@@ -299,7 +303,7 @@ def tgmm(
             num_warps=num_warps or picked["num_warps"], num_stages=num_stages or picked["num_stages"]
         ),
         interpret=interpret,
-        name="zaya_tgmm",
+        name=tagged("zaya_tgmm", flops),
     )(starts, sizes, lhs, dout)
 
 
@@ -344,9 +348,7 @@ def _gmm_bwd(opts, res, dout):
         num_stages=o["num_stages"],
         interpret=o["interpret"],
     )
-    drhs = tgmm(
-        lhs, dout, group_sizes, out_dtype=rhs.dtype, interpret=o["interpret"], platform=o["platform"]
-    )
+    drhs = tgmm(lhs, dout, group_sizes, out_dtype=rhs.dtype, interpret=o["interpret"], platform=o["platform"])
     return dlhs, drhs, None
 
 

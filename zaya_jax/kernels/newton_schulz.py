@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from zaya_jax.kernels.block_sizes import pick_blocks
+from zaya_jax.kernels.flops import padded, tagged
 
 DEFAULT_NS_COEFFS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
 
@@ -192,6 +193,7 @@ def _mm(
     mat = lambda a: pl.BlockSpec((None, *a.shape[1:]), lambda b, i, j: (b, 0, 0))  # noqa: E731
     args = [p, q] + ([c] if alpha else [])
     nb = pl.cdiv(rows, bs), pl.cdiv(cols, bs)
+    tiles = nb[0] * (nb[0] + 1) // 2 if symmetric else nb[0] * nb[1]  # symmetric: tiles i <= j
     return pl.pallas_call(
         kernel,
         grid=(bt, *nb),
@@ -200,7 +202,7 @@ def _mm(
         out_shape=jax.ShapeDtypeStruct((bt, rows, cols), p.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="zaya_ns_matmul",
+        name=tagged("zaya_ns_matmul", 2 * bt * tiles * bs * bs * padded(red, bk)),
     )(*args)
 
 

@@ -118,7 +118,7 @@ def make_mesh(
 
 
 def device_platform(device: jax.Device) -> str:
-    """"cpu", "cuda", "rocm" or "tpu": the compiler a device's programs go through. A GPU device
+    """The compiler a device's programs go through: "cpu", "cuda", "rocm" or "tpu". A GPU device
     (real, or one of a deviceless GPU topology, zaya_jax/gpu_target.py) reports "gpu" as its
     platform; its client names the vendor (jax reads the same attribute to pick the lowering)."""
     client = getattr(device, "client", None)

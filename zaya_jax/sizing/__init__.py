@@ -17,6 +17,7 @@ from zaya_jax.sizing.counts import ParamCounts, param_counts, param_leaves
 from zaya_jax.sizing.flops import (
     PEAK_BF16_FLOPS,
     PEAK_FP32_FLOPS,
+    REMAT_DOT_FACTOR,
     FlopsBreakdown,
     flops_breakdown,
     flops_per_token,
@@ -50,6 +51,7 @@ __all__ = [
     "MI300X_MEMORY_GIB",
     "PEAK_BF16_FLOPS",
     "PEAK_FP32_FLOPS",
+    "REMAT_DOT_FACTOR",
     "REMAT_CHOICES",
     "FlopsBreakdown",
     "MemoryEstimate",

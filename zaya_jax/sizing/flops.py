@@ -3,7 +3,7 @@
 FLOPs count multiply-adds as 2. A training step is 3x the forward (backward = 2x forward); the
 causal attention core sees on average S/2 keys per query (a sliding-window layer min(S, w) with the
 window's ramp-up). Rematerialisation's recomputation is not counted (MFU measures useful work, as in
-the PaLM paper's definition).
+the PaLM paper's definition); `REMAT_DOT_FACTOR` is what it adds to the dots a compiled step runs.
 """
 
 from __future__ import annotations
@@ -95,6 +95,12 @@ def flops_per_token(cfg: ZayaConfig, seq_len: int, training: bool = True) -> flo
     """Model FLOPs per token: matmuls of one routed expert per block, attention core, the head."""
     b = flops_breakdown(cfg, seq_len)
     return b.training_total if training else b.forward_total
+
+
+# Dot work of a training step relative to forward + backward: "full" remat runs the forward
+# twice (4 forward-sized passes instead of 3); "dots_saveable" keeps every dot's output, so only
+# elementwise work is recomputed.
+REMAT_DOT_FACTOR = {"none": 1.0, "dots_saveable": 1.0, "full": 4.0 / 3.0}
 
 
 def newton_schulz_flops(cfg: ZayaConfig, ns_steps: int = 5) -> float:
