@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 PYTHON ?= python3
 WORKDIR ?= workdirs/tiny
 # Two stamps: `make train` installs only what training needs; `make test` adds torch, transformers
-# and lm-evaluation-harness (the references the tests compare against) on top.
+# and lm-evaluation-harness (the references the tests compare against) and the GPU compilers
+# (gpu_compile: the tests compile the train step for H100 and MI300X, deviceless) on top.
 TRAIN_STAMP := $(VENV)/.installed-train
 TEST_STAMP := $(VENV)/.installed-test
 
@@ -24,7 +25,7 @@ $(TRAIN_STAMP): pyproject.toml
 # (or accelerate) pull torch in would fetch the newest CUDA build instead.
 $(TEST_STAMP): $(TRAIN_STAMP)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,interop]'
+	$(PY) -m pip install -q -e '.[test,interop,gpu_compile]'
 	@touch $@
 
 train: $(TRAIN_STAMP)

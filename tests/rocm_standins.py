@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import importlib
 import os
 import re
 import shutil
 import subprocess
+import sys
 
 ROCM_LIBS = (
     "libamdhip64.so.7",
@@ -147,4 +149,9 @@ def standins(tmpdir: str) -> str | None:
         return f"building the ROCm stand-ins needs {', '.join(tools)} (apt-get install gcc binutils)"
     for path in build(tmpdir):
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    # jax's plugin discovery imported the plugin before (refusing: no AMD GPU), when its Python
+    # extension (custom call handlers; links libamdhip64) could not load yet: load it now.
+    plugin = sys.modules.get("jax_plugins.xla_rocm7")
+    if plugin is not None and plugin.rocm_plugin_extension is None:
+        plugin.rocm_plugin_extension = importlib.import_module("jax_rocm7_plugin.rocm_plugin_extension")
     return None

@@ -138,19 +138,29 @@ def collectives(hlo: str) -> dict[str, CollectiveStats]:
 
 
 # ------------------------------------------------------------------------------------------ report
-def memory_rows(stats: Any, est: sizing.MemoryEstimate) -> list[str]:
-    """XLA's per-device buffers next to sizing's estimate of the same parts (GiB, or MiB when small).
+def memory_unit(nbytes: float) -> tuple[str, float]:
+    """("GiB", 2**30), or ("MiB", 2**20) below a GiB: the memory table's unit."""
+    return ("GiB", sizing.GIB) if nbytes >= sizing.GIB else ("MiB", 2.0**20)
 
-    XLA's total is arguments + outputs - alias + temporaries: the donated state's buffers are
-    reused for the new state. (XLA:CPU's own `peak_memory_in_bytes` leaves the temporaries out.)"""
-    unit, scale = ("GiB", sizing.GIB) if est.total >= sizing.GIB else ("MiB", 2.0**20)
-    state = est.params + est.optimizer
-    xla_total = (
+
+def memory_total(stats: Any) -> int:
+    """Bytes a compiled step needs per device: arguments + outputs - alias + temporaries."""
+    return (
         stats.argument_size_in_bytes
         + stats.output_size_in_bytes
         - stats.alias_size_in_bytes
         + stats.temp_size_in_bytes
     )
+
+
+def memory_rows(stats: Any, est: sizing.MemoryEstimate) -> list[str]:
+    """XLA's per-device buffers next to sizing's estimate of the same parts (GiB, or MiB when small).
+
+    XLA's total is arguments + outputs - alias + temporaries: the donated state's buffers are
+    reused for the new state. (XLA:CPU's own `peak_memory_in_bytes` leaves the temporaries out.)"""
+    unit, scale = memory_unit(est.total)
+    state = est.params + est.optimizer
+    xla_total = memory_total(stats)
     rows = [
         ("arguments (state + batch)", stats.argument_size_in_bytes, state, "params + optimizer"),
         ("outputs (new state + metrics)", stats.output_size_in_bytes, state, "params + optimizer"),
@@ -226,28 +236,18 @@ def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> Com
     return CompiledStep(compiled, mesh, cfg, t1 - t0, time.perf_counter() - t1)
 
 
-def memory_total(stats: Any) -> int:
-    """Bytes a compiled step needs per device: arguments + outputs - alias + temporaries."""
-    return (
-        stats.argument_size_in_bytes
-        + stats.output_size_in_bytes
-        - stats.alias_size_in_bytes
-        + stats.temp_size_in_bytes
-    )
-
-
-def device_rows(total: int, target: gpu_target.GpuTarget) -> tuple[list[str], str | None]:
-    """The device-memory row and, when the step does not fit, the one-line error naming the
-    overshoot."""
-    gib, cap = total / sizing.GIB, target.memory_bytes / sizing.GIB
-    label = f"  {'device memory (' + target.name + ')':<44}{cap:>11.3f}   "
+def device_rows(total: int, target: gpu_target.GpuTarget, scale: float) -> tuple[list[str], str | None]:
+    """The device-memory row (in the memory table's unit: bytes / `scale`) and, when the step does
+    not fit, the one-line error naming the overshoot."""
+    label = f"  {'device memory (' + target.name + ')':<44}{target.memory_bytes / scale:>11.3f}   "
     if total <= target.memory_bytes:
         return [label + f"fits: {100 * total / target.memory_bytes:.1f}% used"], None
-    over = (total - target.memory_bytes) / sizing.GIB
-    row = label + f"DOES NOT FIT: {over:.2f} GiB over"
+    size = lambda x: "{:.2f} {}".format(x / memory_unit(x)[1], memory_unit(x)[0])  # noqa: E731
+    row = label + f"DOES NOT FIT: {size(total - target.memory_bytes)} over"
     error = (
-        f"the train step needs {gib:.2f} GiB per device, {over:.2f} GiB more than the {target.name}'s "
-        f"{cap:.0f} GiB (XLA: arguments + outputs - alias + temporaries): lower the sequences per device "
+        f"the train step needs {size(total)} per device, {size(total - target.memory_bytes)} more than "
+        f"the {target.name}'s {size(target.memory_bytes)} (XLA: arguments + outputs - alias + "
+        "temporaries): lower the sequences per device "
         "per microbatch (raise train.grad_accum; --dry_run_fit finds the largest that fits), set "
         "model.remat, or add devices"
     )
@@ -298,7 +298,7 @@ def dry_run(
     lines += memory_rows(stats, est)
     error = None
     if gpu is not None:
-        rows, error = device_rows(memory_total(stats), gpu)
+        rows, error = device_rows(memory_total(stats), gpu, memory_unit(est.total)[1])
         lines += rows
     if fit:
         lines += ["", *fit_rows(fit_search(c, devices, gpu, step))]
@@ -306,6 +306,11 @@ def dry_run(
     lines += collective_rows(collectives(compiled.as_text()))
     if gpu is not None:
         lines += ["", *work_rows(compiled.as_text(), c, cfg, n)]
+        code = gpu_target.device_code(compiled, gpu)
+        lines.append(
+            f"  device code: {code['cubin']} cubin, {code['hsaco']} HSACO object(s) in the executable, "
+            f"{gpu.arch} named {code['arch']} time(s)"
+        )
     lines += [
         "",
         f"Compile: trace + lower {step.lower_s:.1f} s, XLA compile {step.compile_s:.1f} s, "

@@ -154,6 +154,29 @@ def _no_plugin(platform: str) -> str:
     )
 
 
+# The OS/ABI byte of a device-code ELF: cubin (ELFOSABI_CUDA) or HSACO (ELFOSABI_AMDGPU_HSA). The
+# serialized executable stores its objects compressed past their first bytes, so the ELF identity
+# (magic, 64-bit, little-endian, version 1, OS/ABI) is what can be read from it.
+DEVICE_CODE = {0x33: "cubin", 0x40: "hsaco"}
+_ELF64_LE = b"\x7fELF\x02\x01\x01"
+
+
+def device_code(compiled: Any, target: GpuTarget) -> dict[str, int]:
+    """Device-code objects in a compiled step's executable by kind ("cubin" / "hsaco"), and
+    "arch" = how often the target's ISA name (sm_90, gfx942) is named in it: proof that XLA ran
+    the GPU backend (ptxas / the AMDGPU backend) rather than only the HLO passes."""
+    blob = compiled.runtime_executable().serialize()
+    counts = {"cubin": 0, "hsaco": 0}
+    start = blob.find(_ELF64_LE)
+    while start >= 0:
+        kind = DEVICE_CODE.get(blob[start + 7]) if start + 7 < len(blob) else None
+        if kind:
+            counts[kind] += 1
+        start = blob.find(_ELF64_LE, start + 1)
+    counts["arch"] = blob.count(target.arch.encode())
+    return counts
+
+
 # ------------------------------------------------------------------------------------------ ROCm
 def _register_rocm() -> None:
     """Registers the ROCm PJRT plugin's topology factory on a machine without an AMD GPU.

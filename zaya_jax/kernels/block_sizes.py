@@ -37,7 +37,9 @@ Sizing rules (why these numbers)
   group (tokens per expert) is below 128 rows, block_m drops to 64 (then 32, 16): a group smaller
   than block_m wastes the padded rows of its tile, and every group boundary costs one partial
   tile. tgmm (the weight gradient) reduces over rows, so its block_m is the pipelined reduction
-  block (64 bf16 / 32 fp32) and its output tile is block_k x block_n = 128 x 128.
+  block (64 bf16 / 32 fp32) and its output tile is block_k x block_n = 128 x 128; its last chunk
+  of every group is padded too, so block_m drops with the average group the same way (else at 32
+  experts of 16 tokens each the weight gradient ran 4x the routed rows; tests/test_gpu_compile.py).
 * Newton-Schulz: square 128 x 128 output tiles (64 for matrices whose short side is < 128), block_k
   32 for fp32 (the default ns_dtype) / 64 for bf16.
 """
@@ -72,6 +74,17 @@ def _clip(block: int, dim: int | None, floor: int = 16) -> int:
     if dim is None:
         return block
     return max(floor, min(block, _p2(dim)))
+
+
+def _shrink_to_groups(block_m: int, m: int | None, groups: int | None) -> int:
+    """Halve a row block (down to 16) while the average group (m / groups rows) is smaller: each
+    group's last block is padded, so G groups waste up to G * block_m rows."""
+    if m is None or not groups:
+        return block_m
+    avg = max(1, m // groups)
+    while block_m > 16 and avg < block_m:
+        block_m //= 2
+    return block_m
 
 
 def pick_blocks(
@@ -110,10 +123,7 @@ def pick_blocks(
         m, groups = get("m"), get("groups")
         if wide:
             out["block_k"] = 32
-        if m is not None and groups:
-            avg = max(1, m // groups)
-            while out["block_m"] > 16 and avg < out["block_m"]:
-                out["block_m"] //= 2
+        out["block_m"] = _shrink_to_groups(out["block_m"], m, groups)
         out["block_m"] = _clip(out["block_m"], m)
         out["block_n"] = _clip(out["block_n"], get("n"))
         out["block_k"] = _clip(out["block_k"], get("k"))
@@ -122,6 +132,7 @@ def pick_blocks(
     elif kernel == "tgmm":
         if wide:
             out["block_m"] = 32
+        out["block_m"] = _shrink_to_groups(out["block_m"], get("m"), get("groups"))
         out["block_m"] = _clip(out["block_m"], get("m"))
         out["block_k"] = _clip(out["block_k"], get("k"))
         out["block_n"] = _clip(out["block_n"], get("n"))

@@ -1,0 +1,155 @@
+"""The train step compiled by XLA's GPU compiler for 8 x H100 and 8 x MI300X, without a GPU
+(zaya_jax/gpu_target.py, `train --dry_run_target`).
+
+Every fact the GPU claims rest on, checked on the compiled step rather than on the kernels alone:
+our Pallas kernels reach Triton inside the real step (chosen by the target's platform, not this
+CPU process'), compilation produced device code for them (cubin for sm_90, HSACO for gfx942), the
+experts' compiled work stays at the routed work whatever the expert count, and the memory report.
+
+Compiles are shared (module fixtures) and small: one block of width 64, 8 sequences of 512 tokens
+(512 tokens per device on data=8). The MI300X ones load compile-only stand-ins for the ROCm
+libraries (tests/rocm_standins.py: built with gcc from the plugin's undefined symbols).
+"""
+
+import functools
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("jax_plugins.xla_cuda12", reason="the gpu_compile extra is not installed")
+
+import rocm_standins  # noqa: E402
+from zaya_jax import dry_run, gpu_target, hlo, sizing  # noqa: E402
+from zaya_jax.config import base_config, set_model  # noqa: E402
+from zaya_jax.kernels import pick_blocks  # noqa: E402
+from zaya_jax.model import ZayaConfig  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OURS = {"zaya_gmm", "zaya_tgmm", "zaya_flash_attention_fwd", "zaya_flash_attention_dq"}
+OURS |= {"zaya_flash_attention_dkv", "zaya_ns_matmul"}
+SEQ, DEVICES = 512, 8
+
+
+def small_config(experts: int = 8, impl: str = "auto", data: int = 8, expert_axis: int = 1):
+    """One block of width 64 (bf16 compute), 8 x 512 tokens; `impl` for attention, experts and
+    Newton-Schulz ('auto' resolves on the target's platform)."""
+    c = base_config()
+    model = dict(hidden_size=64, num_hidden_layers=1, num_experts=experts, moe_intermediate_size=64)
+    set_model(c, ZayaConfig.tiny(**model, vocab_size=128, head_dim=16, dtype="bfloat16"))
+    c.train.batch_size, c.train.seq_len = 8, SEQ
+    c.mesh.data, c.mesh.expert = data, expert_axis
+    c.model.attention_impl = c.optim.muon.ns_impl = "pallas" if impl == "pallas" else "auto"
+    c.model.moe_impl = impl
+    return c
+
+
+@pytest.fixture(scope="module")
+def rocm(tmp_path_factory):
+    """The directory of the ROCm stand-ins (loaded into this process), or a skip naming why not."""
+    where = tmp_path_factory.mktemp("rocm_standins")
+    why = rocm_standins.standins(str(where))
+    if why:
+        pytest.skip(why)
+    return str(where)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(target: str, experts: int, impl: str, data: int = 8, expert_axis: int = 1):
+    """(GpuTarget, CompiledStep) of the small step for 8 devices of `target`; shared by the tests."""
+    gpu = gpu_target.load_target(target)
+    gpu_target.prepare_process()
+    c = small_config(experts, impl, data, expert_axis)
+    return gpu, c, dry_run.compile_step(c, gpu_target.target_devices(gpu, DEVICES))
+
+
+def triton_kernels(step) -> set[str]:
+    return {w.name for w in hlo.work(step.compiled.as_text()) if w.kind == "triton"}
+
+
+def expert_flops(step) -> float:
+    return dry_run.flops_per_step(hlo.work(step.compiled.as_text()), dry_run.is_expert)
+
+
+def routed_with_padding(c, experts: int) -> float:
+    """Tokens x one expert's FLOPs (x3 forward + backward), plus the rows the grouped kernels' tiles
+    may pad: up to one tile per expert, of the tile the kernels pick for this shape."""
+    cfg = ZayaConfig.from_dict(c.model.to_dict())
+    tokens = c.train.batch_size * SEQ / DEVICES
+    per_token = 3 * sizing.flops_breakdown(cfg, SEQ).moe_active
+    shape = {"m": int(tokens), "k": 64, "n": 128, "groups": experts}
+    tile = max(pick_blocks(k, shape, jnp.bfloat16)["block_m"] for k in ("grouped_matmul", "tgmm"))
+    return (tokens + experts * tile) * per_token
+
+
+def test_h100_pallas_step_has_our_triton_kernels_and_cubins():
+    """The pallas impls on 8 x H100 with an expert axis: every kernel of ours is a Triton custom
+    call of the compiled step (inside the expert shard_map too), ptxas made cubins for sm_90, and
+    the memory report fits the 80 GiB."""
+    gpu, c, step = compiled("h100", 8, "pallas", data=2, expert_axis=4)
+    assert triton_kernels(step) >= OURS
+    code = gpu_target.device_code(step.compiled, gpu)
+    assert code["cubin"] >= 1 and code["hsaco"] == 0 and code["arch"] >= 1, code
+    stats = step.compiled.memory_analysis()
+    rows, error = dry_run.device_rows(dry_run.memory_total(stats), gpu, 2**30)
+    assert error is None and "fits" in rows[0] and "H100" in rows[0]
+    assert dry_run.collectives(step.compiled.as_text())["all-to-all"].ops_per_step >= 2
+    # A device of 1 MiB: the overshoot is named.
+    tiny = gpu_target.GpuTarget("tiny", "cuda", gpu.config_text, 2**20, gpu.arch)
+    _, error = dry_run.device_rows(dry_run.memory_total(stats), tiny, 2**30)
+    assert error and "MiB more than the tiny's 1.00 MiB" in error and "\n" not in error
+
+
+def test_mi300x_auto_step_is_triton_and_hsaco(rocm):
+    """auto on 8 x MI300X: our kernels (the platform is the mesh's, this process is CPU), compiled
+    to HSACO for gfx942."""
+    gpu, c, step = compiled("mi300x", 8, "auto")
+    assert {"zaya_gmm", "zaya_tgmm", "zaya_ns_matmul"} <= triton_kernels(step)
+    code = gpu_target.device_code(step.compiled, gpu)
+    assert code["hsaco"] >= 1 and code["cubin"] == 0 and code["arch"] >= 1, code
+    summary = dry_run.impl_summary(c, ZayaConfig.from_dict(c.model.to_dict()), "rocm")
+    assert "experts pallas (auto)" in summary and "Newton-Schulz pallas (auto)" in summary
+
+
+def test_expert_work_does_not_grow_with_the_expert_count(rocm):
+    """moe_impl=auto on MI300X at 8 and 32 experts (same width, top-1): the compiled expert work is
+    the routed work (within 1.25x, tiles' padding included) at both counts; ragged_dot, which
+    XLA:GPU expands densely, runs every expert on every token (>= 8x at 32 experts)."""
+    works = {}
+    for experts in (8, 32):
+        _, c, step = compiled("mi300x", experts, "auto")
+        works[experts] = expert_flops(step)
+        routed = routed_with_padding(c, experts)
+        assert 0 < works[experts] <= 1.25 * routed, (experts, works[experts], routed)
+    assert works[32] <= 1.25 * works[8], works
+    _, c, dense = compiled("mi300x", 32, "ragged_dot")
+    assert expert_flops(dense) >= 8 * works[32]
+
+
+def test_cli_gpu_target_file_that_does_not_fit(tmp_path):
+    """`train --dry_run --dry_run_target=FILE --dry_run_fit` for a GPU with 4 MiB: the report
+    (memory next to the device's, the fit search, collectives, compiled work, device code), then
+    one `error:` line naming the overshoot, exit 2."""
+    spec = gpu_target.load_target("h100").config_text
+    small = spec.replace("device_memory_size: 84942979072", f"device_memory_size: {4 * 2**20}")
+    assert small != spec
+    path = tmp_path / "small_gpu.txtpb"
+    path.write_text(small)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    args = ["--config.model.num_hidden_layers=1", "--config.train.batch_size=8", "--config.mesh.data=8"]
+    cmd = [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, "configs/tiny.py")]
+    cmd += ["--dry_run", f"--dry_run_target={path}", "--dry_run_fit", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900, env=env)
+    out = proc.stdout
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "8 x NVIDIA H100 80GB HBM3 (CUDA, sm_90; deviceless" in out
+    assert "DOES NOT FIT" in out and "Largest microbatch that fits: none" in out
+    for part in ("Collectives per device", "Compiled work per device", "zaya_gmm", "useful share", "cubin"):
+        assert part in out, out
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "MiB more than the NVIDIA H100 80GB HBM3's 4.00 MiB" in errors[0], (
+        proc.stderr[-2000:]
+    )
