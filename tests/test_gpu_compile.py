@@ -153,3 +153,65 @@ def test_cli_gpu_target_file_that_does_not_fit(tmp_path):
     assert len(errors) == 1 and "MiB more than the NVIDIA H100 80GB HBM3's 4.00 MiB" in errors[0], (
         proc.stderr[-2000:]
     )
+
+
+def test_rocm_without_its_libraries_is_one_line(tmp_path):
+    """Without ROCm 7 (and no stand-ins on the loader's path) a MI300X dry run ends before any
+    compile with one `error:` line naming the missing libraries."""
+    plugin = rocm_standins.plugin_library()
+    if plugin is None:
+        pytest.skip("jax-rocm7-plugin is not installed")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "LD_LIBRARY_PATH")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    probe = [
+        sys.executable,
+        "-c",
+        f"from zaya_jax.gpu_target import missing_libraries as m; print(m({plugin!r}))",
+    ]
+    missing = subprocess.run(probe, capture_output=True, text=True, env=env, check=True).stdout.strip()
+    if missing == "[]":
+        pytest.skip("ROCm 7 is installed here: the dry run uses it")
+    cmd = [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, "configs/tiny.py")]
+    proc = subprocess.run(
+        [*cmd, "--dry_run", "--dry_run_target=mi300x"], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "libamdhip64.so.7" in errors[0] and "not found" in errors[0], proc.stderr[
+        -2000:
+    ]
+
+
+def test_fit_search_stops_at_the_first_size_that_does_not_fit(monkeypatch):
+    """The search compiles 1, 2, 4, ... sequences per device (grad_accum to match, the divisors of
+    the per-device batch, the largest last) and stops at the first that does not fit; a compile XLA
+    refuses counts as not fitting. (Memory stubbed: 10 MiB per sequence; the real compiles are
+    test_cli_gpu_target_file_that_does_not_fit's.)"""
+    c = small_config()
+    c.train.batch_size = 8 * 12  # 12 sequences per device: sizes 1, 2, 4, then 12
+    seen = []
+
+    class Stats:
+        def __init__(self, micro):
+            self.argument_size_in_bytes = self.output_size_in_bytes = self.alias_size_in_bytes = 0
+            self.temp_size_in_bytes = micro * 10 * 2**20
+
+    def fake_compile(trial, devices):
+        micro = trial.train.batch_size // 8 // trial.train.grad_accum
+        seen.append((micro, trial.train.grad_accum))
+        if micro == 12:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory\nmore")
+        return type("Step", (), {"compiled": type("C", (), {"memory_analysis": lambda self: Stats(micro)})()})
+
+    monkeypatch.setattr(dry_run, "compile_step", fake_compile)
+    gpu = gpu_target.GpuTarget("small", "cuda", "", 35 * 2**20, "sm_90")
+    tries = dry_run.fit_search(c, list(range(8)), gpu)
+    assert seen == [(1, 12), (2, 6), (4, 3)]
+    assert [(t.micro, t.fits) for t in tries] == [(1, True), (2, True), (4, False)]
+    assert dry_run.fit_rows(tries)[0] == (
+        "Largest microbatch that fits: 2 sequences per device (train.grad_accum=6)"
+    )
+    gpu = gpu_target.GpuTarget("big", "cuda", "", 2**40, "sm_90")
+    tries = dry_run.fit_search(c, list(range(8)), gpu)
+    assert [t.micro for t in tries] == [1, 2, 4, 12] and tries[-1].note.startswith("RESOURCE_EXHAUSTED")
+    assert "did not compile: RESOURCE_EXHAUSTED" in dry_run.fit_rows(tries)[-1]
