@@ -182,13 +182,13 @@ def test_rocm_without_its_libraries_is_one_line(tmp_path):
     ]
 
 
-def test_fit_search_stops_at_the_first_size_that_does_not_fit(monkeypatch):
-    """The search compiles 1, 2, 4, ... sequences per device (grad_accum to match, the divisors of
-    the per-device batch, the largest last) and stops at the first that does not fit; a compile XLA
-    refuses counts as not fitting. (Memory stubbed: 10 MiB per sequence; the real compiles are
-    test_cli_gpu_target_file_that_does_not_fit's.)"""
+def test_fit_search_is_a_binary_search_over_powers_of_two(monkeypatch):
+    """The search compiles sizes of 1, 2, 4, ... sequences per device (grad_accum to match; the
+    powers of two dividing the per-device batch, then the whole of it) by bisection, memory growing
+    with the microbatch; a compile XLA refuses counts as not fitting. (Memory stubbed: 10 MiB per
+    sequence; the real compiles are test_cli_gpu_target_file_that_does_not_fit's.)"""
     c = small_config()
-    c.train.batch_size = 8 * 12  # 12 sequences per device: sizes 1, 2, 4, then 12
+    c.train.batch_size = 8 * 12  # 12 sequences per device: the ladder 1, 2, 4, 12
     seen = []
 
     class Stats:
@@ -206,12 +206,21 @@ def test_fit_search_stops_at_the_first_size_that_does_not_fit(monkeypatch):
     monkeypatch.setattr(dry_run, "compile_step", fake_compile)
     gpu = gpu_target.GpuTarget("small", "cuda", "", 35 * 2**20, "sm_90")
     tries = dry_run.fit_search(c, list(range(8)), gpu)
-    assert seen == [(1, 12), (2, 6), (4, 3)]
-    assert [(t.micro, t.fits) for t in tries] == [(1, True), (2, True), (4, False)]
-    assert dry_run.fit_rows(tries)[0] == (
-        "Largest microbatch that fits: 2 sequences per device (train.grad_accum=6)"
+    assert seen == [(2, 6), (4, 3)]  # bisection: 2 fits, 4 does not
+    assert [(t.micro, t.fits) for t in tries] == [(2, True), (4, False)]
+    assert (
+        dry_run.fit_rows(tries)[0]
+        == "Largest microbatch that fits: 2 sequences per device (train.grad_accum=6)"
     )
+    seen.clear()
     gpu = gpu_target.GpuTarget("big", "cuda", "", 2**40, "sm_90")
     tries = dry_run.fit_search(c, list(range(8)), gpu)
-    assert [t.micro for t in tries] == [1, 2, 4, 12] and tries[-1].note.startswith("RESOURCE_EXHAUSTED")
+    assert seen == [(2, 6), (4, 3), (12, 1)] and tries[-1].note.startswith("RESOURCE_EXHAUSTED")
     assert "did not compile: RESOURCE_EXHAUSTED" in dry_run.fit_rows(tries)[-1]
+    assert dry_run.fit_rows(tries)[0].endswith("4 sequences per device (train.grad_accum=3)")
+    seen.clear()
+    gpu = gpu_target.GpuTarget("none", "cuda", "", 2**20, "sm_90")
+    assert dry_run.fit_rows(dry_run.fit_search(c, list(range(8)), gpu))[0].endswith(
+        "none (not even 1 sequence per device)"
+    )
+    assert seen == [(2, 6), (1, 12)]

@@ -19,9 +19,9 @@ It prints
                       (`compiled.memory_analysis()`) next to `zaya_jax.sizing`'s estimate; for a GPU
                       target also the device's memory, and a step that does not fit ends the run
                       with one `error:` line naming the overshoot (XLA compiles it all the same)
-  Largest microbatch  with --dry_run_fit (GPU targets): the step compiled at 1, 2, 4, ...
-                      sequences per device per microbatch (train.grad_accum set to match) until one
-                      does not fit; the largest that does
+  Largest microbatch  with --dry_run_fit (GPU targets): the largest of 1, 2, 4, ... sequences per
+                      device per microbatch (train.grad_accum set to match) that fits, found by
+                      bisection (memory grows with the microbatch), with each size compiled
   Collectives         every all-reduce / all-gather / reduce-scatter / all-to-all /
                       collective-permute in the compiled HLO with its result bytes (per device), as
                       written and as executed per step (ops inside the scanned layers run once per
@@ -385,28 +385,39 @@ def with_microbatch(c: ml_collections.ConfigDict, micro: int, devices: int) -> m
 
 
 def fit_search(c, devices: list, gpu: gpu_target.GpuTarget, done: CompiledStep | None = None) -> list[FitTry]:
-    """Compiles the step at 1, 2, 4, ... sequences per device per microbatch (powers of two that
-    divide the per-device batch, then the largest) until one does not fit the device; a compile
-    XLA refuses counts as not fitting. `done` (the config's own step) is reused at its size."""
+    """The compiles that find the largest microbatch that fits, smallest first: a binary search
+    over 1, 2, 4, ... sequences per device (the powers of two that divide the per-device batch, and
+    the whole per-device batch), memory growing with the microbatch. `done`, the config's own step,
+    is reused at its size; a compile XLA refuses counts as not fitting."""
     sizes = microbatch_sizes(c, len(devices))
-    ladder = [m for m in sizes if m & (m - 1) == 0]
-    if sizes[-1] not in ladder:
-        ladder.append(sizes[-1])
-    tries = []
-    for micro in ladder:
-        trial = with_microbatch(c, micro, len(devices))
+    ladder = [m for m in sizes if m & (m - 1) == 0] + ([sizes[-1]] if sizes[-1] & (sizes[-1] - 1) else [])
+    tried: dict[int, FitTry] = {}
+
+    def attempt(i: int) -> bool:
+        trial = with_microbatch(c, ladder[i], len(devices))
         try:
             if done is not None and trial.train.grad_accum == c.train.grad_accum:
                 compiled = done.compiled
             else:
                 compiled = compile_step(trial, devices).compiled
             total = memory_total(compiled.memory_analysis())
-            tries.append(FitTry(micro, trial.train.grad_accum, total, total <= gpu.memory_bytes))
+            tried[i] = FitTry(ladder[i], trial.train.grad_accum, total, total <= gpu.memory_bytes)
         except Exception as e:  # noqa: BLE001 - XLA's compile errors (out of memory, ...) vary by version
-            tries.append(FitTry(micro, trial.train.grad_accum, None, False, str(e).splitlines()[0][:120]))
-        if not tries[-1].fits:
-            break
-    return tries
+            tried[i] = FitTry(ladder[i], trial.train.grad_accum, None, False, str(e).splitlines()[0][:120])
+        return tried[i].fits
+
+    lo, hi = -1, len(ladder)  # ladder[lo] fits (or lo = -1), ladder[hi] does not (or hi = len)
+    own = [
+        i
+        for i, m in enumerate(ladder)
+        if done is not None and m == sizing.config_micro_batch(c, len(devices))
+    ]
+    for i in own:  # free: already compiled
+        lo, hi = (i, hi) if attempt(i) else (lo, i)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if attempt(mid) else (lo, mid)
+    return [tried[i] for i in sorted(tried)]
 
 
 def fit_rows(tries: list[FitTry]) -> list[str]:

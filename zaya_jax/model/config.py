@@ -58,9 +58,11 @@ class ZayaConfig:
     dtype: str = "float32"  # matmul compute dtype; softmax, norms, router and residual stream stay fp32
     param_dtype: str = "float32"
     # Kernels: "auto" = Pallas (Triton) on GPU, XLA elsewhere; "pallas" off GPU runs interpreted.
-    # moe_impl: "auto" = "tiled" (the plain-XLA tiled grouped matmul) on CPU, where ragged_dot is
-    # expanded into dense matmuls, and "ragged_dot" on GPU/TPU; "dense" runs every expert on every
-    # token: a test reference only (zaya_jax/model/moe.py).
+    # "GPU" / "CPU" are the devices the step is compiled for (the mesh's), not the process'.
+    # moe_impl: "auto" = "tiled" (the plain-XLA tiled grouped matmul) on CPU and "pallas" (the Triton
+    # grouped matmul) on GPU, where XLA expands ragged_dot into dense matmuls (docs/conventions.md,
+    # "Experts on a GPU"), "ragged_dot" on TPU; "dense" runs every expert on every token: a test
+    # reference only (zaya_jax/model/moe.py).
     moe_impl: str = "auto"
     # Expert parallelism: None = dropless; f = each device sends at most ceil(f * T / n) tokens to
     # each expert-axis peer, dropping (and counting) the rest (zaya_jax/parallel/expert.py).
