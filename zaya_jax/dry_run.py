@@ -289,7 +289,7 @@ def dry_run(
     compiled, mesh, cfg = step.compiled, step.mesh, step.cfg
     shape = {a: int(mesh.shape[a]) for a in MESH_AXES}
     est = sizing.config_memory_per_device(c, cfg, shape)
-    stats = compiled.memory_analysis()
+    stats, hlo = compiled.memory_analysis(), compiled.as_text()
     lines = [
         *_header(c, cfg, shape, gpu, n, name),
         "",
@@ -303,9 +303,9 @@ def dry_run(
     if fit:
         lines += ["", *fit_rows(fit_search(c, devices, gpu, step))]
     lines += ["", "Collectives per device (result bytes; per step: x while-loop trips)"]
-    lines += collective_rows(collectives(compiled.as_text()))
+    lines += collective_rows(collectives(hlo))
     if gpu is not None:
-        lines += ["", *work_rows(compiled.as_text(), c, cfg, n)]
+        lines += ["", *work_rows(hlo, c, cfg, n)]
         code = gpu_target.device_code(compiled, gpu)
         lines.append(
             f"  device code: {code['cubin']} cubin, {code['hsaco']} HSACO object(s) in the executable, "
