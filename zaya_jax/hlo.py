@@ -146,7 +146,8 @@ TRITON_CALL = "__gpu$xla.gpu.triton"  # a Pallas (Triton lowering) kernel in XLA
 # Our kernels' names end with FLOPS_TAG + the dot FLOPs one call can do at most (zaya_jax/kernels/
 # flops.py): a Triton kernel's work is inside its IR, not in the HLO.
 FLOPS_TAG = "_flops_"
-GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__hipblaslt$", "__rocblas")  # vendor GEMM prefixes
+# Vendor GEMM calls: cuBLAS / cuBLASLt, and on ROCm the same targets run rocBLAS / hipBLASLt.
+GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul")
 CONV_CALLS = ("__cudnn$conv", "__miopen$conv")
 
 
