@@ -113,6 +113,7 @@ def test_mi300x_auto_step_is_triton_and_hsaco(rocm):
     assert "experts pallas (auto)" in summary and "Newton-Schulz pallas (auto)" in summary
 
 
+@pytest.mark.slow
 def test_expert_work_does_not_grow_with_the_expert_count(rocm):
     """moe_impl=auto on MI300X at 8 and 32 experts (same width, top-1): the compiled expert work is
     the routed work (within 1.25x, tiles' padding included) at both counts; ragged_dot, which
@@ -128,6 +129,7 @@ def test_expert_work_does_not_grow_with_the_expert_count(rocm):
     assert expert_flops(dense) >= 8 * works[32]
 
 
+@pytest.mark.slow
 def test_cli_gpu_target_file_that_does_not_fit(tmp_path):
     """`train --dry_run --dry_run_target=FILE --dry_run_fit` for a GPU with 4 MiB: the report
     (memory next to the device's, the fit search, collectives, compiled work, device code), then
