@@ -226,3 +226,28 @@ def test_fit_search_is_a_binary_search_over_powers_of_two(monkeypatch):
         "none (not even 1 sequence per device)"
     )
     assert seen == [(2, 6), (1, 12)]
+    seen.clear()
+    c.train.grad_accum = 1  # the config's own size (12) was refused by XLA: not compiled again
+    tries = dry_run.fit_search(c, list(range(8)), gpu, own_error="INTERNAL: refused")
+    assert (tries[-1].micro, tries[-1].note) == (12, "INTERNAL: refused") and (12, 1) not in seen
+
+
+def test_a_step_xla_refuses_is_reported_with_one_error_line(monkeypatch):
+    """XLA:CUDA ends a step whose buffers exceed the device with "Error loading CUDA libraries"
+    (measured on zaya1_base phase1, 512 sequences per device): the report says so, runs the fit
+    search, and the error line names XLA's reason."""
+    import jax
+
+    def refuse(trial, devices):
+        if trial.train.grad_accum == 1:
+            raise jax.errors.JaxRuntimeError(
+                "INTERNAL: CUDA Runtime error: Error loading CUDA libraries.\nmore"
+            )
+        raise RuntimeError("RESOURCE_EXHAUSTED: smaller too")
+
+    monkeypatch.setattr(dry_run, "compile_step", refuse)
+    report = dry_run.dry_run(small_config(), 8, "small", target="h100", fit=True)
+    assert "XLA's GPU compiler refused the step: INTERNAL: CUDA Runtime error" in report.text
+    assert "Largest microbatch that fits: none" in report.text
+    assert report.error.startswith("XLA's H100 SXM compiler did not compile the train step: INTERNAL")
+    assert report.error.endswith("try --dry_run_fit)") and "\n" not in report.error

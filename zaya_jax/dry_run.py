@@ -285,7 +285,12 @@ def dry_run(
         devices = gpu_target.target_devices(gpu, n)
     # Nothing is written, and the compile time is XLA's: no persistent compilation cache.
     jax.config.update("jax_enable_compilation_cache", False)
-    step = compile_step(c, devices)
+    try:
+        step = compile_step(c, devices)
+    except jax.errors.JaxRuntimeError as e:
+        if gpu is None:
+            raise
+        return refused(c, devices, gpu, name, fit, e)
     compiled, mesh, cfg = step.compiled, step.mesh, step.cfg
     shape = {a: int(mesh.shape[a]) for a in MESH_AXES}
     est = sizing.config_memory_per_device(c, cfg, shape)
@@ -317,6 +322,26 @@ def dry_run(
         f"total {step.lower_s + step.compile_s:.1f} s",
     ]
     return Report("\n".join(lines), error)
+
+
+def refused(c: ml_collections.ConfigDict, devices: list, gpu: gpu_target.GpuTarget, name: str, fit: bool, e):
+    """The report of a step XLA's GPU compiler refused (the fit search still runs: a smaller
+    microbatch may compile), ending with the one-line error naming XLA's reason."""
+    cfg = config_lib.validate(c, gpu.platform)
+    shape = {a: int(s) for a, s in mesh_from_config(c, devices=devices).shape.items()}
+    reason = str(e).strip().splitlines()[0][:300]
+    lines = [
+        *_header(c, cfg, shape, gpu, len(devices), name),
+        "",
+        f"XLA's GPU compiler refused the step: {reason}",
+    ]
+    if fit:
+        lines += ["", *fit_rows(fit_search(c, devices, gpu, own_error=reason))]
+    exceeded = "Error loading CUDA libraries" in reason  # XLA:CUDA's end for buffers past the device
+    hint = " (XLA:CUDA ends so when the buffers exceed the device: try --dry_run_fit)" if exceeded else ""
+    return Report(
+        "\n".join(lines), f"XLA's {gpu.name} compiler did not compile the train step: {reason}{hint}"
+    )
 
 
 def impl_summary(c: ml_collections.ConfigDict, cfg: Any, platform: str) -> str:
@@ -384,11 +409,13 @@ def with_microbatch(c: ml_collections.ConfigDict, micro: int, devices: int) -> m
     return out
 
 
-def fit_search(c, devices: list, gpu: gpu_target.GpuTarget, done: CompiledStep | None = None) -> list[FitTry]:
+def fit_search(
+    c, devices: list, gpu: gpu_target.GpuTarget, done: CompiledStep | None = None, own_error: str = ""
+) -> list[FitTry]:
     """The compiles that find the largest microbatch that fits, smallest first: a binary search
     over 1, 2, 4, ... sequences per device (the powers of two that divide the per-device batch, and
     the whole per-device batch), memory growing with the microbatch. `done`, the config's own step,
-    is reused at its size; a compile XLA refuses counts as not fitting."""
+    is reused at its size (`own_error`: XLA refused it); a compile XLA refuses counts as not fitting."""
     sizes = microbatch_sizes(c, len(devices))
     ladder = [m for m in sizes if m & (m - 1) == 0] + ([sizes[-1]] if sizes[-1] & (sizes[-1] - 1) else [])
     tried: dict[int, FitTry] = {}
@@ -407,13 +434,11 @@ def fit_search(c, devices: list, gpu: gpu_target.GpuTarget, done: CompiledStep |
         return tried[i].fits
 
     lo, hi = -1, len(ladder)  # ladder[lo] fits (or lo = -1), ladder[hi] does not (or hi = len)
-    own = [
-        i
-        for i, m in enumerate(ladder)
-        if done is not None and m == sizing.config_micro_batch(c, len(devices))
-    ]
-    for i in own:  # free: already compiled
+    own = [i for i, m in enumerate(ladder) if m == sizing.config_micro_batch(c, len(devices))]
+    for i in own if done is not None else ():  # free: already compiled
         lo, hi = (i, hi) if attempt(i) else (lo, i)
+    for i in own if own_error else ():
+        tried[i], hi = FitTry(ladder[i], c.train.grad_accum, None, False, own_error[:120]), i
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if attempt(mid) else (lo, mid)
