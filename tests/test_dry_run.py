@@ -195,3 +195,62 @@ def test_compiled_step_exchange_main_path_and_spill():
         stats["all-to-all" + dry_run.SPILL].bytes_per_step,
     )
     assert step.mesh.shape == {"data": 2, "fsdp": 1, "expert": 4, "context": 1}
+
+
+GPU_STYLE_HLO = """HloModule jit_step
+
+%fused_dot (p0: bf16[4,64,32], p1: bf16[4,32,16]) -> f32[4,64,16] {
+  %p0 = bf16[4,64,32]{2,1,0} parameter(0)
+  %p1 = bf16[4,32,16]{2,1,0} parameter(1)
+  ROOT %dot.1 = f32[4,64,16]{2,1,0} dot(%p0, %p1), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}, metadata={op_name="jit(step)/ZayaForCausalLM/layers/mlp/experts/dot_general"}
+}
+
+%body (c: (s32[], bf16[4,64,32], bf16[4,32,16])) -> (s32[], bf16[4,64,32], bf16[4,32,16]) {
+  %c = (s32[], bf16[4,64,32]{2,1,0}, bf16[4,32,16]{2,1,0}) parameter(0)
+  %a = bf16[4,64,32]{2,1,0} get-tuple-element(%c), index=1
+  %b = bf16[4,32,16]{2,1,0} get-tuple-element(%c), index=2
+  %f = f32[4,64,16]{2,1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %k = f32[64,16]{1,0} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/ZayaForCausalLM/layers/mlp/experts/zaya_gmm_flops_5000/pallas_call"}, backend_config={grid_x = 2 : i32, name = "zaya_gmm_flops_5000", num_warps = 4 : i32}
+  ROOT %t = (s32[], bf16[4,64,32]{2,1,0}, bf16[4,32,16]{2,1,0}) tuple(%c)
+}
+
+%cond (c: (s32[], bf16[4,64,32], bf16[4,32,16])) -> pred[] {
+  %c = (s32[], bf16[4,64,32]{2,1,0}, bf16[4,32,16]{2,1,0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+ENTRY %main (x: bf16[64,32], w: bf16[32,8], s: (s32[], bf16[4,64,32], bf16[4,32,16])) -> f32[64,8] {
+  %x = bf16[64,32]{1,0} parameter(0)
+  %w = bf16[32,8]{1,0} parameter(1)
+  %s = (s32[], bf16[4,64,32]{2,1,0}, bf16[4,32,16]{2,1,0}) parameter(2)
+  %loop = (s32[], bf16[4,64,32]{2,1,0}, bf16[4,32,16]{2,1,0}) while(%s), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %g = (f32[64,8]{1,0}, s8[0]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %cv = (f32[64,8]{1,0}, u8[0]{0}) custom-call(%x, %w), window={size=2}, custom_call_target="__cudnn$convForward"
+  ROOT %r = f32[64,8]{1,0} get-tuple-element(%g), index=0
+}
+"""
+
+
+def test_hlo_work_reads_gpu_style_text():
+    """XLA:GPU's text names operands without shapes: a dot's contraction comes from its operand's
+    declaration; a while body's work runs its trip count; our Triton call's FLOPs are the ones its
+    name declares; a cuBLAS call's from its dot dimension numbers."""
+    from zaya_jax import hlo
+
+    works = {(w.kind, w.name): w for w in hlo.work(GPU_STYLE_HLO)}
+    dot = works[("dot", "dot")]
+    assert (dot.flops, dot.runs.main) == (2 * 4 * 64 * 16 * 32, 3) and "/experts/" in dot.op_name
+    assert works[("triton", "zaya_gmm")].flops == 5000 and works[("triton", "zaya_gmm")].runs.main == 3
+    assert works[("triton fusion", "__triton_nested_gemm_fusion")].runs.main == 3
+    assert works[("gemm", "__cublas$gemm")].flops == 2 * 64 * 8 * 32
+    assert works[("convolution", "__cudnn$convForward")].flops == 0
+
+
+def test_hlo_work_reads_cpu_text():
+    """XLA:CPU writes operand shapes inline: the same count from a compiled CPU dot."""
+    from zaya_jax import hlo
+
+    f = jax.jit(lambda a, b: a @ b)
+    text = f.lower(jnp.ones((8, 16)), jnp.ones((16, 4))).compile().as_text()
+    dots = [w for w in hlo.work(text) if w.kind == "dot"]
+    assert [d.flops for d in dots] == [2 * 8 * 16 * 4]

@@ -222,8 +222,8 @@ def _instruction_work(line: str, declared: dict[str, str], runs: Runs) -> Work |
     if target == TRITON_CALL:
         name = found.group(1) if (found := _TRITON_NAME.search(line)) else "?"
         base, tag, flops = name.rpartition(FLOPS_TAG)
-        declared = float(flops) if tag and flops.isdigit() else 0.0
-        return Work("triton", base if tag else name, declared, op_name, runs)
+        count = float(flops) if tag and flops.isdigit() else 0.0
+        return Work("triton", base if tag else name, count, op_name, runs)
     kind = _FUSION_KIND.search(line) if op == "fusion" else None
     if kind and kind.group(1).startswith("__triton"):
         return Work("triton fusion", kind.group(1), 0.0, op_name, runs)
