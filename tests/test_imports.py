@@ -23,7 +23,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 ROOT_PACKAGE = "zaya_jax"
 
 # Lowest first. An entry names a module and everything under it (the longest entry wins), except the
-# root package, which names only its own empty __init__. docs/architecture.md holds the same table
+# root package, which names only its own __init__. docs/architecture.md holds the same table
 # (test_architecture_doc_has_the_layer_table keeps the two equal).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "zaya_jax.hlo",
             "zaya_jax.host_memory",
             "zaya_jax.gpu_target",
+            "zaya_jax.gpu_plugins",
         ),
     ),
     ("kernels", ("zaya_jax.kernels",)),

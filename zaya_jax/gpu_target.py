@@ -109,8 +109,11 @@ def prepare_process() -> None:
     import jax
     from jax._src import xla_bridge
 
+    from zaya_jax import gpu_plugins
+
     if not xla_bridge.backends_are_initialized():
         jax.config.update("jax_platforms", "cpu")
+        gpu_plugins.register_plugins()  # now, with CUDA's version check skipped, notices dropped
     elif jax.devices()[0].platform != "cpu":
         raise ValueError(
             "a GPU dry run compiles from a CPU process, but jax already started on "
