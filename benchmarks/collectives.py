@@ -121,10 +121,13 @@ def all_to_all_bytes(hlo: str) -> tuple[int, int]:
     Bytes are each all-to-all's result (= operand) bytes times how often its computation runs (while
     bodies x their known trip count), as the dry run counts them (`zaya_jax.hlo`): the main path
     takes every conditional's default branch (`lax.cond`'s false branch: the expert exchange's
-    no-overflow case); the other branches' all-to-alls are the spill, counted once as if taken."""
+    no-overflow case); the other branches' all-to-alls are the spill, counted once as if taken.
+    The optimizer's (distributed Muon bringing matrices whole to their owners,
+    zaya_jax/parallel/zero1.py) are not the exchange and are left out."""
     from zaya_jax import hlo as hlo_lib
+    from zaya_jax.train_state import OPTIMIZER_SCOPE
 
-    ops = [c for c in hlo_lib.collectives(hlo) if c.op == "all-to-all"]
+    ops = [c for c in hlo_lib.collectives(hlo) if c.op == "all-to-all" and OPTIMIZER_SCOPE not in c.op_name]
     return sum(c.bytes * c.runs.main for c in ops), sum(c.bytes * c.runs.branch for c in ops)
 
 

@@ -48,7 +48,10 @@ def check_report(out: str, devices: int) -> None:
     assert ours * 0.99 <= xla <= ours * 1.01, out  # the donated state is reused for the new state
     xla, ours = table(out, "temporaries")
     assert xla > 0 and ours > 0
-    assert table(out, "all-reduce")[0] >= 1  # the data-parallel gradient reduction
+    assert table(out, "reduce-scatter")[0] >= 1  # the gradients into the ZeRO-1 shards, once per step
+    # Nothing crosses the data axis per microbatch; once per step the formula's bytes (docs/architecture.md).
+    line = next(line for line in out.splitlines() if "data-parallel (spanning the data axis)" in line)
+    assert "in the model 0.00 MiB" in line, line
     assert re.search(r"Compile: trace \+ lower [\d.]+ s, XLA compile [\d.]+ s", out)
 
 
@@ -187,13 +190,13 @@ def test_compiled_step_exchange_main_path_and_spill():
     stats = dry_run.collectives(hlo)
     n, t, cap, d, blocks = 4, 64, 24, TINY_EXCHANGE["hidden_size"], 2  # blocks: layers x grad_accum
     per_slot = 4 * d * 4 + 1  # x, y, dy, dx in fp32 and one byte of expert id, per slot
-    assert stats["all-to-all"].bytes_per_step == blocks * n * cap * per_slot
-    assert stats["all-to-all" + dry_run.SPILL].bytes_per_step == blocks * n * (t - cap) * per_slot
-    main, spill = all_to_all_bytes(hlo)
-    assert (main, spill) == (
-        stats["all-to-all"].bytes_per_step,
-        stats["all-to-all" + dry_run.SPILL].bytes_per_step,
-    )
+    main, spill = all_to_all_bytes(hlo)  # the exchange's (the optimizer's all-to-alls left out)
+    assert main == blocks * n * cap * per_slot
+    assert spill == stats["all-to-all" + dry_run.SPILL].bytes_per_step == blocks * n * (t - cap) * per_slot
+    # The table's every-step row: the exchange and distributed Muon's moves to the matrices' owners.
+    ops = dry_run.hlo_lib.collectives(hlo)
+    muon = sum(c.bytes for c in ops if "optimizer_update" in c.op_name and c.op == "all-to-all")
+    assert stats["all-to-all"].bytes_per_step == main + muon
     assert step.mesh.shape == {"data": 2, "fsdp": 1, "expert": 4, "context": 1}
 
 
@@ -229,6 +232,38 @@ ENTRY %main (x: bf16[64,32], w: bf16[32,8], s: (s32[], bf16[4,64,32], bf16[4,32,
   ROOT %r = f32[64,8]{1,0} get-tuple-element(%g), index=0
 }
 """
+
+
+def test_hlo_replica_groups_in_each_form():
+    """Device groups from XLA's explicit, iota and mesh-axes forms (a -done takes its -start's), and
+    the mesh axes they span on a data=4 x expert=2 mesh (device i at position i of the mesh)."""
+    from zaya_jax import hlo
+
+    groups = {
+        "replica_groups={{0,2,4,6},{1,3,5,7}}": ((0, 2, 4, 6), (1, 3, 5, 7)),
+        "replica_groups=[4,2]<=[8]": ((0, 1), (2, 3), (4, 5), (6, 7)),
+        "replica_groups=[2,4]<=[4,2]T(1,0)": ((0, 2, 4, 6), (1, 3, 5, 7)),
+        "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}": ((0, 2, 4, 6), (1, 3, 5, 7)),
+        "replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}": (
+            (0, 1), (2, 3), (4, 5), (6, 7)
+        ),
+        "source_target_pairs={{0,1},{2,3}}": ((0, 1), (2, 3)),
+    }
+    for text, want in groups.items():
+        line = f"  %x = f32[4]{{0}} all-gather(%y), {text}, dimensions={{0}}"
+        assert hlo.replica_groups(line) == want, text
+    shape, names = (4, 1, 2, 1), ("data", "fsdp", "expert", "context")
+    assert hlo.group_axes(((0, 2, 4, 6), (1, 3, 5, 7)), names, shape) == ("data",)
+    assert hlo.group_axes(((0, 1), (2, 3)), names, shape) == ("expert",)
+    assert hlo.group_axes(((0,), (1,)), names, shape) == ()
+    text = """ENTRY %main {
+  %p = f32[8]{0} parameter(0)
+  %s = (f32[8]{0}, f32[2]{0}) reduce-scatter-start(%p), replica_groups={{0,2,4,6},{1,3,5,7}}, dimensions={0}
+  ROOT %d = f32[2]{0} reduce-scatter-done(%s), metadata={op_name="jit(f)/reduce_scatter"}
+}"""
+    (c,) = hlo.collectives(text)
+    assert (c.op, c.bytes, c.op_name) == ("reduce-scatter", 8, "jit(f)/reduce_scatter")
+    assert c.groups == ((0, 2, 4, 6), (1, 3, 5, 7))  # from the -start
 
 
 def test_hlo_work_reads_gpu_style_text():

@@ -29,7 +29,13 @@ It prints
                       conditional's non-default branch (the expert exchange's spill round, taken
                       only when a bucket overflowed) get their own "(spill, only if taken)" rows,
                       counted as if taken: "total (every step)" leaves them out, "total (with
-                      spill taken)" adds them
+                      spill taken)" adds them. Groups of one device (an all-reduce over a mesh axis
+                      of size 1) move nothing and are left out. Then by the mesh axes each spans
+                      (its replica groups) and where it runs: in the model (per microbatch) or once
+                      per step, with the data-parallel bytes against the ZeRO-1 formula
+                      (zaya_jax/parallel/zero1.py `step_bytes`)
+  Newton-Schulz       Muon's once-per-step dot FLOPs per device (the optimizer update's named
+                      scope) against sizing's total over the devices
   Compiled work       (GPU targets) the kernels the compiler made of the step: our Triton kernels,
                       XLA's Triton fusions, vendor GEMM calls (cuBLAS / hipBLASLt), convolutions;
                       the dot FLOPs per step (trip counts included) of the model's forward and
@@ -69,8 +75,9 @@ from zaya_jax.kernels import use_pallas
 from zaya_jax.model.moe import resolve_moe_impl
 from zaya_jax.model.transformer import resolve_scan_layers
 from zaya_jax.parallel.context import config_context
+from zaya_jax.parallel import zero1
 from zaya_jax.parallel.mesh import MESH_AXES, device_platform, mesh_from_config
-from zaya_jax.train_state import abstract_batch, check_batch_divides, train_program
+from zaya_jax.train_state import OPTIMIZER_SCOPE, abstract_batch, check_batch_divides, train_program
 
 DEFAULT_DEVICES = 8  # a -1 mesh axis: one node, as `python -m zaya_jax.sizing` assumes
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -120,13 +127,83 @@ class CollectiveStats:
 SPILL = " (spill, only if taken)"  # row suffix: ops in a conditional's non-default branch
 
 
+def moving(ops: list[hlo_lib.Collective]) -> list[hlo_lib.Collective]:
+    """The collectives that move data: groups of one device (an all-reduce XLA leaves over a mesh
+    axis of size 1) move nothing and are left out of every count."""
+    return [c for c in ops if c.groups is None or any(len(g) > 1 for g in c.groups)]
+
+
+def in_model(c: hlo_lib.Collective) -> bool:
+    """Whether a collective belongs to the model's forward / backward (runs per microbatch)."""
+    return "ZayaForCausalLM" in c.op_name
+
+
+def axis_rows(hlo: str, mesh: jax.sharding.Mesh) -> list[str]:
+    """Collective bytes per step by the mesh axes they span and where they run: in the model (per
+    microbatch: the expert exchange, context halo / K-V gather, fsdp's gathers, and GSPMD's
+    reductions over the axes that stay automatic) or once per step (outside the model: the ZeRO-1
+    reduce-scatter and gather, distributed Muon, the loss sums)."""
+    names, shape = tuple(mesh.axis_names), tuple(mesh.devices.shape)
+    rows: dict[tuple[str, str, str], int] = {}
+    for c in moving(hlo_lib.collectives(hlo)):
+        axes = hlo_lib.group_axes(c.groups, names, shape)
+        key = ("+".join(axes) if axes else "?", "model" if in_model(c) else "step", c.op)
+        rows[key] = rows.get(key, 0) + c.bytes * c.runs.main
+    out = [f"  {'mesh axes':<24}{'where':<8}{'op':<20}{'MiB/step':>12}"]
+    for (axes, where, op), nbytes in sorted(rows.items()):
+        out.append(f"  {axes:<24}{where:<8}{op:<20}{nbytes / 2**20:>12.2f}")
+    return out
+
+
+def zero1_rows(hlo: str, step: "CompiledStep") -> list[str]:
+    """The data-parallel traffic against the formula of docs/architecture.md (zero1.step_bytes)."""
+    once, looped = data_parallel_bytes(hlo, step.mesh)
+    formula = zero1.step_bytes(step.state.params, step.mesh, step.zero1)
+    ratio = f" ({once / formula:.2f}x)" if formula else ""
+    return [
+        f"  data-parallel (spanning the data axis): once per step {once / 2**20:.2f} MiB{ratio}, in the "
+        f"model {looped / 2**20:.2f} MiB; formula {formula / 2**20:.2f} MiB (fp32 gradients reduce-scattered "
+        "into the ZeRO-1 shards + the updates all-gathered: 4 P (1 + 1/n), P the parameters a device holds)"
+    ]
+
+
+def newton_schulz_rows(hlo: str, c: ml_collections.ConfigDict, cfg: Any, n: int) -> list[str]:
+    """Muon's once-per-step Newton-Schulz dot FLOPs per device (the optimizer update's dots) against
+    sizing's total over the devices (distributed Muon: each matrix on one rank)."""
+    works = hlo_lib.work(hlo)
+    compiled = flops_per_step(works, is_optimizer)
+    ideal = sizing.newton_schulz_flops(cfg, c.optim.muon.ns_steps) / n
+    triton = any(w.kind == "triton" and "zaya_ns" in w.name for w in works)
+    ratio = f" ({compiled / ideal:.2f}x)" if ideal else ""
+    declared = " (Pallas kernels: their declared FLOPs)" if triton else ""
+    return [
+        f"Newton-Schulz per device (the optimizer's dots, once per step): {_flops(compiled)}FLOP{ratio}; "
+        f"sizing's total / {n} devices: {_flops(ideal)}FLOP{declared}"
+    ]
+
+
+def data_parallel_bytes(hlo: str, mesh: jax.sharding.Mesh) -> tuple[int, int]:
+    """(once per step, inside the model) collective result bytes per device per step spanning the
+    data axis: the ZeRO-1 traffic outside the model, and what runs per microbatch (none: the
+    gradients are reduced after the microbatch loop, zaya_jax/parallel/zero1.py)."""
+    names, shape = tuple(mesh.axis_names), tuple(mesh.devices.shape)
+    step = model = 0
+    for c in moving(hlo_lib.collectives(hlo)):
+        if "data" in (hlo_lib.group_axes(c.groups, names, shape) or ("data",)):
+            if in_model(c):
+                model += c.bytes * c.runs.main
+            else:
+                step += c.bytes * c.runs.main
+    return step, model
+
+
 def collectives(hlo: str) -> dict[str, CollectiveStats]:
     """The collectives of a compiled (per-device) HLO module by kind: those on the main path under
     their op's name, those only in a conditional's non-default branch (the expert exchange's spill
     round, run only when a bucket overflowed) under `op + SPILL`, counted once per step as if taken.
     Bytes are result bytes per device."""
     out: dict[str, CollectiveStats] = {}
-    for c in hlo_lib.collectives(hlo):
+    for c in moving(hlo_lib.collectives(hlo)):
         for key, times in ((c.op, c.runs.main), (c.op + SPILL, c.runs.branch)):
             if times or (key == c.op and not c.runs.branch):  # unreached ops stay in the main row
                 s = out.setdefault(key, CollectiveStats())
@@ -153,30 +230,46 @@ def memory_total(stats: Any) -> int:
     )
 
 
-def memory_rows(stats: Any, est: sizing.MemoryEstimate) -> list[str]:
+def memory_rows(stats: Any, est: sizing.MemoryEstimate, in_place: bool = True) -> list[str]:
     """XLA's per-device buffers next to sizing's estimate of the same parts (GiB, or MiB when small).
 
     XLA's total is arguments + outputs - alias + temporaries: the donated state's buffers are
-    reused for the new state. (XLA:CPU's own `peak_memory_in_bytes` leaves the temporaries out.)"""
+    reused for the new state. (XLA:CPU's own `peak_memory_in_bytes` leaves the temporaries out.)
+    Sizing's temporaries are the larger of the backward pass' (gradients, one buffer or two when
+    several microbatches are summed, and activations) and, where the compiler does not update the
+    state in place (`in_place` False: XLA:CPU inside the skip guard's lax.cond), the update's
+    (MemoryEstimate.update_temporaries); both are listed then."""
     unit, scale = memory_unit(est.total)
     state = est.params + est.optimizer
     xla_total = memory_total(stats)
+    backward = est.grads + est.activations
+    update = 0.0 if in_place else est.update_temporaries
+    temp, what = max(backward, update), "grads + activations"
     rows = [
         ("arguments (state + batch)", stats.argument_size_in_bytes, state, "params + optimizer"),
         ("outputs (new state + metrics)", stats.output_size_in_bytes, state, "params + optimizer"),
         ("alias (outputs in donated arguments)", stats.alias_size_in_bytes, state, "params + optimizer"),
-        ("temporaries", stats.temp_size_in_bytes, est.grads + est.activations, "grads + activations"),
+        ("temporaries", stats.temp_size_in_bytes, temp, "the larger below" if update else what),
+    ]
+    if update:
+        rows += [
+            ("  backward pass", None, backward, what),
+            ("  update, not in place (XLA:CPU)", None, update, "new state + largest update + grad shards"),
+        ]
+    rows += [
         ("generated code", stats.generated_code_size_in_bytes, None, ""),
-        ("total (arguments + outputs - alias + temp)", xla_total, est.total, "sizing total"),
+        ("total (arguments + outputs - alias + temp)", xla_total, state + temp, "sizing total"),
     ]
     out = [f"  {'(' + unit + ' per device)':<44}{'XLA':>11}{'sizing':>11}"]
     for name, xla, ours, what in rows:
+        xla_s = f"{xla / scale:>11.3f}" if xla is not None else f"{'':>11}"
         ours_s = f"{ours / scale:>11.3f}   ({what})" if ours is not None else ""
-        out.append(f"  {name:<44}{xla / scale:>11.3f}{ours_s}")
+        out.append(f"  {name:<44}{xla_s}{ours_s}")
     # With mesh.context = R a device holds S/R positions of each of its sequences.
     positions = est.seq_len // est.mesh.get("context", 1)
+    grads = "; 2 gradient buffers: the sum so far and the microbatch's" if est.grad_buffers > 1 else ""
     out.append(
-        f"  (sizing: remat {est.remat}, micro-batch {est.micro_batch} x {positions} tokens per device)"
+        f"  (sizing: remat {est.remat}, micro-batch {est.micro_batch} x {positions} tokens per device{grads})"
     )
     return out
 
@@ -219,6 +312,8 @@ class CompiledStep:
     cfg: Any  # the validated ZayaConfig
     lower_s: float
     compile_s: float
+    state: Any = None  # the abstract train state it was compiled for
+    zero1: bool = True  # mesh.zero1
 
 
 def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> CompiledStep:
@@ -233,7 +328,8 @@ def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> Com
     lowered = program.train_step.lower(program.abstract_state(), batch)
     t1 = time.perf_counter()
     compiled = lowered.compile()
-    return CompiledStep(compiled, mesh, cfg, t1 - t0, time.perf_counter() - t1)
+    elapsed = time.perf_counter() - t1
+    return CompiledStep(compiled, mesh, cfg, t1 - t0, elapsed, program.abstract_state(), c.mesh.zero1)
 
 
 def device_rows(total: int, target: gpu_target.GpuTarget, scale: float) -> tuple[list[str], str | None]:
@@ -300,7 +396,7 @@ def dry_run(
         "",
         "Memory per device (XLA: compiled.memory_analysis(); sizing: zaya_jax.sizing's estimate)",
     ]
-    lines += memory_rows(stats, est)
+    lines += memory_rows(stats, est, in_place=gpu is not None)
     error = None
     if gpu is not None:
         rows, error = device_rows(memory_total(stats), gpu, memory_unit(est.total)[1])
@@ -309,6 +405,9 @@ def dry_run(
         lines += ["", *fit_rows(fit_search(c, devices, gpu, step))]
     lines += ["", "Collectives per device (result bytes; per step: x while-loop trips)"]
     lines += collective_rows(collectives(hlo))
+    lines += ["", "Collectives by mesh axes (model: per microbatch; step: once per optimizer step)"]
+    lines += [*axis_rows(hlo, mesh), *zero1_rows(hlo, step)]
+    lines += newton_schulz_rows(hlo, c, cfg, n)
     if gpu is not None:
         lines += ["", *work_rows(hlo, c, cfg, n)]
         code = gpu_target.device_code(compiled, gpu)
@@ -468,6 +567,11 @@ def is_model(w: hlo_lib.Work) -> bool:
     return "ZayaForCausalLM" in w.op_name
 
 
+def is_optimizer(w: hlo_lib.Work) -> bool:
+    """Work of the optimizer update (Muon's Newton-Schulz), by its named scope."""
+    return OPTIMIZER_SCOPE in w.op_name
+
+
 def is_expert(w: hlo_lib.Work) -> bool:
     return "/experts/" in w.op_name
 
@@ -507,7 +611,6 @@ def work_rows(hlo: str, c: ml_collections.ConfigDict, cfg: Any, n: int) -> list[
     model = sizing.flops_per_token(cfg, c.train.seq_len) * tokens * remat
     routed = 3 * breakdown.moe_active * tokens * remat
     compiled, experts = flops_per_step(works, is_model), flops_per_step(works, is_expert)
-    rest = flops_per_step(works, lambda w: not is_model(w))
     ratio = lambda a, b: f"{a / b:.2f}x" if b else "-"  # noqa: E731
     return [
         "Compiled work per device (trip counts included; Triton kernels: the FLOPs they declare)",
@@ -520,5 +623,4 @@ def work_rows(hlo: str, c: ml_collections.ConfigDict, cfg: Any, n: int) -> list[
         f"  experts: compiled {_flops(experts)}FLOP vs routed {_flops(routed)}FLOP "
         f"(tokens x one expert, x3 fwd+bwd, x remat): {ratio(experts, routed)} (grouped kernels count "
         "their tiles' worst-case padding; with mesh.expert the exchange's slots)",
-        f"  outside the model (optimizer: Newton-Schulz, once per step): {_flops(rest)}FLOP",
     ]

@@ -23,6 +23,8 @@ import dataclasses
 import math
 import re
 
+import numpy as np
+
 COLLECTIVES = (
     "all-reduce",
     "all-gather",
@@ -62,11 +64,75 @@ class Runs:
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective instruction: its op (async `-done` folded into the op), result bytes per
-    device, and the runs of its computation."""
+    device, the runs of its computation, its device groups (`replica_groups`: logical device ids,
+    the positions in the mesh's device order; None where the text does not say) and jax's op_name
+    (where in the program it came from)."""
 
     op: str
     bytes: int
     runs: Runs
+    groups: tuple[tuple[int, ...], ...] | None = None
+    op_name: str = ""
+
+
+_GROUPS = re.compile(r"\breplica_groups=(\{\{[\d,{} ]*\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_MESH_GROUPS = re.compile(
+    r"\breplica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?)\))?\s*\{([^}]*)\}"
+)
+_PAIRS = re.compile(r"\bsource_target_pairs=\{(\{[\d, ]*\}(?:,\s*\{[\d, ]*\})*)\}")
+_IOTA = re.compile(r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?")
+
+
+def _iota(dims: list[int], perm: list[int] | None) -> list[int]:
+    """Device ids of an iota tile assignment `<=[dims]T(perm)`, in order: arange(prod(dims))
+    reshaped to dims, transposed by perm (XLA's IotaTileAssignment)."""
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return [int(i) for i in (ids.transpose(perm) if perm else ids).ravel()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _mesh_groups(axes_text: str, device_ids: str | None, grouped: str) -> tuple[tuple[int, ...], ...] | None:
+    """Groups of XLA's mesh form `mesh['axis_0'=4,'axis_1'=2], device_ids=(...) {'axis_0'}`: devices
+    laid out on the named mesh (iota, or `device_ids`), one group per coordinate of the other axes.
+    None for a form this reader does not know (sub-axes)."""
+    sizes = re.findall(r"'([^']+)'=(\d+)", axes_text)
+    names = [n for n, _ in sizes]
+    wanted = re.findall(r"'([^']+)'", grouped)
+    if not sizes or any(w not in names for w in wanted) or ":" in grouped:
+        return None
+    shape = [int(v) for _, v in sizes]
+    ids = list(range(math.prod(shape)))
+    if device_ids:
+        m = _IOTA.fullmatch(device_ids)
+        ids = _iota(_ints(m.group(1)), _ints(m.group(3)) if m.group(3) else None)
+    inside = [names.index(w) for w in wanted]
+    outside = [k for k in range(len(shape)) if k not in inside]
+    grid = np.asarray(ids).reshape(shape).transpose(outside + inside)
+    return tuple(tuple(int(i) for i in g) for g in grid.reshape(-1, math.prod(shape[k] for k in inside)))
+
+
+def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
+    """The device groups of a collective instruction (source-target pairs for a permute), from any
+    of XLA's three forms: explicit `{{0,1},{2,3}}`, iota `[2,2]<=[4]` (optionally `<=[2,2]T(1,0)`),
+    and mesh axes `mesh['axis_0'=2,...] {'axis_0'}`. None when it has none (`{}`: every device)
+    or a form not read here."""
+    if m := _MESH_GROUPS.search(line):
+        return _mesh_groups(m.group(1), m.group(2), m.group(3))
+    if m := _PAIRS.search(line):
+        return tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d, ]*)\}", m.group(1)))
+    m = _GROUPS.search(line)
+    if not m or m.group(1) == "{}":
+        return None
+    text = m.group(1)
+    if text.startswith("{"):
+        return tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d, ]*)\}", text[1:-1]))
+    iota = _IOTA.fullmatch(text)
+    ids = _iota(_ints(iota.group(2)), _ints(iota.group(3)) if iota.group(3) else None)
+    size = _ints(iota.group(1))[-1]
+    return tuple(tuple(ids[i : i + size]) for i in range(0, len(ids), size))
 
 
 def shape_bytes(text: str) -> int:
@@ -124,20 +190,42 @@ def executions(comps: dict[str, list[str]], entry: str) -> dict[str, Runs]:
     return {name: Runs(main[name], branch[name]) for name in comps}
 
 
+def group_axes(
+    groups: tuple[tuple[int, ...], ...] | None, names: tuple[str, ...], shape: tuple[int, ...]
+) -> tuple[str, ...] | None:
+    """The mesh axes a collective spans: those along which the devices of a group (or of a
+    source-target pair) differ, device i of a group sitting at position i of the mesh's devices
+    (row-major over `shape`, axes `names`). () for groups of one device; None when unknown."""
+    if not groups:
+        return None
+    coords = [np.unravel_index(list(g), shape) for g in groups]
+    varying = {k for c in coords for k in range(len(shape)) if len(set(c[k].tolist())) > 1}
+    return tuple(n for k, n in enumerate(names) if k in varying)
+
+
 def collectives(hlo: str) -> list[Collective]:
     """Every collective of a compiled (per-device) HLO module. Async pairs count once, by their
-    `-done` (whose result is the collective's output)."""
+    `-done` (whose result is the collective's output; the groups are written on the `-start`)."""
     comps, entry = computations(hlo)
     runs = executions(comps, entry)
     out = []
     for name, lines in comps.items():
+        starts = {}
         for line in lines:
             m = _INSTRUCTION.match(line)
-            if not m or m.group(2).endswith("-start"):
+            if not m:
+                continue
+            if m.group(2).endswith("-start"):
+                starts[_NAME.match(line).group(1)] = line
                 continue
             op = m.group(2).removesuffix("-done")
             if op in COLLECTIVES:
-                out.append(Collective(op, shape_bytes(m.group(1)), runs[name]))
+                operands = _OPERANDS.search(line)
+                first = operands.group(1).split(",")[0].strip().lstrip("%") if operands else ""
+                source = starts.get(first, line) if m.group(2).endswith("-done") else line
+                op_name = found.group(1) if (found := _OP_NAME.search(line)) else ""
+                groups = replica_groups(source)
+                out.append(Collective(op, shape_bytes(m.group(1)), runs[name], groups, op_name))
     return out
 
 

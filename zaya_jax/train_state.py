@@ -26,9 +26,17 @@ from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variable
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
 from zaya_jax.parallel.context import CONTEXT, check_local_length, config_context, fold_sequences
 from zaya_jax.parallel.mesh import make_mesh, mesh_platform
-from zaya_jax.parallel.sharding import BATCH_AXES, batch_sharding, opt_state_shardings, param_shardings
+from zaya_jax.parallel import zero1 as zero1_lib
+from zaya_jax.parallel.sharding import (
+    BATCH_AXES,
+    batch_sharding,
+    grad_specs,
+    opt_state_shardings,
+    param_shardings,
+)
 
 Batch = dict[str, jax.Array]  # input_ids / targets int32 [B, S], loss_mask fp32 [B, S]
+OPTIMIZER_SCOPE = "optimizer_update"  # jax.named_scope of the optimizer's ops (in their HLO op_name)
 
 
 @flax.struct.dataclass
@@ -109,12 +117,12 @@ def split_microbatches(x: jax.Array, grad_accum: int, mesh: Mesh | None) -> jax.
     return x
 
 
-def accumulated_grads(grad_fn: Callable, state: TrainState, micro: Batch, cfg: ZayaConfig):
+def accumulated_grads(grad_fn: Callable, params: Any, balancing: Any, micro: Batch, cfg: ZayaConfig):
     """Sums over the microbatches (leading axis of `micro`) of grad_fn's loss sum, its aux
     (weight, expert counts [l, e+1], dropped tokens [l]) and gradients, in one lax.scan."""
 
     def accumulate(carry, mb):
-        (loss_sum, aux), grads = grad_fn(state.params, state.balancing, mb)
+        (loss_sum, aux), grads = grad_fn(params, balancing, mb)
         acc_loss, acc_aux, acc_grads = carry
         return (
             acc_loss + loss_sum,
@@ -122,7 +130,7 @@ def accumulated_grads(grad_fn: Callable, state: TrainState, micro: Batch, cfg: Z
             jax.tree.map(jnp.add, acc_grads, grads),
         ), None
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    zeros = jax.tree.map(jnp.zeros_like, params)
     aux0 = (
         jnp.zeros(()),
         jnp.zeros((cfg.num_hidden_layers, cfg.num_router_classes), jnp.float32),
@@ -130,6 +138,34 @@ def accumulated_grads(grad_fn: Callable, state: TrainState, micro: Batch, cfg: Z
     )
     out, _ = jax.lax.scan(accumulate, (jnp.zeros(()), aux0, zeros), micro)
     return out
+
+
+def step_gradients(cfg: ZayaConfig, mesh: Mesh | None, zero1: bool = True) -> Callable:
+    """grads(params, balancing, micro) -> (loss sum, (weight, counts, dropped), gradients): sums over
+    the whole global batch of `accumulated_grads`.
+
+    On a mesh with a data axis each data rank accumulates its own microbatches unreduced and the
+    gradients are reduce-scattered once, after the loop, into the ZeRO-1 layout of the optimizer
+    state (zaya_jax/parallel/zero1.py; with zero1 off all-reduced): no data-parallel collective runs
+    per microbatch. The model runs inside on the data-manual mesh of `zero1.step_meshes`. Where
+    `zero1.loop_per_rank` says no (no data axis, or a mesh XLA cannot partition so), GSPMD reduces
+    the gradients as it computes them."""
+    per_rank = mesh is not None and zero1_lib.loop_per_rank(mesh)
+    model = ZayaForCausalLM(cfg, zero1_lib.step_meshes(mesh)[1] if per_rank else mesh)
+    grad_fn = jax.value_and_grad(lambda p, b, mb: loss_and_counts(model, p, b, mb), has_aux=True)
+    if not per_rank:
+        return lambda params, balancing, micro: accumulated_grads(grad_fn, params, balancing, micro, cfg)
+
+    def loop(params, balancing, micro):
+        loss_sum, aux, grads = accumulated_grads(grad_fn, params, balancing, micro, cfg)
+        return (loss_sum, aux), grads
+
+    def grads(params, balancing, micro):
+        specs = grad_specs(params, mesh, zero1)
+        (loss_sum, aux), g = zero1_lib.accumulate_per_rank(loop, mesh, (params, balancing), micro, specs)
+        return loss_sum, aux, g
+
+    return grads
 
 
 def balancing_step(
@@ -163,9 +199,10 @@ def updated_state(
     place; only a skipped step runs the keep-old branch."""
 
     def update(state: TrainState) -> TrainState:
-        updates, opt_state = optax.with_extra_args_support(tx).update(
-            grads, state.opt_state, state.params, grad_norm=grad_norm
-        )
+        with jax.named_scope(OPTIMIZER_SCOPE):  # names the update's ops (the dry run counts them)
+            updates, opt_state = optax.with_extra_args_support(tx).update(
+                grads, state.opt_state, state.params, grad_norm=grad_norm
+            )
         balancing, bal_state = balancing_step(state, counts, bal_cfg)
         return state.replace(
             params=optax.apply_updates(state.params, updates),
@@ -187,15 +224,16 @@ def make_train_step(
     schedule: Callable[[jax.Array], jax.Array],
     grad_accum: int = 1,
     mesh: Mesh | None = None,
+    zero1: bool = True,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """Returns train_step(state, batch) -> (state, metrics); batch leaves are [B, S] (global),
-    split into `grad_accum` microbatches (split_microbatches)."""
-    model = ZayaForCausalLM(cfg, mesh)
-    grad_fn = jax.value_and_grad(lambda p, b, mb: loss_and_counts(model, p, b, mb), has_aux=True)
+    split into `grad_accum` microbatches (split_microbatches). `zero1`: the optimizer state is laid
+    out by ZeRO-1 (state_shardings' zero1), so the gradients are reduce-scattered into it."""
+    gradients = step_gradients(cfg, mesh, zero1)
 
     def train_step(state: TrainState, batch: Batch):
         micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum, mesh), batch)
-        loss_sum, (weight, counts, dropped), grads = accumulated_grads(grad_fn, state, micro, cfg)
+        loss_sum, (weight, counts, dropped), grads = gradients(state.params, state.balancing, micro)
         denom = jnp.maximum(weight, 1.0)
         loss = loss_sum / denom
         grads = jax.tree.map(lambda g: g / denom, grads)
@@ -259,7 +297,7 @@ class _StateLayout:
 def _state_layout(c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh) -> _StateLayout:
     """The optimizer and balancing of config `c`, its initial-state function and that state's
     shapes and shardings on `mesh` (traced with jax.eval_shape: nothing allocated)."""
-    tx = make_optimizer(c, total_steps=c.train.steps, platform=mesh_platform(mesh))
+    tx = make_optimizer(c, c.train.steps, mesh_platform(mesh), mesh, c.mesh.zero1)
     bal_cfg = balancing_config(c)
     create = lambda: create_train_state(cfg, tx, bal_cfg or bal.BalancingConfig(), jax.random.key(c.seed))
     shapes = jax.eval_shape(create)
@@ -310,9 +348,8 @@ def train_program(c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh) -> 
     """The train step of config `c` (model `cfg`, validated) on `mesh`: the optimizer, LR schedule
     and balancing of the config, the state laid out by the sharding table (ZeRO-1 per mesh.zero1)."""
     layout = _state_layout(c, cfg, mesh)
-    step = make_train_step(
-        cfg, layout.tx, layout.bal_cfg, lr_schedule(c, total_steps=c.train.steps), c.train.grad_accum, mesh
-    )
+    schedule = lr_schedule(c, total_steps=c.train.steps)
+    step = make_train_step(cfg, layout.tx, layout.bal_cfg, schedule, c.train.grad_accum, mesh, c.mesh.zero1)
     shardings = layout.shardings
     jitted = jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
     return TrainProgram(mesh, layout.create, shardings, jitted, layout.abstract)

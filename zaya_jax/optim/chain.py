@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
+from jax.sharding import Mesh
 
 from zaya_jax.optim.muon import DEFAULT_NS_COEFFS, muon
 from zaya_jax.optim.schedules import make_schedule
@@ -182,6 +183,22 @@ def _orthogonalize_fn(ns_impl: str, platform: str | None):
     return functools.partial(kernels.newton_schulz, **kernels.kernel_options(platform))
 
 
+def owned_placement(mesh: Mesh, zero1: bool = True):
+    """Muon's placement on `mesh`: each matrix orthogonalised by the rank that owns it, the results
+    all-gathered like the parameters (zaya_jax/parallel/zero1.py `owned_orthogonalize`); the
+    momentum laid out by ZeRO-1 (`zero1`, as state_shardings lays it out) or like its parameter."""
+    from zaya_jax.parallel.sharding import spec_for, zero1_param_spec
+    from zaya_jax.parallel.zero1 import owned_orthogonalize
+
+    def place(path, x, ns):
+        shape = tuple(x.shape)
+        spec = spec_for(path, shape, mesh)
+        stored = zero1_param_spec(path, shape, mesh) if zero1 else spec
+        return owned_orthogonalize(ns, x, stored, spec, mesh)
+
+    return place
+
+
 def _scaled(schedule: optax.Schedule, multiplier: float) -> optax.Schedule:
     multiplier = float(multiplier)
     return lambda step: multiplier * schedule(step)
@@ -227,7 +244,9 @@ def adamw(cfg: Any, schedule: optax.Schedule) -> optax.GradientTransformation:
     )
 
 
-def make_optimizer(cfg: Any, total_steps: int, platform: str | None = None) -> optax.GradientTransformation:
+def make_optimizer(
+    cfg: Any, total_steps: int, platform: str | None = None, mesh: Mesh | None = None, zero1: bool = True
+) -> optax.GradientTransformation:
     """Build the optimizer described in the module docstring.
 
     Args:
@@ -236,6 +255,10 @@ def make_optimizer(cfg: Any, total_steps: int, platform: str | None = None) -> o
       platform: of the devices the update is compiled for ("cpu" / "cuda" / "rocm", the mesh's:
         zaya_jax.parallel.mesh.mesh_platform); decides ``ns_impl="auto"`` and the kernel's
         Triton-vs-interpret. None: the default device's.
+      mesh: the mesh the update runs on: Muon's Newton-Schulz runs each matrix on the rank that
+        owns it (distributed Muon, zaya_jax/parallel/zero1.py). None: wherever XLA puts it (the
+        same updates).
+      zero1: whether the optimizer state is laid out by ZeRO-1 on `mesh` (mesh.zero1).
     """
     oc = _optim_section(cfg)
     schedule = lr_schedule(oc, total_steps)
@@ -259,6 +282,7 @@ def make_optimizer(cfg: Any, total_steps: int, platform: str | None = None) -> o
                     weight_decay=mc.weight_decay,
                     weight_decay_mask=weight_decay_mask,
                     orthogonalize_fn=_orthogonalize_fn(getattr(mc, "ns_impl", "xla"), platform),
+                    placement=None if mesh is None or mesh.size == 1 else owned_placement(mesh, zero1),
                 ),
                 ADAMW: adamw(oc, schedule),
             },

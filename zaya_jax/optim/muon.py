@@ -37,6 +37,7 @@ import optax
 # The XLA Newton-Schulz lives with its Pallas kernel (kernels never import optim); re-exported here
 # as this module's public names.
 from zaya_jax.kernels.newton_schulz import DEFAULT_NS_COEFFS, orthogonalize, validate_ns_coeffs
+from zaya_jax.params import param_path
 
 __all__ = [
     "DEFAULT_NS_COEFFS",
@@ -49,6 +50,8 @@ __all__ = [
 ]
 
 DTypeLike = Any
+# placement(path, x, ns) -> ns(x), computed where the placement puts it (scale_by_muon).
+Placement = Callable[[str, jax.Array, Callable[[jax.Array], jax.Array]], jax.Array]
 
 
 def _check_matrices(tree: Any, who: str) -> None:
@@ -106,11 +109,15 @@ def scale_by_muon(
     eps: float = 1e-8,
     mu_dtype: DTypeLike = jnp.float32,
     orthogonalize_fn: Callable[..., jax.Array] | None = None,
+    placement: Placement | None = None,
 ) -> optax.GradientTransformation:
     """Momentum followed by per-matrix Newton–Schulz orthogonalisation.
 
     ``orthogonalize_fn`` (same signature as :func:`orthogonalize`, the XLA default from
     ``zaya_jax.kernels.newton_schulz``) lets the Pallas kernel ``newton_schulz`` take its place.
+    ``placement(path, x, ns)`` decides where ``ns(x)`` of the parameter at ``path`` runs (on a mesh:
+    each matrix on the rank that owns it, zaya_jax/parallel/zero1.py ``owned_orthogonalize``);
+    None: wherever XLA puts it. Either way each matrix gets the same result.
 
     Every leaf must have ndim >= 2 (``[..., fan_in, fan_out]``); see module doc.
     Output updates have the leaves' shapes and the gradients' dtypes.
@@ -150,13 +157,13 @@ def scale_by_muon(
             updates,
         )
         look_ahead = _look_ahead(mu, updates, t, beta, nesterov, bias_correction)
-        new_updates = jax.tree.map(
-            lambda u, g: orthogonalize_fn(
-                u, ns_coeffs=ns_coeffs, ns_steps=ns_steps, ns_dtype=ns_dtype, eps=eps
-            ).astype(g.dtype),
-            look_ahead,
-            updates,
-        )
+        ns = lambda u: orthogonalize_fn(u, ns_coeffs=ns_coeffs, ns_steps=ns_steps, ns_dtype=ns_dtype, eps=eps)
+
+        def one(key_path, u, g):
+            out = ns(u) if placement is None else placement(param_path(key_path), u, ns)
+            return out.astype(g.dtype)
+
+        new_updates = jax.tree_util.tree_map_with_path(one, look_ahead, updates)
         mu = jax.tree.map(lambda m: m.astype(mu_dtype), mu)
         return new_updates, MuonState(count=count, mu=mu)
 
@@ -205,6 +212,7 @@ def muon(
     weight_decay: float = 0.0,
     weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
     orthogonalize_fn: Callable[..., jax.Array] | None = None,
+    placement: Placement | None = None,
 ) -> optax.GradientTransformation:
     """Full Muon optimizer for a tree of ``[..., fan_in, fan_out]`` parameters.
 
@@ -234,6 +242,7 @@ def muon(
             eps=eps,
             mu_dtype=mu_dtype,
             orthogonalize_fn=orthogonalize_fn,
+            placement=placement,
         ),
         scale_by_shape(consistent_rms),
         optax.add_decayed_weights(weight_decay, weight_decay_mask),

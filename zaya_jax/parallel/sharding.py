@@ -14,7 +14,10 @@ registry (zaya_jax/params.py); RULES maps logical to mesh axes.
   A parameter of two or more dimensions that the registry does not list is an error (ValueError).
 
 ZeRO-1: each optimizer-state leaf takes its parameter's layout and is additionally split over the
-"data" axis along its largest free dimension, so the optimizer state is never fully replicated.
+"data" axis along its largest free dimension, so the optimizer state is never fully replicated; a
+Muon matrix stack [l, ..., m, n] along its first axis l when the data axis divides it, so that each
+rank holds whole matrices and orthogonalises its own (zaya_jax/parallel/zero1.py). The gradients
+are reduce-scattered into the same layout (`zero1_param_spec`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax.parallel.context import CONTEXT, ROW_AXES
-from zaya_jax.params import lookup, param_path
+from zaya_jax.params import MUON, lookup, optimizer_rule, param_path
 
 RULES: dict[str, str | None] = {"expert": "expert", "embed": "fsdp"}
 BATCH_AXES = ROW_AXES  # the mesh axes that split batch rows
@@ -72,17 +75,49 @@ def _param_path_of(opt_path: str, param_paths: dict[str, tuple[int, ...]]) -> st
     return None
 
 
-def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh | Mapping[str, int], axis: str = "data") -> P:
-    """Adds `axis` to the largest dimension that is unsharded and divisible by it (if any).
-    `mesh`: a Mesh or its axis sizes ({"data": 8, ...}, as sizing plans them)."""
-    n = (mesh.shape if isinstance(mesh, Mesh) else mesh)[axis]
+def zero1_spec(
+    spec: P,
+    shape: tuple[int, ...],
+    mesh: Mesh | Mapping[str, int],
+    axis: str = "data",
+    prefer: int | None = None,
+) -> P:
+    """Adds `axis` to dimension `prefer` if it is free and divisible by it, else to the largest
+    such dimension (if any). Free: unsharded, or split only over mesh axes of size 1 (the embedding's
+    width under fsdp = 1: `axis` joins them there). `mesh`: a Mesh or its axis sizes ({"data": 8,
+    ...}, as sizing plans them)."""
+    sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
+    n = sizes[axis]
     dims = list(spec) + [None] * (len(shape) - len(spec))
-    if n == 1 or axis in dims:
+    named = lambda d: () if d is None else (d if isinstance(d, tuple) else (d,))  # noqa: E731
+    if n == 1 or any(axis in named(d) for d in dims):
         return P(*dims)
-    free = [d for d in range(len(shape)) if dims[d] is None and shape[d] % n == 0]
+    free = [
+        d for d in range(len(shape)) if all(sizes[a] == 1 for a in named(dims[d])) and shape[d] % n == 0
+    ]
     if free:
-        dims[max(free, key=lambda d: shape[d])] = axis
+        d = prefer if prefer in free else max(free, key=lambda d: shape[d])
+        dims[d] = (*named(dims[d]), axis) if dims[d] is not None else axis
     return P(*dims)
+
+
+def muon_stack(path: str, ndim: int) -> bool:
+    """Whether the parameter at `path` is a Muon matrix stack [l, ..., m, n] (ndim >= 3)."""
+    return ndim >= 3 and optimizer_rule(path, ndim).label == MUON
+
+
+def zero1_param_spec(path: str, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """The ZeRO-1 layout of the optimizer state (and reduced gradient) of the parameter at `path`:
+    its own spec plus "data" (`zero1_spec`), on the stack axis l for a Muon stack."""
+    prefer = 0 if muon_stack(path, len(shape)) else None
+    return zero1_spec(spec_for(path, shape, mesh), shape, mesh, prefer=prefer)
+
+
+def grad_specs(params: Any, mesh: Mesh, zero1: bool = True) -> Any:
+    """Where each reduced gradient lives: a tree like `params` of PartitionSpecs, the ZeRO-1 layout of
+    its optimizer state (zero1) or its parameter's."""
+    spec = zero1_param_spec if zero1 else lambda path, shape, mesh: spec_for(path, shape, mesh)
+    return jax.tree_util.tree_map_with_path(lambda kp, x: spec(param_path(kp), tuple(x.shape), mesh), params)
 
 
 def opt_state_shardings(opt_state: Any, params: Any, mesh: Mesh, zero1: bool = True) -> Any:
@@ -94,8 +129,11 @@ def opt_state_shardings(opt_state: Any, params: Any, mesh: Mesh, zero1: bool = T
     def one(kp, x):
         shape = tuple(getattr(x, "shape", ()))
         path = _param_path_of(param_path(kp), param_paths)
-        spec = spec_for(path, shape, mesh) if path and param_paths[path] == shape else P()
-        return NamedSharding(mesh, zero1_spec(spec, shape, mesh) if zero1 else spec)
+        if path and param_paths[path] == shape:
+            spec = zero1_param_spec(path, shape, mesh) if zero1 else spec_for(path, shape, mesh)
+        else:
+            spec = zero1_spec(P(), shape, mesh) if zero1 else P()
+        return NamedSharding(mesh, spec)
 
     return jax.tree_util.tree_map_with_path(one, opt_state)
 

@@ -72,6 +72,7 @@ def main(argv) -> None:
         muon_mu_bytes=_DTYPE_BYTES.get(c.optim.muon.mu_dtype, 4),
         step_tokens=c.train.batch_size * seq_len,
         ns_steps=c.optim.muon.ns_steps,
+        accumulate=c.train.batch_size > micro_batch * devices // mesh["context"],
     )
     if c.train.batch_size % (c.train.grad_accum * devices) and not f.micro_batch:
         text += (

@@ -2,7 +2,11 @@
 zaya_jax/parallel/sharding.py:
 
   params, grads   param_dtype; the big matrices are split over `fsdp` on their model width, the
-                  expert tensors over `expert`; small vectors are replicated.
+                  expert tensors over `expert`; small vectors are replicated. Gradients are summed
+                  per data rank over the microbatches and reduced once after the loop
+                  (zaya_jax/parallel/zero1.py): with grad_accum > 1 two buffers of them are live,
+                  the sum so far and the microbatch's own (the backward pass assembles a
+                  microbatch's layer gradients into a fresh stack before it is added).
   optimizer       Muon: one momentum buffer (optim.muon.mu_dtype, fp32) per Muon-routed matrix;
                   AdamW: two moments (fp32) for everything else (routing of the parameter registry).
                   Each leaf is laid out like its parameter and, with ZeRO-1, additionally split over
@@ -56,6 +60,18 @@ class MemoryEstimate:
     activations_by_remat: dict[str, float]
     muon_params: int  # parameter counts (global) by optimizer
     adamw_params: int
+    grad_buffers: int = 1  # 2 when the step sums several microbatches (`grads` counts both)
+    largest_leaf: float = 0.0  # bytes of the largest parameter on the device (its gathered update)
+    zero1: bool = True
+
+    @property
+    def update_temporaries(self) -> float:
+        """What the optimizer update holds where the compiler does not write the new state over the
+        old one (XLA:CPU, inside the skip guard's lax.cond: zaya_jax/train_state.updated_state): the
+        new parameters and optimizer state, the largest parameter's all-gathered update and the
+        reduced gradient shards (the gradients over the data size; all of them without ZeRO-1)."""
+        n = self.mesh["data"] if self.zero1 else 1
+        return self.params + self.optimizer + self.largest_leaf + self.grads / self.grad_buffers / n
 
     @property
     def optimizer(self) -> float:
@@ -86,7 +102,8 @@ def _shard_elements(
     dims = tuple(zero1_spec(axes, shape, mesh)) if zero1 else tuple(axes) + (None,) * (len(shape) - len(axes))
     n = 1
     for size, axis in zip(shape, dims):
-        n *= -(-size // mesh[axis]) if axis else size
+        split = math.prod(mesh[a] for a in (axis if isinstance(axis, tuple) else (axis,))) if axis else 1
+        n *= -(-size // split)
     return float(n)
 
 
@@ -112,6 +129,7 @@ def state_bytes_per_device(
         "optimizer_adamw": 0.0,
         "muon_params": 0,
         "adamw_params": 0,
+        "largest_leaf": 0.0,
     }
     for path, shape, label in leaves:
         shape = tuple(int(s) for s in shape)
@@ -120,6 +138,7 @@ def state_bytes_per_device(
         local_opt = _shard_elements(shape, axes, mesh, zero1=zero1)
         out["params"] += local * param_bytes
         out["grads"] += local * grad_bytes
+        out["largest_leaf"] = max(out["largest_leaf"], local * param_bytes)
         if label == "muon":
             out["optimizer_muon"] += local_opt * muon_mu_bytes
             out["muon_params"] += math.prod(shape)
@@ -251,10 +270,12 @@ def memory_per_device(
     muon_mu_bytes: int = 4,
     adam_moment_bytes: int = 4,
     leaves: list[tuple[str, tuple[int, ...], str]] | None = None,
+    accumulate: bool = False,
 ) -> MemoryEstimate:
     """Memory of one device training `cfg` on `mesh` with `micro_batch` sequences of `seq_len` tokens
     per device per microbatch (see the module docstring for the layout). `leaves` defaults to
-    `param_leaves(cfg)`."""
+    `param_leaves(cfg)`. `accumulate`: the step sums several microbatches (train.grad_accum > 1):
+    two gradient buffers."""
     mesh = parse_mesh(mesh) if not isinstance(mesh, dict) else parse_mesh(None, default=mesh)
     remat = remat or cfg.remat
     leaves = param_leaves(cfg) if leaves is None else leaves
@@ -283,13 +304,16 @@ def memory_per_device(
         micro_batch=micro_batch,
         seq_len=seq_len,
         params=state["params"],
-        grads=state["grads"],
+        grads=state["grads"] * (2 if accumulate else 1),
         optimizer_muon=state["optimizer_muon"],
         optimizer_adamw=state["optimizer_adamw"],
         activations=by_remat[remat],
         activations_by_remat=by_remat,
         muon_params=int(state["muon_params"]),
         adamw_params=int(state["adamw_params"]),
+        grad_buffers=2 if accumulate else 1,
+        largest_leaf=state["largest_leaf"],
+        zero1=zero1,
     )
 
 
@@ -310,4 +334,5 @@ def config_memory_per_device(c: Any, cfg: ZayaConfig, mesh: Mapping[str, int]) -
         remat=cfg.remat,
         zero1=c.mesh.zero1,
         muon_mu_bytes=_DTYPE_BYTES.get(c.optim.muon.mu_dtype, 4),
+        accumulate=c.train.grad_accum > 1,
     )

@@ -38,10 +38,11 @@ def report(
     muon_mu_bytes: int = 4,
     step_tokens: int | None = None,
     ns_steps: int = 5,
+    accumulate: bool = False,
 ) -> tuple[str, dict[str, Any]]:
     """The sizing printout and the same numbers as a JSON-able dict. `step_tokens`: the global
     batch in tokens, to compare Muon's Newton-Schulz with the step's model FLOPs (with `ns_steps`
-    iterations)."""
+    iterations); `accumulate`: a step of several microbatches (memory_per_device)."""
     pc = param_counts(cfg)
     fb = flops_breakdown(cfg, seq_len)
     ns = newton_schulz_flops(cfg, ns_steps)
@@ -53,6 +54,7 @@ def report(
         remat=remat,
         zero1=zero1,
         muon_mu_bytes=muon_mu_bytes,
+        accumulate=accumulate,
     )
     devices = math.prod(mesh.values())
     tokens = micro_batch * seq_len // mesh["context"]
@@ -145,7 +147,8 @@ def _memory_lines(
         "",
         f"Memory per device (GiB; {devices} devices)",
         f"  {'params (' + cfg.param_dtype + ')':<30}{_gib(mem.params)}",
-        f"  {'grads (' + cfg.param_dtype + ')':<30}{_gib(mem.grads)}",
+        f"  {'grads (' + cfg.param_dtype + ')':<30}{_gib(mem.grads)}"
+        + ("   (x2: the sum over microbatches and the microbatch's own)" if mem.grad_buffers > 1 else ""),
         f"  {'optimizer: Muon momentum':<30}{_gib(mem.optimizer_muon)}   ({mem.muon_params / 1e9:.3f}B params)",
         f"  {'optimizer: AdamW m, v':<30}{_gib(mem.optimizer_adamw)}   ({mem.adamw_params / 1e9:.3f}B params)",
         f"  {'activations (remat ' + remat + ')':<30}{_gib(mem.activations)}",

@@ -1,0 +1,142 @@
+"""ZeRO-1 data parallelism (zaya_jax/parallel/zero1.py) on 8 simulated CPU devices: the data-parallel
+traffic of the compiled train step is the formula's whatever train.grad_accum (nothing per
+microbatch), and distributed Muon gives the same updates as Muon on one device with each matrix
+orthogonalised once."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zaya_jax import dry_run, sizing
+from zaya_jax.config import base_config, set_model
+from zaya_jax.model import ZayaConfig, init_variables
+from zaya_jax.optim.chain import make_optimizer
+from zaya_jax.parallel import make_mesh
+from zaya_jax.parallel.sharding import opt_state_shardings, param_shardings
+from zaya_jax.parallel.zero1 import owner_plan, step_bytes
+
+# 8 layers: the data axis (8 or 4) divides the layer stacks, so every rank owns whole matrices.
+CFG = ZayaConfig.tiny(num_hidden_layers=8, vocab_size=128, moe_intermediate_size=32)
+
+
+def _config(mesh: dict[str, int], grad_accum: int):
+    c = base_config()
+    set_model(c, CFG)
+    c.train.seq_len, c.train.batch_size, c.train.grad_accum = 32, 8 * grad_accum, grad_accum
+    for axis, size in mesh.items():
+        c.mesh[axis] = size
+    return c
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(mesh: tuple[tuple[str, int], ...], grad_accum: int) -> dry_run.CompiledStep:
+    """The tiny train step as the trainer builds it (train_program), compiled, not run."""
+    return dry_run.compile_step(_config(dict(mesh), grad_accum), jax.devices()[:8])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mesh", [(("data", 8),), (("data", 4), ("expert", 2)), (("data", 4), ("fsdp", 2))], ids=str
+)
+def test_data_parallel_bytes_are_the_formula_whatever_grad_accum(mesh):
+    """The collectives spanning the data axis run once per optimizer step (none in the model, i.e.
+    per microbatch): the same bytes at grad_accum 1 and 4, within 1.25x of the formula's
+    4 P (1 + 1/n). The model's own collectives (expert all-to-all, fsdp's gathers, GSPMD's
+    reductions over the expert / fsdp axes) are not data-parallel traffic of the formula."""
+    per_step = {}
+    for grad_accum in (1, 4):
+        step = _compiled(mesh, grad_accum)
+        hlo = step.compiled.as_text()
+        once, in_model = dry_run.data_parallel_bytes(hlo, step.mesh)
+        assert in_model == 0, dry_run.axis_rows(hlo, step.mesh)
+        per_step[grad_accum] = once
+    formula = step_bytes(step.state.params, step.mesh)
+    assert per_step[1] == per_step[4]
+    assert formula <= per_step[1] <= 1.25 * formula, (per_step, formula)
+
+
+def _tree(params, seed):
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return tree.unflatten([jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+
+
+@pytest.mark.slow
+def test_distributed_muon_equals_muon_and_orthogonalises_each_matrix_once():
+    """Two optimizer steps on a data=4 x expert=2 mesh (ZeRO-1 state; each matrix orthogonalised
+    by the rank that owns it, the results all-gathered) give the updates of the same optimizer
+    on one device to 1e-6; the compiled update's Newton-Schulz dots per device are sizing's total
+    over the 8 devices."""
+    c = base_config()
+    c.optim.schedule, c.optim.warmup_steps = "constant", 0
+    mesh = make_mesh(data=4, expert=2)
+    params = init_variables(CFG, jax.random.key(0))["params"]
+    grads = [_tree(params, 1), _tree(params, 2)]
+
+    def run(tx, params_sharding=None, state_sharding=None):
+        update = jax.jit(lambda g, s, p: tx.update(g, s, p), out_shardings=(params_sharding, state_sharding))
+        state, p, out = tx.init(params), params, []
+        for g in grads:
+            updates, state = update(g, state, p)
+            out.append(updates)
+        return out, update.lower(grads[0], state, p).compile()
+
+    want, _ = run(make_optimizer(c, 10, "cpu"))
+    tx = make_optimizer(c, 10, "cpu", mesh)
+    ps = param_shardings(params, mesh)
+    ss = opt_state_shardings(jax.eval_shape(tx.init, params), params, mesh)
+    got, compiled = run(tx, ps, ss)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
+    ns = dry_run.flops_per_step(dry_run.hlo_lib.work(compiled.as_text()))
+    assert ns == pytest.approx(sizing.newton_schulz_flops(CFG) / 8, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "shape, stored, impl",
+    [
+        ((8, 4, 32, 64), P("data", "expert", None, None), "pallas"),  # the rank's shard is its block
+        ((2, 64, 32), P(None, None, "data"), "pallas"),  # moved whole by all-to-all, padded 2 -> 8
+        ((8, 64, 32), P("data", None, None), "xla"),  # its block, split further over expert
+        ((12, 64, 32), P("data", None, None), "xla"),  # 3 per rank over 2: padded, back by all-to-all
+        ((4, 64, 32), P(None, "fsdp", "data"), "xla"),  # fsdp splits the matrix: moved, and back
+        ((8, 64, 32), P(None, None, None), "xla"),  # mesh.zero1 off: every rank takes a part
+    ],
+    ids=["aligned", "moved", "spread", "padded", "fsdp", "zero1_off"],
+)
+def test_owned_newton_schulz_equals_newton_schulz_of_the_stack(shape, stored, impl):
+    """Each rank orthogonalises the matrices it owns (inside shard_map: the Pallas kernel,
+    interpreted on CPU, runs per device) and the results come back in the parameter's layout: equal
+    to the XLA Newton-Schulz of the whole stack, for every way a stack can be stored."""
+    from zaya_jax.kernels import kernel_options, newton_schulz
+    from zaya_jax.kernels.newton_schulz import orthogonalize
+    from zaya_jax.parallel.zero1 import owned_orthogonalize
+
+    mesh = make_mesh(data=4, fsdp=2) if "fsdp" in stored else make_mesh(data=4, expert=2)
+    x = jax.random.normal(jax.random.key(3), shape)
+    spec = P(*(None if a == "data" else a for a in stored))
+    kernel = functools.partial(newton_schulz, **kernel_options("cpu")) if impl == "pallas" else orthogonalize
+    placed = jax.device_put(x, NamedSharding(mesh, stored))
+    got = jax.jit(lambda y: owned_orthogonalize(kernel, y, stored, spec, mesh))(placed)
+    assert got.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(orthogonalize(x)), rtol=1e-6, atol=1e-6)
+
+
+def test_owner_plan():
+    """Which rank orthogonalises what: the stack split on its layers by ZeRO-1 is the rank's own
+    (nothing moves); a matrix split on a dimension is made whole by an all-to-all; an axis the
+    stack is replicated over splits it further."""
+    mesh = make_mesh(data=4, expert=2)
+    plan = owner_plan((8, 4, 64, 64), P("data", "expert", None, None), mesh)
+    assert (plan.flat, plan.aligned, plan.moved, plan.spread) == (1, True, (), ())
+    assert plan.kept == (("expert", 1),)
+    plan = owner_plan((2, 64, 64), P(None, "data", None), mesh)
+    assert (plan.flat, plan.moved, plan.spread, plan.ranks) == (1, (("data", 1),), ("expert",), 8)
+    plan = owner_plan((8, 64, 64), P("data", None, None), mesh)
+    assert (plan.flat, plan.aligned, plan.spread, plan.ranks) == (1, True, ("expert",), 2)

@@ -1,0 +1,276 @@
+"""ZeRO-1 data parallelism: gradients accumulated per data rank, reduced once per optimizer step into
+the optimizer's shards, and Muon's Newton-Schulz run by the rank that owns each matrix.
+
+The design and the bytes it moves per step are docs/architecture.md "Data parallelism and ZeRO-1".
+
+The microbatch loop runs inside `shard_map` over the data axis (`accumulate_per_rank`): each data
+rank sums its own microbatches' gradients, unreduced, and only after the loop are they
+reduce-scattered into the ZeRO-1 shards (`psum_scatter`, the layout of the optimizer state:
+`sharding.zero1_spec`). GSPMD, left to itself, reduces every layer's gradient inside the loop,
+once per microbatch. The model inside keeps its own explicit collectives (the expert all-to-all,
+the context halo and K/V gather): it is built on the same devices with the data axis renamed
+`REPLICA` and manual, and a `data` axis of size 1 in its place, so the model's `shard_map`s
+(which name every axis of MESH_AXES) nest inside without a change. The fsdp, expert and context
+axes stay automatic inside: their reductions are GSPMD's, per microbatch (the docs say why); and
+a mesh with two of them larger than 1 keeps GSPMD's loop altogether (`loop_per_rank`).
+
+Muon (`owned_orthogonalize`): Newton-Schulz needs whole matrices. Each stacked Muon parameter
+[l, (e,) m, n] is viewed as a stack of matrices, the leading unsharded stack axes flattened and
+padded to a multiple of the owner ranks (every mesh axis the parameter is not split over), and
+each rank orthogonalises its own block of the stack (`shard_map`, so the Pallas kernel runs per
+device too); the results are all-gathered once, like the parameters, and applied on every rank.
+With the momentum sharded on a stack axis (`zero1_spec(prefer=...)`, where the data axis divides
+one) the owner block is the rank's own shard and nothing moves before Newton-Schulz.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zaya_jax.parallel.mesh import MESH_AXES
+from zaya_jax.parallel.sharding import grad_specs, param_shardings
+
+DATA = "data"
+REPLICA = "replica"  # the data axis, renamed and manual, around the microbatch loop
+
+
+def step_meshes(mesh: Mesh) -> tuple[Mesh, Mesh]:
+    """(outer, inner): `mesh`'s devices with axes (REPLICA, *MESH_AXES), REPLICA the data axis and
+    `data` of size 1. `outer` (every axis automatic) is the mesh of the loop's `shard_map`; `inner`
+    (REPLICA manual) is the mesh the model is built on inside it, equal to the abstract mesh there."""
+    if tuple(mesh.axis_names) != MESH_AXES:
+        raise ValueError(f"zero1: expected a mesh with axes {MESH_AXES}, got {mesh.axis_names}")
+    devices = mesh.devices.reshape(mesh.shape[DATA], 1, *mesh.devices.shape[1:])
+    names = (REPLICA, *MESH_AXES)
+    auto = (AxisType.Auto,) * len(names)
+    manual = (AxisType.Manual, *auto[1:])
+    return Mesh(devices, names, axis_types=auto), Mesh(devices, names, axis_types=manual)
+
+
+def loop_per_rank(mesh: Mesh) -> bool:
+    """Whether the microbatch loop runs per data rank on `mesh` (`accumulate_per_rank`): a data axis,
+    and at most one other axis (fsdp, expert or context) larger than 1. XLA's SPMD partitioner
+    (jax 0.10.2, CPU and GPU alike) aborts on a gather inside the data-manual loop when two automatic
+    axes split it (a check in ExpandDeviceGroupsWithIota: the embedding lookup at fsdp x expert,
+    CCA's backward at expert x context); such meshes keep GSPMD's reduction in every microbatch."""
+    others = [a for a in MESH_AXES if a != DATA and mesh.shape[a] > 1]
+    return mesh.shape[DATA] > 1 and len(others) <= 1
+
+
+def data_dim(spec: P) -> int | None:
+    """The dimension a ZeRO-1 spec splits over the data axis (None: not split over it)."""
+    for dim, axes in enumerate(spec):
+        if axes == DATA or (isinstance(axes, tuple) and DATA in axes):
+            return dim
+    return None
+
+
+def manual_part(spec: P) -> P:
+    """The part of a config-mesh spec the loop's shard_map names: its data split, as REPLICA (the
+    other axes are automatic there; the result is constrained to the whole spec after it)."""
+    dim = data_dim(spec)
+    return P(*(REPLICA if d == dim else None for d in range(len(spec))))
+
+
+def reduce_per_rank(grads: Any, dims: Any) -> Any:
+    """Inside the loop's shard_map: each rank's summed gradients -> the sum over ranks, reduce-scattered
+    over REPLICA along `dims` (a tree like `grads` of ints, or None where a leaf stays whole:
+    all-reduced). One collective per leaf per optimizer step."""
+
+    def one(g, dim):
+        if dim is None:
+            return jax.lax.psum(g, REPLICA)
+        return jax.lax.psum_scatter(g, REPLICA, scatter_dimension=dim, tiled=True)
+
+    return jax.tree.map(one, grads, dims, is_leaf=lambda x: x is None)
+
+
+def accumulate_per_rank(
+    loop: Callable[..., tuple[Any, Any]],
+    mesh: Mesh,
+    replicated: tuple[Any, ...],
+    batch: Any,
+    grad_specs: Any,
+) -> tuple[Any, Any]:
+    """Runs `loop(*replicated, batch)` -> (sums, grads) per data rank and reduces once.
+
+    replicated: the arguments every data rank holds whole (params, balancing biases); batch: leaves
+    [A, B, ...] with rows B split over the data axis (and any other); grad_specs: the ZeRO-1 spec of
+    each gradient leaf on `mesh` (`sharding.zero1_spec`). Returns (sums over every rank: psum, the
+    gradients summed over the ranks and laid out by grad_specs)."""
+    outer, _ = step_meshes(mesh)
+    dims = jax.tree.map(data_dim, grad_specs, is_leaf=lambda x: isinstance(x, P))
+
+    def body(*args):
+        sums, grads = loop(*args)
+        return jax.lax.psum(sums, REPLICA), reduce_per_rank(grads, dims)
+
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    sums, grads = jax.shard_map(
+        body,
+        mesh=outer,
+        in_specs=(*(P() for _ in replicated), P(None, REPLICA)),
+        out_specs=(P(), jax.tree.map(manual_part, grad_specs, is_leaf=is_spec)),
+        axis_names={REPLICA},
+        check_vma=False,
+    )(*replicated, batch)
+    place = lambda g, spec: jax.lax.with_sharding_constraint(g, NamedSharding(mesh, spec))  # noqa: E731
+    return sums, jax.tree.map(place, grads, grad_specs, is_leaf=is_spec)
+
+
+def step_bytes(params: Any, mesh: Mesh, zero1: bool = True) -> int:
+    """The data-parallel traffic of one optimizer step by the formula of docs/architecture.md
+    ("Data parallelism and ZeRO-1"), in collective result bytes per device: for each gradient leaf
+    of b bytes on a device (its share after the parameter's own expert / fsdp split) and n data
+    ranks, b / n reduce-scattered plus b all-gathered (the update) where ZeRO-1 splits it, b
+    all-reduced where it does not. `params`: arrays or ShapeDtypeStructs."""
+    n = mesh.shape[DATA]
+    if n == 1:
+        return 0
+    total = 0
+    specs = jax.tree.leaves(grad_specs(params, mesh, zero1), is_leaf=lambda x: isinstance(x, P))
+    shardings = jax.tree.leaves(param_shardings(params, mesh))
+    for x, spec, sharding in zip(jax.tree.leaves(params), specs, shardings):
+        local = math.prod(sharding.shard_shape(tuple(x.shape))) * jnp.dtype(x.dtype).itemsize
+        total += local + local // n if data_dim(spec) is not None else local
+    return total
+
+
+# ------------------------------------------------------------------------------ owned Newton-Schulz
+def _axes(spec: P, ndim: int, mesh: Mesh) -> list[tuple[str, ...]]:
+    """Per dimension the mesh axes (of size > 1) that split it."""
+    dims = list(spec) + [None] * (ndim - len(spec))
+    as_tuple = lambda a: () if a is None else (a if isinstance(a, tuple) else (a,))  # noqa: E731
+    return [tuple(a for a in as_tuple(d) if mesh.shape[a] > 1) for d in dims]
+
+
+@dataclasses.dataclass(frozen=True)
+class Owners:
+    """How the matrices of a stack [*stack, m, n] stored with spec `stored` are split among their
+    owners (`owner_plan`):
+
+    flat       the leading stack axes flattened into one axis of matrices (none of them split,
+               except the first by the data axis alone: `aligned`)
+    aligned    the data axis splits that flattened axis already: a rank's shard is its block
+    kept       (axis, dim): the axes splitting a stack axis after the flattened ones: each rank
+               keeps its part of those
+    moved      (axis, dim): the axes splitting a matrix dimension, swapped onto the flattened axis
+               by an all-to-all (the matrix whole again), in this order
+    spread     the axes the stack is replicated over (size > 1), each rank taking its part
+    ranks      how many parts the flattened axis is cut into: moved and spread axes together
+    """
+
+    flat: int
+    aligned: bool
+    kept: tuple[tuple[str, int], ...]
+    moved: tuple[tuple[str, int], ...]
+    spread: tuple[str, ...]
+    ranks: int
+
+
+def owner_plan(shape: tuple[int, ...], stored: P, mesh: Mesh) -> Owners:
+    """The owners of the matrices of a stack [*stack, m, n] stored as `stored` (see `Owners`)."""
+    axes = _axes(stored, len(shape), mesh)
+    stack = len(shape) - 2
+    aligned = stack > 0 and axes[0] == (DATA,)
+    flat = 1 if aligned else 0
+    while flat < stack and not axes[flat]:
+        flat += 1
+    kept = tuple((a, d) for d in range(flat, stack) for a in axes[d])
+    moved = tuple((a, d) for d in (stack, stack + 1) for a in axes[d])
+    used = {a for dim in axes for a in dim}
+    spread = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in used)
+    ranks = math.prod(mesh.shape[a] for a, _ in moved) * math.prod(mesh.shape[a] for a in spread)
+    return Owners(flat, aligned, kept, moved, spread, ranks)
+
+
+def _gather_dims(shape: tuple[int, ...], plan: Owners, mesh: Mesh, keep: set[str]) -> dict[str, int | None]:
+    """Where each owner axis puts its part of the result before the all-gather: None = stacked on the
+    flattened axis (exact when the owners divide the stack: no padding moves), else a matrix
+    dimension it splits instead (a padded stack: the padding is dropped before anything is
+    gathered); a moved axis the parameter keeps (fsdp) goes back to its own dimension."""
+    count = math.prod(shape[: plan.flat]) // (mesh.shape[DATA] if plan.aligned else 1)  # per rank
+    stack = len(shape) - 2
+    split = {stack: 1, stack + 1: 1}
+    out: dict[str, int | None] = {}
+    moved = dict(plan.moved)
+    for axis in reversed([a for a, _ in plan.moved] + list(plan.spread)):
+        if axis in keep:
+            out[axis] = moved[axis]
+            continue
+        out[axis] = None
+        if count % plan.ranks:
+            for dim in (stack + 1, stack):
+                if shape[dim] % (split[dim] * mesh.shape[axis] * _kept_split(dim, plan, keep, mesh)) == 0:
+                    split[dim] *= mesh.shape[axis]
+                    out[axis] = dim
+                    break
+    return out
+
+
+def _kept_split(dim: int, plan: Owners, keep: set[str], mesh: Mesh) -> int:
+    """How many parts a matrix dimension stays split into in the parameter (fsdp)."""
+    return math.prod(mesh.shape[a] for a, d in plan.moved if d == dim and a in keep)
+
+
+def owned_orthogonalize(
+    fn: Callable[[jax.Array], jax.Array], x: jax.Array, stored: P, spec: P, mesh: Mesh
+) -> jax.Array:
+    """fn (Newton-Schulz: batched over leading axes, one result per [m, n] matrix) of x [*stack, m,
+    n] stored as `stored` (its ZeRO-1 spec), each matrix computed once, by the rank that owns it
+    (`owner_plan`), and the result all-gathered into the parameter's layout `spec`: whole on every
+    rank of the data axis. Zero matrices pad the stack to a multiple of the owners (Newton-Schulz of
+    0 is 0: it is normalised by 0 + eps); they are dropped before the gather (`_gather_dims`)."""
+    shape = tuple(x.shape)
+    plan = owner_plan(shape, stored, mesh)
+    out_axes = _axes(spec, x.ndim, mesh)
+    keep = {a for d in out_axes for a in d}
+    out_shape = [size // math.prod(mesh.shape[a] for a in axes) for size, axes in zip(shape, out_axes)]
+    gather_dims = _gather_dims(shape, plan, mesh, keep)
+    owners = [a for a, _ in plan.moved] + list(plan.spread)  # outer first, as the stack is cut
+    shift = 1 - plan.flat  # dimension d >= flat of x is d + shift of the flattened stack
+
+    def per_device(y):
+        y = y.reshape(-1, *y.shape[plan.flat :])
+        count = y.shape[0]
+        padded = -(-count // plan.ranks) * plan.ranks
+        y = jnp.pad(y, [(0, padded - count)] + [(0, 0)] * (y.ndim - 1))
+        for axis, dim in plan.moved:  # whole matrices: the split moves onto the stack
+            y = jax.lax.all_to_all(y, axis, 0, dim + shift, tiled=True)
+        part = y.shape[0] // math.prod(mesh.shape[a] for a in plan.spread)
+        index = 0
+        for a in plan.spread:
+            index = index * mesh.shape[a] + jax.lax.axis_index(a)
+        y = fn(jax.lax.dynamic_slice_in_dim(y, index * part, part))
+        flat: list[str] = []  # owner axes whose parts are stacked on the flattened axis, inner first
+        pending = []  # (axis, dim): gathered along a matrix dimension once the padding is dropped
+
+        def gather_flat(y, outer=()):
+            axes = (*outer, *reversed(flat))
+            flat.clear()
+            return jax.lax.all_gather(y, axes, axis=0, tiled=True) if axes else y
+
+        for axis in reversed(owners):
+            dim = gather_dims[axis]
+            if dim is None:
+                flat.append(axis)
+                continue
+            y = jax.lax.all_to_all(gather_flat(y), axis, dim + shift, 0, tiled=True)
+            pending += [] if axis in keep else [(axis, dim)]
+        if padded == count and plan.aligned:  # nothing padded: one gather over every axis
+            y = gather_flat(y, outer=(DATA,))
+        else:
+            y = gather_flat(y)[:count]
+            y = jax.lax.all_gather(y, DATA, axis=0, tiled=True) if plan.aligned else y
+        for axis, dim in [(a, d) for a, d in plan.kept if a not in keep] + pending[::-1]:
+            y = jax.lax.all_gather(y, axis, axis=dim + shift, tiled=True)
+        return y.reshape(out_shape)
+
+    return jax.shard_map(per_device, mesh=mesh, in_specs=stored, out_specs=spec, check_vma=False)(x)
