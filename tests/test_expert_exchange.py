@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +18,12 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks import collectives
 from benchmarks.collectives import all_to_all_bytes, ideal_exchange_bytes
+from zaya_jax import hlo
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
-from zaya_jax.model.moe import dense_moe, tiled_moe
+from zaya_jax.model.moe import cotangent_as, dense_moe, tiled_moe
+from zaya_jax.model.transformer import REMAT_POLICIES
 from zaya_jax.parallel import make_mesh
-from zaya_jax.parallel.expert import BATCH, capacity, expert_parallel_moe
+from zaya_jax.parallel.expert import BATCH, capacity, expert_parallel_moe, remat_saved_bytes
 from zaya_jax.parallel.sharding import batch_sharding
 from zaya_jax.train_state import loss_and_counts
 
@@ -81,6 +84,53 @@ def test_dropless_exchange_matches_single_device(mesh_shape, kind):
         np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
 
 
+def test_bf16_exchange_equals_one_device_bit_for_bit():
+    """In bf16 the combine's backward sends the cotangent in bf16 (the dispatch consumes it so:
+    `cotangent_as`): on expert=8 the loss gradients equal one device's to the bit (data=1: no
+    reduction over data groups to reorder)."""
+    mesh = make_mesh(1, 1, 8)
+    x, gate_up, down = (a.astype(jnp.bfloat16) for a in _experts(jax.random.key(4)))
+    expert = jnp.asarray(_routing("random"), jnp.int32)
+    w = jax.random.normal(jax.random.key(5), (T, D))
+    local = lambda x, *rest: cotangent_as(tiled_moe(x, *rest), x.dtype)  # as ZayaExperts
+    one = lambda x, e, g, d: (local(x, e, g, d, jax.nn.silu), None)
+    ep = functools.partial(expert_parallel_moe, act=jax.nn.silu, local_moe=local, mesh=mesh)
+    grad = lambda fn: jax.jit(jax.grad(lambda *a: _moe_loss(fn, *a)[0], (0, 1, 2)))
+    tok = NamedSharding(mesh, P(BATCH))
+    got = grad(ep)(jax.device_put(x, tok), gate_up, down, jax.device_put(expert, tok), w)
+    want = grad(one)(x, gate_up, down, expert, w)
+    for a, b, name in zip(got, want, ("x", "gate_up", "down")):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+
+
+@pytest.mark.parametrize("policy", [*REMAT_POLICIES, "nothing_saveable"])
+def test_remat_reuses_what_the_exchange_received(policy):
+    """The exchange under jax.checkpoint with the model's remat policies (value_and_grad, data=2 x
+    expert=4, bf16): the backward reuses the saved exchange outputs, so the main path has 5
+    all-to-alls (tokens, ids, outputs forward; the outputs' and tokens' cotangents backward), not
+    the 8 of replaying the forward (nothing_saveable), and keeps exactly `remat_saved_bytes` per
+    device more than nothing_saveable (what sizing adds under remat)."""
+    mesh = make_mesh(2, 1, 4)
+    tok = NamedSharding(mesh, P(BATCH))
+    x, gate_up, down = (a.astype(jnp.bfloat16) for a in _experts(jax.random.key(6)))
+    x, expert = jax.device_put(x, tok), jax.device_put(jnp.asarray(_routing("balanced"), jnp.int32), tok)
+    ep = lambda x, g, d: expert_parallel_moe(x, expert, g, d, jax.nn.silu, tiled_moe, mesh)[0]
+
+    def residual_bytes(name):
+        pol = REMAT_POLICIES.get(name, jax.checkpoint_policies.nothing_saveable)
+        f = jax.checkpoint(lambda *a: jnp.sum(ep(*a) ** 2), policy=pol)  # uses y: its value is needed
+        vjp = jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], x, gate_up, down)
+        return f, sum(math.prod(r.shape) * r.dtype.itemsize for r in jax.tree.leaves(vjp))
+
+    f, saved = residual_bytes(policy)
+    text = jax.jit(jax.value_and_grad(f, (0, 1, 2))).lower(x, gate_up, down).compile().as_text()
+    main = [c for c in hlo.collectives(text) if c.op == "all-to-all" and c.runs.main]
+    assert len(main) == (8 if policy == "nothing_saveable" else 5)
+    extra = saved - residual_bytes("nothing_saveable")[1]
+    per_device = remat_saved_bytes(T // 8, 4, D, E, 2, 1.5)
+    assert extra == (0 if policy == "nothing_saveable" else 8 * per_device)
+
+
 def test_capacity_factor_drops_and_counts_exactly():
     """The dropping mode: each device's first `cap` tokens per rank run, the rest get 0 and are
     counted. Skewed routing on data=2 x expert=4: 32 tokens per device, cap = 8 per rank."""
@@ -130,14 +180,15 @@ def model_case():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_shape", [(2, 1, 4), (1, 1, 8)])
-def test_model_with_skewed_router_matches_single_device(mesh_shape, model_case):
+@pytest.mark.parametrize("mesh_shape, remat", [((2, 1, 4), "full"), ((1, 1, 8), "none")])
+def test_model_with_skewed_router_matches_single_device(mesh_shape, remat, model_case):
     """ZayaForCausalLM's mean loss and every parameter gradient on the mesh equal the single device
-    within 1e-5, with no token dropped, though the router sends most tokens to one rank."""
+    (no remat) within 1e-5, with no token dropped, though the router sends most tokens to one rank
+    (main round and spill); with remat "full" the backward reuses the saved exchange outputs."""
     variables, batch, ((ref_loss, _), ref_grads) = model_case
     mesh = make_mesh(*mesh_shape)
     batch = jax.tree.map(lambda a: jax.device_put(a, batch_sharding(mesh)), batch)
-    (loss, dropped), grads = _model_loss_and_grads(CFG, mesh, variables, batch)
+    (loss, dropped), grads = _model_loss_and_grads(CFG.replace(remat=remat), mesh, variables, batch)
     assert int(np.sum(dropped)) == 0
     assert abs(float(loss) - float(ref_loss)) < 1e-5
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ref_grads)[0], jax.tree.leaves(grads)):
@@ -155,6 +206,7 @@ def get_config():
     c = base_config()
     set_model(c, ZayaConfig.tiny(hidden_size=64, num_hidden_layers=2, num_experts=8,
                                  moe_intermediate_size=32, vocab_size=128))
+    c.model.remat = "full"
     c.train.batch_size, c.train.seq_len = 8, 64
     return c
 """
@@ -163,10 +215,12 @@ def get_config():
 @pytest.mark.slow
 def test_train_step_all_to_all_bytes_near_ideal(tmp_path, capsys):
     """`python -m benchmarks.collectives --expert-exchange CONFIG` (in process) on the compiled train
-    step at data=2 x expert=4 (64 tokens per device, fp32): the main path moves C = 24 slots per peer
-    (1.5 x T/n, rounded to 8) each way, forward and backward, i.e. 1.5x the ideal plus one byte per
-    slot for the expert ids; the spill (in the cond) has T - C = 40. The C = T exchange (factor
-    4 = n, main before issue 17) moves 4x the ideal."""
+    step at data=2 x expert=4 (64 tokens per device, fp32, remat "full"): the main path moves C = 24
+    slots per peer (1.5 x T/n, rounded to 8) each way, forward and backward, i.e. 1.5x the ideal
+    plus one byte per slot for the expert ids: 4 exchanges, as without remat (the backward reuses
+    what the forward received). The spill (in the cond) has T - C = 40 slots and is replayed
+    when taken (6 exchanges: its outputs are not kept). The C = T exchange (factor 4 = n, main
+    before issue 17) moves 4x the ideal."""
     (tmp_path / "exchange.py").write_text(EXCHANGE_CONFIG)
     argv = ["--expert-exchange", str(tmp_path / "exchange.py"), "--exchange-mesh", "2,1,4"]
     rows = collectives.main([*argv, "--out", str(tmp_path)])["results"]
@@ -176,7 +230,7 @@ def test_train_step_all_to_all_bytes_near_ideal(tmp_path, capsys):
     for row, cap in zip(rows, (24, 64)):
         assert row["tokens_per_device"] == t and row["ideal_bytes_per_block"] == ideal
         assert row["bytes_per_block"] == 4 * n * cap * d * itemsize + n * cap  # x / ids / y / dy / dx
-        assert row["spill_bytes_per_block"] == (4 * n * (t - cap) * d * itemsize + n * (t - cap))
+        assert row["spill_bytes_per_block"] == (6 * n * (t - cap) * d * itemsize + 2 * n * (t - cap))
     assert rows[0]["ratio_to_ideal"] <= 2.0
     assert rows[1]["ratio_to_ideal"] >= 4.0
     assert "x ideal" in capsys.readouterr().out

@@ -110,6 +110,28 @@ def dense_moe(
     return jnp.einsum("me,emd->md", onehot_me, y_emd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def cotangent_as(y: jax.Array, dtype) -> jax.Array:
+    """Identity on the experts' fp32 output whose backward rounds the cotangent to `dtype` (the
+    compute dtype): how every dispatch consumes it. The tiled and Pallas kernels cast it to their
+    operand dtype first thing (a bf16 x fp32 backward dot runs in bf16), so there it changes no
+    value; `ragged_dot` and `dense` would run that dot in fp32. One rule for every dispatch keeps
+    the expert exchange (which sends this cotangent in `dtype`, zaya_jax/parallel/expert.py) equal
+    to one device whatever `moe_impl`."""
+    return y
+
+
+def _cotangent_as_fwd(y, dtype):
+    return y, None
+
+
+def _cotangent_as_bwd(dtype, _, ct):
+    return (ct.astype(dtype).astype(ct.dtype),)
+
+
+cotangent_as.defvjp(_cotangent_as_fwd, _cotangent_as_bwd)
+
+
 def resolve_moe_impl(moe_impl: str, platform: str) -> str:
     """`auto` for devices of `platform` (zaya_jax.parallel.mesh.device_platform): "tiled" on CPU,
     "pallas" on GPUs (XLA:CPU and XLA:GPU both expand ragged_dot into every expert on every
@@ -152,7 +174,8 @@ class ZayaExperts(nn.Module):
         init = nn.initializers.normal(cfg.initializer_range)
         gate_up = self.param("gate_up_proj", init, (e, d, 2 * i), cfg.params_dtype)
         down = self.param("down_proj", init, (e, i, d), cfg.params_dtype)
-        moe = local_dispatch(cfg.moe_impl, mesh_platform(self.mesh))
+        dispatch = local_dispatch(cfg.moe_impl, mesh_platform(self.mesh))
+        moe = lambda x, *rest: cotangent_as(dispatch(x, *rest), x.dtype)  # noqa: E731
         dt, act = cfg.compute_dtype, ACTIVATIONS[cfg.hidden_act]
         args = (x_md.astype(dt), expert_m, gate_up.astype(dt), down.astype(dt), act)
         if self.mesh is None:

@@ -28,6 +28,7 @@ from zaya_jax.model.norm import RMSNorm
 from zaya_jax.model.residual import ResidualScaling
 from zaya_jax.model.router import BALANCING, ZayaRouter
 from zaya_jax.parallel.context import flatten_tokens, unflatten_tokens
+from zaya_jax.parallel.expert import EXCHANGE_NAMES
 from zaya_jax.parallel.mesh import mesh_platform
 
 
@@ -153,9 +154,14 @@ def resolve_scan_layers(scan_layers: str, num_layers: int, platform: str) -> str
     return "unroll" if platform == "cpu" and num_layers <= MAX_AUTO_UNROLLED_LAYERS else "scan"
 
 
+# Both policies save what the expert exchange received (parallel/expert.py EXCHANGE_NAMES): the
+# backward reuses it instead of replaying the forward all-to-alls (4 exchanges per MoE block, not 6).
+_SAVE_EXCHANGE = jax.checkpoint_policies.save_only_these_names(*EXCHANGE_NAMES)
 REMAT_POLICIES = {
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_saveable, _SAVE_EXCHANGE
+    ),
+    "full": _SAVE_EXCHANGE,
 }
 
 
