@@ -25,7 +25,8 @@ from zaya_jax.model.transformer import REMAT_POLICIES
 from zaya_jax.parallel import make_mesh
 from zaya_jax.parallel.expert import BATCH, capacity, expert_parallel_moe, remat_saved_bytes
 from zaya_jax.parallel.sharding import batch_sharding
-from zaya_jax.train_state import loss_and_counts
+from zaya_jax.metrics import read_metrics
+from zaya_jax.train_state import SPILL_BLOCKS, SPILL_STEP_FRACTION, loss_and_counts
 
 CFG = ZayaConfig.tiny(
     hidden_size=64, num_hidden_layers=2, num_experts=8, moe_intermediate_size=32, vocab_size=128
@@ -55,19 +56,30 @@ def _routing(kind: str) -> np.ndarray:
 
 
 def _moe_loss(fn, x, gate_up, down, expert, w):
-    y, dropped = fn(x, expert, gate_up, down)
-    return jnp.mean(y * w), (y, dropped)  # a mean, like the train objective: gradients of order 1e-2
+    y, dropped, spilled = fn(x, expert, gate_up, down)
+    return jnp.mean(y * w), (y, dropped, spilled)  # a mean, like the train objective: gradients ~1e-2
 
 
 def _reference(x, expert, gate_up, down):
-    return dense_moe(x, expert, gate_up, down, jax.nn.silu), jnp.zeros((), jnp.int32)
+    return dense_moe(x, expert, gate_up, down, jax.nn.silu), jnp.zeros((), jnp.int32), None
+
+
+def _expected_spills(expert: np.ndarray, mesh_shape) -> np.ndarray:
+    """[devices]: 1 on every device of an expert group in which some device has more tokens for
+    one rank than the main round's capacity. Devices hold T/8 tokens each, in mesh order, the
+    expert axis last: a group is n consecutive devices."""
+    n = mesh_shape[2]
+    per_device = expert.reshape(8, T // 8)
+    full = [np.bincount(row[row < E] // (E // n), minlength=n).max() > capacity(T // 8, n, 1.5) for row in per_device]
+    return np.repeat(np.asarray(full).reshape(-1, n).any(axis=1), n).astype(np.int32)
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 1, 4), (1, 1, 8)])
 @pytest.mark.parametrize("kind", ["balanced", "random", "skewed", "one_group_skewed"])
 def test_dropless_exchange_matches_single_device(mesh_shape, kind):
     """Outputs and gradients (x, both expert weights) equal the single-device dense reference,
-    nothing dropped, whether no bucket, some or most overflow the main round."""
+    nothing dropped, whether no bucket, some or most overflow the main round; `spilled` names the
+    expert groups that ran the spill round (only data group 0 for one_group_skewed on data=2)."""
     mesh = make_mesh(*mesh_shape)
     x, gate_up, down = _experts(jax.random.key(1))
     expert = jnp.asarray(_routing(kind), jnp.int32)
@@ -76,9 +88,12 @@ def test_dropless_exchange_matches_single_device(mesh_shape, kind):
     tok = NamedSharding(mesh, P(BATCH))
     x, expert = jax.device_put(x, tok), jax.device_put(expert, tok)
     grad = lambda fn: jax.jit(jax.value_and_grad(functools.partial(_moe_loss, fn), (0, 1, 2), has_aux=True))
-    (_, (y_ref, _)), g_ref = grad(_reference)(x, gate_up, down, expert, w)
-    (_, (y, dropped)), g = grad(ep)(x, gate_up, down, expert, w)
+    (_, (y_ref, *_)), g_ref = grad(_reference)(x, gate_up, down, expert, w)
+    (_, (y, dropped, spilled)), g = grad(ep)(x, gate_up, down, expert, w)
     assert int(dropped) == 0
+    want = _expected_spills(_routing(kind), mesh_shape)
+    np.testing.assert_array_equal(spilled, want)
+    assert {"balanced": not want.any(), "skewed": want.all()}.get(kind, True)
     np.testing.assert_allclose(y, y_ref, atol=1e-5)
     for a, b, name in zip(g, g_ref, ("x", "gate_up", "down")):
         np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
@@ -93,7 +108,7 @@ def test_bf16_exchange_equals_one_device_bit_for_bit():
     expert = jnp.asarray(_routing("random"), jnp.int32)
     w = jax.random.normal(jax.random.key(5), (T, D))
     local = lambda x, *rest: cotangent_as(tiled_moe(x, *rest), x.dtype)  # as ZayaExperts
-    one = lambda x, e, g, d: (local(x, e, g, d, jax.nn.silu), None)
+    one = lambda x, e, g, d: (local(x, e, g, d, jax.nn.silu), None, None)
     ep = functools.partial(expert_parallel_moe, act=jax.nn.silu, local_moe=local, mesh=mesh)
     grad = lambda fn: jax.jit(jax.grad(lambda *a: _moe_loss(fn, *a)[0], (0, 1, 2)))
     tok = NamedSharding(mesh, P(BATCH))
@@ -143,7 +158,8 @@ def test_capacity_factor_drops_and_counts_exactly():
             expert_parallel_moe, act=jax.nn.silu, local_moe=tiled_moe, mesh=mesh, capacity_factor=1.0
         )
     )
-    y, dropped = fn(jax.device_put(x, tok), jax.device_put(jnp.asarray(expert), tok), gate_up, down)
+    y, dropped, spilled = fn(jax.device_put(x, tok), jax.device_put(jnp.asarray(expert), tok), gate_up, down)
+    assert not np.any(spilled)  # the dropping mode has no spill round
     cap = capacity(32, 4, 1.0)
     rank = np.where(expert < E, expert // 2, 4).reshape(8, 32)  # per device
     slot = np.stack([[np.sum(row[:i] == row[i]) for i in range(32)] for row in rank]).reshape(-1)
@@ -157,7 +173,7 @@ def _model_loss_and_grads(cfg, mesh, variables, batch):
     model = ZayaForCausalLM(cfg, mesh)
 
     def f(p):  # the train step's objective: mean token loss
-        loss_sum, (weight, _, dropped) = loss_and_counts(model, p, variables[BALANCING], batch)
+        loss_sum, (weight, _, dropped, _) = loss_and_counts(model, p, variables[BALANCING], batch)
         return loss_sum / weight, dropped
 
     return jax.jit(jax.value_and_grad(f, has_aux=True))(variables["params"])
@@ -269,3 +285,33 @@ def test_bad_exchange_capacity_factor_is_a_one_line_error(tmp_path):
     assert not workdir.exists()
     with pytest.raises(ValueError, match="moe_exchange_capacity_factor=-1.0 must be > 0"):
         CFG.replace(moe_exchange_capacity_factor=-1.0)
+
+
+@pytest.mark.slow
+def test_train_logs_the_spill_rounds(tmp_path):
+    """`python -m zaya_jax.train` at expert=4 on 4 simulated devices (2 blocks, 4 experts, 64 tokens
+    per device), 4 steps logged every 2: with moe_exchange_capacity_factor 0.25 (C = 8 slots per
+    peer, a fair share is ~16) both blocks take the spill round on every step, so metrics.jsonl and
+    TensorBoard hold expert_exchange/spill_blocks = 2 and spill_step_fraction = 1, and `python -m
+    zaya_jax.plot` draws them; at 4 (C = T: no bucket can overflow) both are 0."""
+    from test_metrics import _event_tags
+    from test_plot import _is_png, _run
+    from test_train import run_train
+
+    spills = {}
+    for factor in (0.25, 4.0):
+        workdir = tmp_path / str(factor)
+        args = [f"--config.model.moe_exchange_capacity_factor={factor}", "--config.mesh.expert=4"]
+        args += ["--config.train.steps=4", "--config.logging.every_steps=2", "--config.eval.every_steps=0"]
+        run_train(workdir, *args, "--config.logging.tensorboard=True", devices=4)
+        records = read_metrics(str(workdir), split="train")
+        assert [r["step"] for r in records] == [2, 4]
+        spills[factor] = [(r[SPILL_BLOCKS], r[SPILL_STEP_FRACTION]) for r in records]
+        tags = _event_tags(workdir / "tensorboard")
+        assert [v for _, v in tags[f"train/{SPILL_BLOCKS}"]] == [b for b, _ in spills[factor]]
+        assert [v for _, v in tags[f"train/{SPILL_STEP_FRACTION}"]] == [f for _, f in spills[factor]]
+    assert spills == {0.25: [(2.0, 1.0), (2.0, 1.0)], 4.0: [(0.0, 0.0), (0.0, 0.0)]}
+    res = _run(tmp_path / "0.25")
+    assert res.returncode == 0, res.stderr
+    assert str(tmp_path / "0.25" / "expert_exchange.png") in res.stdout.split()
+    assert _is_png(tmp_path / "0.25" / "expert_exchange.png")

@@ -155,11 +155,14 @@ def local_dispatch(moe_impl: str, platform: str) -> Callable:
 
 
 class ZayaExperts(nn.Module):
-    """x [M, d] (compute dtype), expert [M], weight [M] -> (weight * Expert(x) fp32 [M, d], dropped).
+    """x [M, d] (compute dtype), expert [M], weight [M] -> (weight * Expert(x) fp32 [M, d], dropped,
+    spilled).
 
     Without a mesh the dispatch runs on the global token array; with one, inside shard_map on each
     device's tokens, exchanging them over the "expert" axis when it is > 1 (zaya_jax/parallel/expert.py).
-    `dropped` counts tokens that lost their expert to a capacity limit (always 0 when dropless).
+    `dropped` counts tokens that lost their expert to a capacity limit (always 0 when dropless);
+    `spilled` int32 [devices] (1 without a mesh) is 1 on the devices whose expert group ran the
+    exchange's spill round.
     """
 
     cfg: ZayaConfig
@@ -168,7 +171,7 @@ class ZayaExperts(nn.Module):
     @nn.compact
     def __call__(
         self, x_md: jax.Array, expert_m: jax.Array, weight_m: jax.Array
-    ) -> tuple[jax.Array, jax.Array]:
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = nn.initializers.normal(cfg.initializer_range)
@@ -179,13 +182,13 @@ class ZayaExperts(nn.Module):
         dt, act = cfg.compute_dtype, ACTIVATIONS[cfg.hidden_act]
         args = (x_md.astype(dt), expert_m, gate_up.astype(dt), down.astype(dt), act)
         if self.mesh is None:
-            y, dropped = moe(*args), jnp.zeros((), jnp.int32)
+            y, dropped, spilled = moe(*args), jnp.zeros((), jnp.int32), jnp.zeros((1,), jnp.int32)
         else:
-            y, dropped = expert_parallel_moe(
+            y, dropped, spilled = expert_parallel_moe(
                 *args,
                 local_moe=moe,
                 mesh=self.mesh,
                 capacity_factor=cfg.moe_capacity_factor,
                 exchange_factor=cfg.moe_exchange_capacity_factor,
             )
-        return y * weight_m[:, None].astype(jnp.float32), dropped
+        return y * weight_m[:, None].astype(jnp.float32), dropped, spilled

@@ -18,7 +18,21 @@ the same four steps with T - C slots per destination (a bucket never holds more 
 the two rounds together always fit: nothing is dropped). The spill runs under `lax.cond` on an
 overflow flag reduced (max) over the "expert" axis, the devices that exchange with each other; in
 the common case no bucket overflows and the spill costs that one scalar all-reduce. Its backward
-is the same `cond` on the saved flag, so the gradient exchange is spill-free too.
+is the same `cond` on the saved flag, so the gradient exchange is spill-free too. The flag comes
+back per device (`spilled`, gathered by nothing) and the train step counts the blocks that took
+the spill round (metrics `expert_exchange/spill_blocks`, `expert_exchange/spill_step_fraction`).
+
+The default f = 1.5 (issue 29's measurement). Whatever f, main + spill together move at most the
+C = T exchange's n x T slots per transfer, so f only trades the main round's size against how often
+the spill runs: expected slots per transfer f + p (n - f), in units of T, with p the share of block
+calls that spill. configs/tiny.py's 300-step run at expert=4 (4 devices, 512 tokens per device, 4
+blocks) has a far-from-balanced router (per-layer max/mean expert load 2.3 to 8 over the first 100
+steps, 1.1 to 5 at step 300), so the spill ran on every step: p = 1.00 / 0.80 / 0.69 / 0.44 of the
+1200 block calls at f = 1 / 1.5 / 2 / 3 (0.58 / 0.46 / 0.16 at f = 1.5 / 2 / 3 over the last 100
+steps), i.e. 4.00 / 3.49 / 3.37 / 3.44 slots per transfer (C = T: 4.00): flat in f. Only a router
+balanced per device makes f matter, and then a smaller main round pays: 1.5 keeps phase1's main
+path compiled for H100 at 1.875x the ideal bytes (the 2x target needs f <= 1.6) and the experts'
+grouped matmuls on 1.5 T slots per device.
 
 Why this spill and not another (issue 17):
   - `jax.lax.ragged_all_to_all` (exact sizes) has no XLA:CPU lowering (jax 0.10.2), and on GPU
@@ -159,7 +173,8 @@ def _exchange(x_md, rank_m, slot_m, send_m, local_m, n, cap, gate_up, down, act,
 
 def _dropless_exchange(x_md, expert_m, num_experts, n, cap, gate_up, down, act, local_moe):
     """The main round with `cap` slots per destination, plus the spill round (T - cap slots) under
-    a cond when any bucket of the expert group overflowed. fp32 [T, d]; drops nothing."""
+    a cond when any bucket of the expert group overflowed -> (fp32 [T, d], int32 1 if the spill
+    round ran, else 0: the same on the group's n devices). Drops nothing."""
     t = x_md.shape[0]
     rank, slot = _bucket(expert_m, num_experts, n)
     local = expert_m % (num_experts // n)
@@ -167,9 +182,9 @@ def _dropless_exchange(x_md, expert_m, num_experts, n, cap, gate_up, down, act, 
     main = routed & (slot < cap)
     y = _exchange(x_md, rank, slot, main, local, n, cap, gate_up, down, act, local_moe)
     if cap >= t:
-        return y
+        return y, jnp.zeros((), jnp.int32)
     spill = routed & ~main
-    overflow = checkpoint_name(jax.lax.pmax(jnp.any(spill).astype(jnp.int32), "expert"), OVERFLOW) > 0
+    overflow = checkpoint_name(jax.lax.pmax(jnp.any(spill).astype(jnp.int32), "expert"), OVERFLOW)
 
     # Unnamed: remat saving a cond's residuals keeps every branch's (the untaken one's as zeros), so
     # naming these would cost their memory on every step; the backward replays a spill that ran.
@@ -177,7 +192,7 @@ def _dropless_exchange(x_md, expert_m, num_experts, n, cap, gate_up, down, act, 
         return _exchange(x, rank, slot - cap, spill, local, n, t - cap, g, dn, act, local_moe, saved=False)
 
     no_spill = lambda x, g, dn: jnp.zeros(x.shape, jnp.float32)
-    return y + jax.lax.cond(overflow, spill_round, no_spill, x_md, gate_up, down)
+    return y + jax.lax.cond(overflow > 0, spill_round, no_spill, x_md, gate_up, down), overflow
 
 
 def expert_parallel_moe(
@@ -190,27 +205,31 @@ def expert_parallel_moe(
     mesh: Mesh,
     capacity_factor: float | None = None,
     exchange_factor: float = DEFAULT_EXCHANGE_FACTOR,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Global tokens [T, d] (split over every mesh axis) and experts [E, ...] (split over "expert")
-    -> (y [T, d] fp32, dropped-token count). `local_moe(x, ids, gate_up, down, act)` is the
-    single-device dispatch (sparse or dense) applied to each device's received tokens.
+    -> (y [T, d] fp32, dropped-token count, spilled). `local_moe(x, ids, gate_up, down, act)` is
+    the single-device dispatch (sparse or dense) applied to each device's received tokens.
     `capacity_factor` None is dropless (main exchange of `exchange_factor` x T/n slots per peer plus
-    the spill); a number caps every bucket at that factor and drops the rest."""
+    the spill); a number caps every bucket at that factor and drops the rest.
+    spilled: int32 [devices] (split over every axis, like the tokens), 1 on each device whose
+    expert group ran the spill round, else 0; no collective gathers it (a sum over it / n counts
+    the groups that spilled)."""
+    no_spill = jnp.zeros((mesh.size,), jnp.int32)
     if mesh.size == 1 and capacity_factor is None:
         # One device exchanges nothing. Without shard_map its transpose adds no all-reduce of the
         # expert weight gradients over that one device: XLA:CPU would copy all of them each step.
-        return local_moe(x_md, expert_m, gate_up_edf, down_efd, act), jnp.zeros((), jnp.int32)
+        return local_moe(x_md, expert_m, gate_up_edf, down_efd, act), jnp.zeros((), jnp.int32), no_spill
     num_experts = gate_up_edf.shape[0]
     n = mesh.shape["expert"]
 
     def per_device(x, expert, gate_up, down):
-        t = x.shape[0]
+        t, zero = x.shape[0], jnp.zeros((), jnp.int32)
         if capacity_factor is None:
             if n == 1:
-                return local_moe(x, expert, gate_up, down, act), jnp.zeros((), jnp.int32)
+                return local_moe(x, expert, gate_up, down, act), zero, zero[None]
             cap = capacity(t, n, exchange_factor)
-            y = _dropless_exchange(x, expert, num_experts, n, cap, gate_up, down, act, local_moe)
-            return y, jnp.zeros((), jnp.int32)
+            y, spilled = _dropless_exchange(x, expert, num_experts, n, cap, gate_up, down, act, local_moe)
+            return y, zero, spilled[None]
         cap = capacity(t, n, capacity_factor)
         rank, slot = _bucket(expert, num_experts, n)
         kept = (rank < n) & (slot < cap)
@@ -219,12 +238,12 @@ def expert_parallel_moe(
         else:
             local = expert % (num_experts // n)
             y = _exchange(x, rank, slot, kept, local, n, cap, gate_up, down, act, local_moe)
-        return y, jax.lax.psum(jnp.sum((rank < n) & ~kept), MESH_AXES)
+        return y, jax.lax.psum(jnp.sum((rank < n) & ~kept), MESH_AXES), zero[None]
 
     return jax.shard_map(
         per_device,
         mesh=mesh,
         in_specs=(P(BATCH, None), P(BATCH), P("expert", None, None), P("expert", None, None)),
-        out_specs=(P(BATCH, None), P()),
+        out_specs=(P(BATCH, None), P(), P(BATCH)),
         check_vma=False,
     )(x_md, expert_m, gate_up_edf, down_efd)
