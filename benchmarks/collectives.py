@@ -382,7 +382,7 @@ def expert_exchange_main(args: argparse.Namespace) -> dict[str, Any]:
     result = {"benchmark": "expert_exchange", "config": args.expert_exchange, "results": rows}
     print(
         f"{args.expert_exchange}: mesh {rows[0]['mesh']}, {rows[0]['tokens_per_device']} tokens per device, "
-        f"remat {rows[0]['remat']} (forward exchanges run twice under remat)"
+        f"remat {rows[0]['remat']} (the backward reuses what the forward exchange received)"
     )
     print(format_exchange_table(rows))
     if args.out:

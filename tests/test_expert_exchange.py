@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -17,12 +18,15 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks import collectives
 from benchmarks.collectives import all_to_all_bytes, ideal_exchange_bytes
+from zaya_jax import hlo
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
-from zaya_jax.model.moe import dense_moe, tiled_moe
+from zaya_jax.model.moe import cotangent_as, dense_moe, tiled_moe
+from zaya_jax.model.transformer import REMAT_POLICIES
 from zaya_jax.parallel import make_mesh
-from zaya_jax.parallel.expert import BATCH, capacity, expert_parallel_moe
+from zaya_jax.parallel.expert import BATCH, capacity, expert_parallel_moe, remat_saved_bytes
 from zaya_jax.parallel.sharding import batch_sharding
-from zaya_jax.train_state import loss_and_counts
+from zaya_jax.metrics import read_metrics
+from zaya_jax.train_state import SPILL_BLOCKS, SPILL_STEP_FRACTION, loss_and_counts
 
 CFG = ZayaConfig.tiny(
     hidden_size=64, num_hidden_layers=2, num_experts=8, moe_intermediate_size=32, vocab_size=128
@@ -52,19 +56,30 @@ def _routing(kind: str) -> np.ndarray:
 
 
 def _moe_loss(fn, x, gate_up, down, expert, w):
-    y, dropped = fn(x, expert, gate_up, down)
-    return jnp.mean(y * w), (y, dropped)  # a mean, like the train objective: gradients of order 1e-2
+    y, dropped, spilled = fn(x, expert, gate_up, down)
+    return jnp.mean(y * w), (y, dropped, spilled)  # a mean, like the train objective: gradients ~1e-2
 
 
 def _reference(x, expert, gate_up, down):
-    return dense_moe(x, expert, gate_up, down, jax.nn.silu), jnp.zeros((), jnp.int32)
+    return dense_moe(x, expert, gate_up, down, jax.nn.silu), jnp.zeros((), jnp.int32), None
+
+
+def _expected_spills(expert: np.ndarray, mesh_shape) -> np.ndarray:
+    """[devices]: 1 on every device of an expert group in which some device has more tokens for
+    one rank than the main round's capacity. Devices hold T/8 tokens each, in mesh order, the
+    expert axis last: a group is n consecutive devices."""
+    n = mesh_shape[2]
+    per_device = expert.reshape(8, T // 8)
+    full = [np.bincount(row[row < E] // (E // n), minlength=n).max() > capacity(T // 8, n, 1.5) for row in per_device]
+    return np.repeat(np.asarray(full).reshape(-1, n).any(axis=1), n).astype(np.int32)
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 1, 4), (1, 1, 8)])
 @pytest.mark.parametrize("kind", ["balanced", "random", "skewed", "one_group_skewed"])
 def test_dropless_exchange_matches_single_device(mesh_shape, kind):
     """Outputs and gradients (x, both expert weights) equal the single-device dense reference,
-    nothing dropped, whether no bucket, some or most overflow the main round."""
+    nothing dropped, whether no bucket, some or most overflow the main round; `spilled` names the
+    expert groups that ran the spill round (only data group 0 for one_group_skewed on data=2)."""
     mesh = make_mesh(*mesh_shape)
     x, gate_up, down = _experts(jax.random.key(1))
     expert = jnp.asarray(_routing(kind), jnp.int32)
@@ -73,12 +88,62 @@ def test_dropless_exchange_matches_single_device(mesh_shape, kind):
     tok = NamedSharding(mesh, P(BATCH))
     x, expert = jax.device_put(x, tok), jax.device_put(expert, tok)
     grad = lambda fn: jax.jit(jax.value_and_grad(functools.partial(_moe_loss, fn), (0, 1, 2), has_aux=True))
-    (_, (y_ref, _)), g_ref = grad(_reference)(x, gate_up, down, expert, w)
-    (_, (y, dropped)), g = grad(ep)(x, gate_up, down, expert, w)
+    (_, (y_ref, *_)), g_ref = grad(_reference)(x, gate_up, down, expert, w)
+    (_, (y, dropped, spilled)), g = grad(ep)(x, gate_up, down, expert, w)
     assert int(dropped) == 0
+    want = _expected_spills(_routing(kind), mesh_shape)
+    np.testing.assert_array_equal(spilled, want)
+    assert {"balanced": not want.any(), "skewed": want.all()}.get(kind, True)
     np.testing.assert_allclose(y, y_ref, atol=1e-5)
     for a, b, name in zip(g, g_ref, ("x", "gate_up", "down")):
         np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
+
+
+def test_bf16_exchange_equals_one_device_bit_for_bit():
+    """In bf16 the combine's backward sends the cotangent in bf16 (the dispatch consumes it so:
+    `cotangent_as`): on expert=8 the loss gradients equal one device's to the bit (data=1: no
+    reduction over data groups to reorder)."""
+    mesh = make_mesh(1, 1, 8)
+    x, gate_up, down = (a.astype(jnp.bfloat16) for a in _experts(jax.random.key(4)))
+    expert = jnp.asarray(_routing("random"), jnp.int32)
+    w = jax.random.normal(jax.random.key(5), (T, D))
+    local = lambda x, *rest: cotangent_as(tiled_moe(x, *rest), x.dtype)  # as ZayaExperts
+    one = lambda x, e, g, d: (local(x, e, g, d, jax.nn.silu), None, None)
+    ep = functools.partial(expert_parallel_moe, act=jax.nn.silu, local_moe=local, mesh=mesh)
+    grad = lambda fn: jax.jit(jax.grad(lambda *a: _moe_loss(fn, *a)[0], (0, 1, 2)))
+    tok = NamedSharding(mesh, P(BATCH))
+    got = grad(ep)(jax.device_put(x, tok), gate_up, down, jax.device_put(expert, tok), w)
+    want = grad(one)(x, gate_up, down, expert, w)
+    for a, b, name in zip(got, want, ("x", "gate_up", "down")):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+
+
+@pytest.mark.parametrize("policy", [*REMAT_POLICIES, "nothing_saveable"])
+def test_remat_reuses_what_the_exchange_received(policy):
+    """The exchange under jax.checkpoint with the model's remat policies (value_and_grad, data=2 x
+    expert=4, bf16): the backward reuses the saved exchange outputs, so the main path has 5
+    all-to-alls (tokens, ids, outputs forward; the outputs' and tokens' cotangents backward), not
+    the 8 of replaying the forward (nothing_saveable), and keeps exactly `remat_saved_bytes` per
+    device more than nothing_saveable (what sizing adds under remat)."""
+    mesh = make_mesh(2, 1, 4)
+    tok = NamedSharding(mesh, P(BATCH))
+    x, gate_up, down = (a.astype(jnp.bfloat16) for a in _experts(jax.random.key(6)))
+    x, expert = jax.device_put(x, tok), jax.device_put(jnp.asarray(_routing("balanced"), jnp.int32), tok)
+    ep = lambda x, g, d: expert_parallel_moe(x, expert, g, d, jax.nn.silu, tiled_moe, mesh)[0]
+
+    def residual_bytes(name):
+        pol = REMAT_POLICIES.get(name, jax.checkpoint_policies.nothing_saveable)
+        f = jax.checkpoint(lambda *a: jnp.sum(ep(*a) ** 2), policy=pol)  # uses y: its value is needed
+        vjp = jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], x, gate_up, down)
+        return f, sum(math.prod(r.shape) * r.dtype.itemsize for r in jax.tree.leaves(vjp))
+
+    f, saved = residual_bytes(policy)
+    text = jax.jit(jax.value_and_grad(f, (0, 1, 2))).lower(x, gate_up, down).compile().as_text()
+    main = [c for c in hlo.collectives(text) if c.op == "all-to-all" and c.runs.main]
+    assert len(main) == (8 if policy == "nothing_saveable" else 5)
+    extra = saved - residual_bytes("nothing_saveable")[1]
+    per_device = remat_saved_bytes(T // 8, 4, D, E, 2, 1.5)
+    assert extra == (0 if policy == "nothing_saveable" else 8 * per_device)
 
 
 def test_capacity_factor_drops_and_counts_exactly():
@@ -93,7 +158,8 @@ def test_capacity_factor_drops_and_counts_exactly():
             expert_parallel_moe, act=jax.nn.silu, local_moe=tiled_moe, mesh=mesh, capacity_factor=1.0
         )
     )
-    y, dropped = fn(jax.device_put(x, tok), jax.device_put(jnp.asarray(expert), tok), gate_up, down)
+    y, dropped, spilled = fn(jax.device_put(x, tok), jax.device_put(jnp.asarray(expert), tok), gate_up, down)
+    assert not np.any(spilled)  # the dropping mode has no spill round
     cap = capacity(32, 4, 1.0)
     rank = np.where(expert < E, expert // 2, 4).reshape(8, 32)  # per device
     slot = np.stack([[np.sum(row[:i] == row[i]) for i in range(32)] for row in rank]).reshape(-1)
@@ -107,7 +173,7 @@ def _model_loss_and_grads(cfg, mesh, variables, batch):
     model = ZayaForCausalLM(cfg, mesh)
 
     def f(p):  # the train step's objective: mean token loss
-        loss_sum, (weight, _, dropped) = loss_and_counts(model, p, variables[BALANCING], batch)
+        loss_sum, (weight, _, dropped, _) = loss_and_counts(model, p, variables[BALANCING], batch)
         return loss_sum / weight, dropped
 
     return jax.jit(jax.value_and_grad(f, has_aux=True))(variables["params"])
@@ -130,14 +196,15 @@ def model_case():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_shape", [(2, 1, 4), (1, 1, 8)])
-def test_model_with_skewed_router_matches_single_device(mesh_shape, model_case):
+@pytest.mark.parametrize("mesh_shape, remat", [((2, 1, 4), "full"), ((1, 1, 8), "none")])
+def test_model_with_skewed_router_matches_single_device(mesh_shape, remat, model_case):
     """ZayaForCausalLM's mean loss and every parameter gradient on the mesh equal the single device
-    within 1e-5, with no token dropped, though the router sends most tokens to one rank."""
+    (no remat) within 1e-5, with no token dropped, though the router sends most tokens to one rank
+    (main round and spill); with remat "full" the backward reuses the saved exchange outputs."""
     variables, batch, ((ref_loss, _), ref_grads) = model_case
     mesh = make_mesh(*mesh_shape)
     batch = jax.tree.map(lambda a: jax.device_put(a, batch_sharding(mesh)), batch)
-    (loss, dropped), grads = _model_loss_and_grads(CFG, mesh, variables, batch)
+    (loss, dropped), grads = _model_loss_and_grads(CFG.replace(remat=remat), mesh, variables, batch)
     assert int(np.sum(dropped)) == 0
     assert abs(float(loss) - float(ref_loss)) < 1e-5
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ref_grads)[0], jax.tree.leaves(grads)):
@@ -155,6 +222,7 @@ def get_config():
     c = base_config()
     set_model(c, ZayaConfig.tiny(hidden_size=64, num_hidden_layers=2, num_experts=8,
                                  moe_intermediate_size=32, vocab_size=128))
+    c.model.remat = "full"
     c.train.batch_size, c.train.seq_len = 8, 64
     return c
 """
@@ -163,10 +231,12 @@ def get_config():
 @pytest.mark.slow
 def test_train_step_all_to_all_bytes_near_ideal(tmp_path, capsys):
     """`python -m benchmarks.collectives --expert-exchange CONFIG` (in process) on the compiled train
-    step at data=2 x expert=4 (64 tokens per device, fp32): the main path moves C = 24 slots per peer
-    (1.5 x T/n, rounded to 8) each way, forward and backward, i.e. 1.5x the ideal plus one byte per
-    slot for the expert ids; the spill (in the cond) has T - C = 40. The C = T exchange (factor
-    4 = n, main before issue 17) moves 4x the ideal."""
+    step at data=2 x expert=4 (64 tokens per device, fp32, remat "full"): the main path moves C = 24
+    slots per peer (1.5 x T/n, rounded to 8) each way, forward and backward, i.e. 1.5x the ideal
+    plus one byte per slot for the expert ids: 4 exchanges, as without remat (the backward reuses
+    what the forward received). The spill (in the cond) has T - C = 40 slots and is replayed
+    when taken (6 exchanges: its outputs are not kept). The C = T exchange (factor 4 = n, main
+    before issue 17) moves 4x the ideal."""
     (tmp_path / "exchange.py").write_text(EXCHANGE_CONFIG)
     argv = ["--expert-exchange", str(tmp_path / "exchange.py"), "--exchange-mesh", "2,1,4"]
     rows = collectives.main([*argv, "--out", str(tmp_path)])["results"]
@@ -176,7 +246,7 @@ def test_train_step_all_to_all_bytes_near_ideal(tmp_path, capsys):
     for row, cap in zip(rows, (24, 64)):
         assert row["tokens_per_device"] == t and row["ideal_bytes_per_block"] == ideal
         assert row["bytes_per_block"] == 4 * n * cap * d * itemsize + n * cap  # x / ids / y / dy / dx
-        assert row["spill_bytes_per_block"] == (4 * n * (t - cap) * d * itemsize + n * (t - cap))
+        assert row["spill_bytes_per_block"] == (6 * n * (t - cap) * d * itemsize + 2 * n * (t - cap))
     assert rows[0]["ratio_to_ideal"] <= 2.0
     assert rows[1]["ratio_to_ideal"] >= 4.0
     assert "x ideal" in capsys.readouterr().out
@@ -215,3 +285,34 @@ def test_bad_exchange_capacity_factor_is_a_one_line_error(tmp_path):
     assert not workdir.exists()
     with pytest.raises(ValueError, match="moe_exchange_capacity_factor=-1.0 must be > 0"):
         CFG.replace(moe_exchange_capacity_factor=-1.0)
+
+
+@pytest.mark.slow
+def test_train_logs_the_spill_rounds(tmp_path):
+    """`python -m zaya_jax.train` at expert=4 (2 blocks, 4 experts, 64 tokens per device), 4 steps
+    logged every 2: with moe_exchange_capacity_factor 0.25 (C = 8 slots per peer, a fair share is
+    ~16) on data=2 x expert=4 (the per-rank microbatch loop of zaya_jax/parallel/zero1.py) both
+    blocks of both expert groups take the spill round on every step, so metrics.jsonl and
+    TensorBoard hold expert_exchange/spill_blocks = 4 and spill_step_fraction = 1, and `python -m
+    zaya_jax.plot` draws them; at 4 on expert=4 alone (C = T: no bucket can overflow) both are 0."""
+    from test_metrics import _event_tags
+    from test_plot import _is_png, _run
+    from test_train import run_train
+
+    spills = {}
+    for factor, devices in ((0.25, 8), (4.0, 4)):
+        workdir = tmp_path / str(factor)
+        args = [f"--config.model.moe_exchange_capacity_factor={factor}", "--config.mesh.expert=4"]
+        args += ["--config.train.steps=4", "--config.logging.every_steps=2", "--config.eval.every_steps=0"]
+        run_train(workdir, *args, "--config.logging.tensorboard=True", devices=devices)
+        records = read_metrics(str(workdir), split="train")
+        assert [r["step"] for r in records] == [2, 4]
+        spills[factor] = [(r[SPILL_BLOCKS], r[SPILL_STEP_FRACTION]) for r in records]
+        tags = _event_tags(workdir / "tensorboard")
+        assert [v for _, v in tags[f"train/{SPILL_BLOCKS}"]] == [b for b, _ in spills[factor]]
+        assert [v for _, v in tags[f"train/{SPILL_STEP_FRACTION}"]] == [f for _, f in spills[factor]]
+    assert spills == {0.25: [(4.0, 1.0), (4.0, 1.0)], 4.0: [(0.0, 0.0), (0.0, 0.0)]}
+    res = _run(tmp_path / "0.25")
+    assert res.returncode == 0, res.stderr
+    assert str(tmp_path / "0.25" / "expert_exchange.png") in res.stdout.split()
+    assert _is_png(tmp_path / "0.25" / "expert_exchange.png")

@@ -22,6 +22,7 @@ import pytest
 pytest.importorskip("jax_plugins.xla_cuda12", reason="the gpu_compile extra is not installed")
 
 import rocm_standins  # noqa: E402
+from benchmarks.collectives import all_to_all_bytes  # noqa: E402
 from zaya_jax import dry_run, gpu_target, hlo, sizing  # noqa: E402
 from zaya_jax.config import base_config, set_model  # noqa: E402
 from zaya_jax.kernels import pick_blocks  # noqa: E402
@@ -33,12 +34,12 @@ OURS |= {"zaya_flash_attention_dkv", "zaya_ns_matmul"}
 SEQ, DEVICES = 512, 8
 
 
-def small_config(experts: int = 8, impl: str = "auto", data: int = 8, expert_axis: int = 1):
+def small_config(experts: int = 8, impl: str = "auto", data: int = 8, expert_axis: int = 1, remat: str = "none"):
     """One block of width 64 (bf16 compute), 8 x 512 tokens; `impl` for attention, experts and
     Newton-Schulz ('auto' resolves on the target's platform)."""
     c = base_config()
     model = dict(hidden_size=64, num_hidden_layers=1, num_experts=experts, moe_intermediate_size=64)
-    set_model(c, ZayaConfig.tiny(**model, vocab_size=128, head_dim=16, dtype="bfloat16"))
+    set_model(c, ZayaConfig.tiny(**model, vocab_size=128, head_dim=16, dtype="bfloat16", remat=remat))
     c.train.batch_size, c.train.seq_len = 8, SEQ
     c.mesh.data, c.mesh.expert = data, expert_axis
     c.model.attention_impl = c.optim.muon.ns_impl = "pallas" if impl == "pallas" else "auto"
@@ -57,11 +58,11 @@ def rocm(tmp_path_factory):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(target: str, experts: int, impl: str, data: int = 8, expert_axis: int = 1):
+def compiled(target: str, experts: int, impl: str, data: int = 8, expert_axis: int = 1, remat: str = "none"):
     """(GpuTarget, CompiledStep) of the small step for 8 devices of `target`; shared by the tests."""
     gpu = gpu_target.load_target(target)
     gpu_target.prepare_process()
-    c = small_config(experts, impl, data, expert_axis)
+    c = small_config(experts, impl, data, expert_axis, remat)
     return gpu, c, dry_run.compile_step(c, gpu_target.target_devices(gpu, DEVICES))
 
 
@@ -85,17 +86,22 @@ def routed_with_padding(c, experts: int) -> float:
 
 
 def test_h100_pallas_step_has_our_triton_kernels_and_cubins():
-    """The pallas impls on 8 x H100 with an expert axis: every kernel of ours is a Triton custom
-    call of the compiled step (inside the expert shard_map too), ptxas made cubins for sm_90, and
-    the memory report fits the 80 GiB."""
-    gpu, c, step = compiled("h100", 8, "pallas", data=2, expert_axis=4)
+    """The pallas impls on 8 x H100 with an expert axis and remat "full": every kernel of ours is a
+    Triton custom call of the compiled step (inside the expert shard_map too), ptxas made cubins
+    for sm_90, the memory report fits the 80 GiB, and the expert exchange is 4 exchanges of
+    C = 192 slots per peer (512 tokens per device, factor 1.5) in the dtypes the GPU moves: bf16
+    tokens, fp32 outputs, their bf16 cotangent, the tokens' bf16 cotangent; plus int8 ids."""
+    gpu, c, step = compiled("h100", 8, "pallas", data=2, expert_axis=4, remat="full")
     assert triton_kernels(step) >= OURS
     code = gpu_target.device_code(step.compiled, gpu)
     assert code["cubin"] >= 1 and code["hsaco"] == 0 and code["arch"] >= 1, code
     stats = step.compiled.memory_analysis()
     rows, error = dry_run.device_rows(dry_run.memory_total(stats), gpu, 2**30)
     assert error is None and "fits" in rows[0] and "H100" in rows[0]
-    assert dry_run.collectives(step.compiled.as_text())["all-to-all"].ops_per_step >= 2
+    main, spill = all_to_all_bytes(step.compiled.as_text())
+    n, cap, d = 4, 192, 64
+    assert main == n * cap * d * (2 + 4 + 2 + 2) + n * cap  # 1.875x the ideal 4 x 512 x d x 2
+    assert dry_run.collectives(step.compiled.as_text())["all-to-all"].ops == 5
     # A device of 1 MiB: the overshoot is named.
     tiny = gpu_target.GpuTarget("tiny", "cuda", gpu.config_text, 2**20, gpu.arch)
     _, error = dry_run.device_rows(dry_run.memory_total(stats), tiny, 2**30)

@@ -1,12 +1,16 @@
 """Sparse expert dispatch (zaya_jax/model/moe.py) against the dense reference: values and gradients."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from zaya_jax.kernels import swiglu_grouped_pallas
 from zaya_jax.model.moe import (
     ACTIVATIONS,
+    cotangent_as,
     dense_moe,
     group_by_expert,
     local_dispatch,
@@ -122,3 +126,29 @@ def test_tiled_dispatch_is_sparse():
     cost = jax.jit(tiled_moe, static_argnums=4).lower(x, expert, gate_up, down, act).compile().cost_analysis()
     t, i = x.shape[0], down.shape[1]
     assert (cost[0] if isinstance(cost, list) else cost)["transcendentals"] <= t * i
+
+
+@pytest.mark.parametrize("impl", ["tiled", "pallas"])
+def test_bf16_cotangent_rounding_changes_no_gradient_of_the_kernels(impl):
+    """`cotangent_as` (the output cotangent taken in the compute dtype, which lets the expert
+    exchange send it in bf16) changes no bit of the gradients of the tiled and Pallas (interpret)
+    dispatches in bf16: both cast it to bf16 first thing. ragged_dot and dense would not (their
+    backward dot runs in fp32), hence one rule for every dispatch (ZayaExperts)."""
+    x, expert, gate_up, down = (a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in _problem(3))
+    w = jax.random.normal(jax.random.key(0), (x.shape[0], x.shape[1]))
+    if impl == "tiled":
+        moe = tiled_moe
+    else:
+        moe = functools.partial(sparse_moe, swiglu=functools.partial(swiglu_grouped_pallas, interpret=True))
+    act = ACTIVATIONS["silu"]
+    plain = lambda x, g, d: jnp.mean(moe(x, expert, g, d, act) * w)
+    rounded = lambda x, g, d: jnp.mean(cotangent_as(moe(x, expert, g, d, act), x.dtype) * w)
+    got = jax.jit(jax.grad(rounded, (0, 1, 2)))(x, gate_up, down)
+    want = jax.jit(jax.grad(plain, (0, 1, 2)))(x, gate_up, down)
+    for a, b, name in zip(got, want, ("x", "gate_up", "down")):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    # The rounding is real: the dense reference's gradient (an fp32 backward dot) changes.
+    dense = lambda wrap: lambda g: jnp.mean(wrap(dense_moe(x, expert, g, down, act)) * w)
+    assert not np.array_equal(
+        jax.grad(dense(lambda y: cotangent_as(y, jnp.bfloat16)))(gate_up), jax.grad(dense(lambda y: y))(gate_up)
+    )

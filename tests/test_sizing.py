@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from zaya_jax.model import ZayaConfig, init_variables
+from zaya_jax.parallel.expert import remat_saved_bytes
 from zaya_jax.sizing import flops_per_token, mfu, newton_schulz_flops, param_counts
 
 
@@ -149,6 +150,15 @@ def test_zaya1_base_memory_data_parallel_8():
     assert fsdp.params < m.params / 7  # nearly everything is a big matrix split on d
     ep = sizing.memory_per_device(cfg, seq_len=4096, micro_batch=4, mesh={"expert": 8}, remat="full")
     assert ep.params < m.params / 4  # expert tensors are ~87% of the params
+    # Remat keeps what each block's expert exchange received (parallel/expert.py), 0 without one:
+    # the tokens received, f x T x d (fp32 here, + int8 ids), and their outputs T x d fp32.
+    ep1 = sizing.activation_bytes(cfg, seq_len=4096, micro_batch=4, remat="full", expert_axis=8)
+    ep1_none = sizing.activation_bytes(cfg, seq_len=4096, micro_batch=4, remat="none", expert_axis=8)
+    dense = sizing.activation_bytes(cfg, seq_len=4096, micro_batch=4, remat="full")
+    saved = remat_saved_bytes(4 * 4096, 8, 2048, 16, 4, cfg.moe_exchange_capacity_factor)
+    assert saved == 8 * 3072 * (2048 * 4 + 1) + 4 * 4096 * 2048 * 4 + 4  # C = 1.5 x 16384 / 8
+    assert ep1 - dense == pytest.approx(40 * saved)
+    assert ep1_none == sizing.activation_bytes(cfg, seq_len=4096, micro_batch=4, remat="none")
 
 
 def test_sizing_warnings():

@@ -8,6 +8,10 @@ Reads ``WORKDIR/metrics.jsonl`` (written by :class:`zaya_jax.metrics.MetricsLogg
   one expert), from the per-layer list ``expert_load_max_over_mean`` [L] of the train records;
   with a second panel for the per-layer skip fraction when ``expert_skip_fraction`` is logged.
   Skipped (with a note) when no record has the load.
+* ``expert_exchange.png`` — the expert exchange's spill round (runs with mesh.expert > 1,
+  dropless): MoE block calls that took it per step (``expert_exchange/spill_blocks``, the mean
+  over each logging interval) and the fraction of steps with any
+  (``expert_exchange/spill_step_fraction``). Not written when no record has them.
 
 Prints the path of every file written. Uses matplotlib's Agg backend: no display needed.
 """
@@ -26,6 +30,8 @@ from zaya_jax.metrics import METRICS_FILE, read_metrics
 # are what zaya_jax.balancing returns, in case a trainer logs them as they come.
 LOAD_KEYS = ("expert_load_max_over_mean", "load_max_over_mean")
 SKIP_KEYS = ("expert_skip_fraction", "skip_fraction")
+# The trainer's spill metrics (zaya_jax/train_state.py SPILL_BLOCKS, SPILL_STEP_FRACTION).
+SPILL_BLOCKS, SPILL_STEP_FRACTION = "expert_exchange/spill_blocks", "expert_exchange/spill_step_fraction"
 
 
 def _pyplot():
@@ -146,6 +152,31 @@ def plot_expert_load(records: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
+def plot_expert_exchange(records: list[dict[str, Any]], path: Path) -> Path | None:
+    """Spill rounds of the expert exchange vs step (two panels), or None if no record has them."""
+    train = [r for r in records if r.get("split", "train") == "train"]
+    steps, blocks = _series(train, SPILL_BLOCKS)
+    if not steps:
+        return None
+    frac_steps, fraction = _series(train, SPILL_STEP_FRACTION)
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), dpi=100, sharex=True)
+    top.plot(steps, blocks, color="C1", marker="." if len(steps) < 50 else None)
+    top.set_ylabel("MoE blocks / step")
+    top.set_title("expert exchange: blocks that took the spill round (mean per logging interval)")
+    bottom.plot(frac_steps, fraction, color="C3", marker="." if len(frac_steps) < 50 else None)
+    bottom.set_ylim(-0.02, 1.02)
+    bottom.set_ylabel("fraction of steps")
+    bottom.set_title("steps with any spill round")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(prog="python -m zaya_jax.plot", description=__doc__.split("\n")[0])
     parser.add_argument("workdir", type=Path, help=f"run directory holding {METRICS_FILE}")
@@ -179,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         written.append(load)
+    spills = plot_expert_exchange(records, out / "expert_exchange.png")
+    written += [spills] if spills else []
     for path in written:
         print(path)
     return 0

@@ -44,7 +44,7 @@ import functools
 import json
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import ml_collections
@@ -71,7 +71,14 @@ from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.parallel.sharding import shard_batch
 from zaya_jax.train_eval import downstream_tasks, evaluate
-from zaya_jax.train_state import TrainState, check_batch_divides, make_eval_step, train_program
+from zaya_jax.train_state import (
+    SPILL_BLOCKS,
+    SPILL_STEP_FRACTION,
+    TrainState,
+    check_batch_divides,
+    make_eval_step,
+    train_program,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +102,42 @@ class _InFlight:
     drawn: int | None
 
 
-def _read(p: _InFlight) -> tuple[float, bool]:
-    """(loss, update skipped) of a dispatched step: waits for the step to finish."""
-    loss, skipped = jax.device_get((p.metrics["loss"], p.metrics["update_skipped"]))
-    return float(loss), bool(skipped)
+class _Verdict(NamedTuple):
+    """What the loop reads of every step: its loss, whether its update was skipped, and how many MoE
+    blocks took the expert exchange's spill round (None without a spill round)."""
+
+    loss: float
+    skipped: bool
+    spill_blocks: int | None
+
+
+def _read(p: _InFlight) -> _Verdict:
+    """A dispatched step's verdict: waits for the step to finish (one device_get for all three)."""
+    keys = ("loss", "update_skipped", SPILL_BLOCKS)
+    loss, skipped, spills = jax.device_get(tuple(p.metrics.get(k) for k in keys))
+    return _Verdict(float(loss), bool(skipped), None if spills is None else int(spills))
+
+
+@dataclasses.dataclass
+class _SpillTally:
+    """Spill rounds of the steps since the last train record, from every step's verdict (read with
+    its loss: no host sync of its own) -> the record's `expert_exchange/` metrics."""
+
+    steps: int = 0
+    spilled_steps: int = 0
+    blocks: int = 0
+
+    def add(self, spill_blocks: int | None) -> None:
+        if spill_blocks is not None:
+            self.steps += 1
+            self.spilled_steps += spill_blocks > 0
+            self.blocks += spill_blocks
+
+    def record(self) -> dict[str, float]:
+        """Mean spill blocks per step and the fraction of steps with any, since the last record."""
+        if not self.steps:
+            return {}
+        return {SPILL_BLOCKS: self.blocks / self.steps, SPILL_STEP_FRACTION: self.spilled_steps / self.steps}
 
 
 def _lookahead_loss(eval_step, state: TrainState, batch: dict[str, jax.Array]) -> float:
@@ -164,6 +203,7 @@ class Trainer:
         self.ahead: _Batch | None = None
         self.pending: _InFlight | None = None
         self.t_last, self.tokens_since = time.perf_counter(), 0
+        self.spills = _SpillTally()
 
     def run(self) -> dict[str, Any]:
         self.faults = FaultMonitor(self.c.fault, self.events.write, self.cfg.vocab_size)
@@ -197,9 +237,10 @@ class Trainer:
             current = self._dispatch(done)  # returns before the step ends
             if self.pending is not None:  # the previous step's verdict, read while this one runs
                 pending, self.pending = self.pending, None
-                if self._judge(pending, *_read(pending), functools.partial(_train_loss, current)):
+                verdict = _read(pending)
+                if self._judge(pending, verdict, functools.partial(_train_loss, current)):
                     continue  # step `done` ran on a discarded state: its result is dropped
-                self._log(pending)
+                self._log(pending, verdict)
             self.pending, self.step = current, done
             at = self.faults.boundary(done, self.ckpt.due(done))
             eval_due = bool(c.eval.every_steps and done % c.eval.every_steps == 0) or done == steps
@@ -208,12 +249,12 @@ class Trainer:
             # What follows must see this step's verdict (a checkpoint is never written for a step
             # whose loss was not checked): read it now.
             self.pending = None
-            loss, skipped = _read(current)
+            verdict = _read(current)
             self.faults.unwatch()
             next_loss = functools.partial(self._eval_next_loss, done + 1, self.state)
-            if self._judge(current, loss, skipped, next_loss):
+            if self._judge(current, verdict, next_loss):
                 continue
-            self._log(current)
+            self._log(current, verdict)
             if eval_due:
                 self._evaluate(done)
             if at.save or at.stop or done == steps:
@@ -245,10 +286,10 @@ class Trainer:
             self.ahead = self._fetch(n + 1)
         return _InFlight(n, metrics, batch.global_batch, drawn)
 
-    def _judge(self, p: _InFlight, loss: float, skipped: bool, next_loss: Callable[[], float]) -> bool:
+    def _judge(self, p: _InFlight, verdict: _Verdict, next_loss: Callable[[], float]) -> bool:
         """Step p's verdict; True if it rolled the run back."""
         self.tokens_since += p.global_batch * self.seq_len
-        action = self.faults.after_step(p.step, loss, skipped, next_loss)
+        action = self.faults.after_step(p.step, verdict.loss, verdict.skipped, next_loss)
         return action.do is Do.ROLL_BACK and self._roll_back(action.step, action.reason)
 
     def _eval_next_loss(self, n: int, updated: TrainState) -> float:
@@ -282,17 +323,22 @@ class Trainer:
         self.faults.rolled_back()
         self.step = to
         self.t_last, self.tokens_since = time.perf_counter(), 0
+        self.spills = _SpillTally()
         return True
 
     def _log_due(self, step: int) -> bool:
         return step % self.c.logging.every_steps == 0 or step == self.steps
 
-    def _log(self, p: _InFlight) -> None:
+    def _log(self, p: _InFlight, verdict: _Verdict) -> None:
         """Step p's train record, if one is due; p's verdict has been read (p is finished). Whatever
-        was dispatched since does not show: the record holds p's metrics and data position."""
+        was dispatched since does not show: the record holds p's metrics and data position, and
+        the spill rounds of the steps since the last record (p's included)."""
+        self.spills.add(verdict.spill_blocks)
         if not self._log_due(p.step):
             return
         m = {k: to_python(v) for k, v in jax.device_get(p.metrics).items()}
+        m.update(self.spills.record())
+        self.spills = _SpillTally()
         now = time.perf_counter()
         m["tokens_per_second"] = self.tokens_since / max(now - self.t_last, 1e-9)
         util = sizing.mfu(m["tokens_per_second"], self.cfg, self.seq_len, self.mesh.size, self.peak)

@@ -95,7 +95,8 @@ def state_shardings(state: TrainState, mesh: Mesh, zero1: bool = True) -> TrainS
 def loss_and_counts(
     model: ZayaForCausalLM, params: Any, balancing: Any, batch: Batch, loss_chunk: int = 512
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-    """(sum of token losses, (sum of loss weights, expert counts [L, E+1], dropped tokens [L]))."""
+    """(sum of token losses, (sum of loss weights, expert counts [L, E+1], dropped tokens [L],
+    exchange spills [L, devices]: ZayaOutput.exchange_spills))."""
     variables = {"params": params, BALANCING: balancing}
     out = model.apply(variables, batch["input_ids"], return_logits=False)
     head = lambda h: model.apply(variables, h, method=ZayaForCausalLM.logits_from_hidden)
@@ -104,7 +105,7 @@ def loss_and_counts(
     total, weight = chunked_cross_entropy(
         fold(out.hidden), fold(batch["targets"]), fold(batch["loss_mask"]), head, loss_chunk
     )
-    return total, (weight, out.expert_counts, out.dropped_tokens)
+    return total, (weight, out.expert_counts, out.dropped_tokens, out.exchange_spills)
 
 
 def split_microbatches(x: jax.Array, grad_accum: int, mesh: Mesh | None) -> jax.Array:
@@ -117,9 +118,11 @@ def split_microbatches(x: jax.Array, grad_accum: int, mesh: Mesh | None) -> jax.
     return x
 
 
-def accumulated_grads(grad_fn: Callable, params: Any, balancing: Any, micro: Batch, cfg: ZayaConfig):
+def accumulated_grads(grad_fn: Callable, params: Any, balancing: Any, micro: Batch):
     """Sums over the microbatches (leading axis of `micro`) of grad_fn's loss sum, its aux
-    (weight, expert counts [l, e+1], dropped tokens [l]) and gradients, in one lax.scan."""
+    (weight, expert counts [l, e+1], dropped tokens [l], exchange spills [l, devices]) and
+    gradients, in one lax.scan. The aux's zeros take grad_fn's own shapes (the spill flags have one
+    entry per device the model sees, fewer inside the per-rank loop of zaya_jax/parallel/zero1.py)."""
 
     def accumulate(carry, mb):
         (loss_sum, aux), grads = grad_fn(params, balancing, mb)
@@ -131,18 +134,16 @@ def accumulated_grads(grad_fn: Callable, params: Any, balancing: Any, micro: Bat
         ), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    aux0 = (
-        jnp.zeros(()),
-        jnp.zeros((cfg.num_hidden_layers, cfg.num_router_classes), jnp.float32),
-        jnp.zeros((cfg.num_hidden_layers,), jnp.int32),
-    )
+    first = jax.tree.map(lambda x: x[0], micro)
+    (_, aux_shapes), _ = jax.eval_shape(grad_fn, params, balancing, first)
+    aux0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes)
     out, _ = jax.lax.scan(accumulate, (jnp.zeros(()), aux0, zeros), micro)
     return out
 
 
 def step_gradients(cfg: ZayaConfig, mesh: Mesh | None, zero1: bool = True) -> Callable:
-    """grads(params, balancing, micro) -> (loss sum, (weight, counts, dropped), gradients): sums over
-    the whole global batch of `accumulated_grads`.
+    """grads(params, balancing, micro) -> (loss sum, (weight, counts, dropped, spills), gradients):
+    sums over the whole global batch of `accumulated_grads`.
 
     On a mesh with a data axis each data rank accumulates its own microbatches unreduced and the
     gradients are reduce-scattered once, after the loop, into the ZeRO-1 layout of the optimizer
@@ -154,10 +155,10 @@ def step_gradients(cfg: ZayaConfig, mesh: Mesh | None, zero1: bool = True) -> Ca
     model = ZayaForCausalLM(cfg, zero1_lib.step_meshes(mesh)[1] if per_rank else mesh)
     grad_fn = jax.value_and_grad(lambda p, b, mb: loss_and_counts(model, p, b, mb), has_aux=True)
     if not per_rank:
-        return lambda params, balancing, micro: accumulated_grads(grad_fn, params, balancing, micro, cfg)
+        return lambda params, balancing, micro: accumulated_grads(grad_fn, params, balancing, micro)
 
     def loop(params, balancing, micro):
-        loss_sum, aux, grads = accumulated_grads(grad_fn, params, balancing, micro, cfg)
+        loss_sum, aux, grads = accumulated_grads(grad_fn, params, balancing, micro)
         return (loss_sum, aux), grads
 
     def grads(params, balancing, micro):
@@ -217,6 +218,18 @@ def updated_state(
     return new.replace(step=state.step + 1, skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32))
 
 
+# The expert exchange's spill rounds (README "Metrics"): MoE block calls (layers x microbatches x
+# expert groups) that took it, per step; the trainer logs their mean over the steps since the last
+# record and the fraction of those steps with any.
+SPILL_BLOCKS = "expert_exchange/spill_blocks"
+SPILL_STEP_FRACTION = "expert_exchange/spill_step_fraction"
+
+
+def has_spill_round(cfg: ZayaConfig, mesh: Mesh | None) -> bool:
+    """Whether the step's expert exchange has a spill round (dropless with mesh.expert > 1)."""
+    return mesh is not None and mesh.shape["expert"] > 1 and cfg.moe_capacity_factor is None
+
+
 def make_train_step(
     cfg: ZayaConfig,
     tx: optax.GradientTransformation,
@@ -233,7 +246,7 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: Batch):
         micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum, mesh), batch)
-        loss_sum, (weight, counts, dropped), grads = gradients(state.params, state.balancing, micro)
+        loss_sum, (weight, counts, dropped, spills), grads = gradients(state.params, state.balancing, micro)
         denom = jnp.maximum(weight, 1.0)
         loss = loss_sum / denom
         grads = jax.tree.map(lambda g: g / denom, grads)
@@ -255,6 +268,9 @@ def make_train_step(
             "expert_load_max_over_mean": load["load_max_over_mean"],
             "expert_skip_fraction": load["skip_fraction"],
         }
+        if has_spill_round(cfg, mesh):
+            # Spill rounds run: [l, devices] summed over the group's n devices, each of which says so.
+            metrics[SPILL_BLOCKS] = jnp.sum(spills) // mesh.shape["expert"]
         return new_state, metrics
 
     return train_step
@@ -360,7 +376,7 @@ def make_eval_step(cfg: ZayaConfig, mesh: Mesh | None = None) -> Callable[[Any, 
     model = ZayaForCausalLM(cfg, mesh)
 
     def eval_step(variables, batch):
-        loss_sum, (weight, _, _) = loss_and_counts(model, variables["params"], variables[BALANCING], batch)
+        loss_sum, (weight, *_) = loss_and_counts(model, variables["params"], variables[BALANCING], batch)
         return {"loss_sum": loss_sum, "weight": weight}
 
     return eval_step

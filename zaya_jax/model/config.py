@@ -71,6 +71,9 @@ class ZayaConfig:
     # take a spill exchange, run only when some bucket overflowed (zaya_jax/parallel/expert.py).
     moe_exchange_capacity_factor: float = 1.5
     attention_impl: str = "xla"  # "xla" | "pallas" (flash attention) | "auto"
+    # Rematerialisation of the blocks: "none"; "full" keeps each block's input carry and recomputes
+    # the rest in the backward; "dots_saveable" also keeps the matmul outputs. Both keep what the
+    # expert exchange received (zaya_jax/parallel/expert.py), so the backward does not replay it.
     remat: str = "none"
     # How the blocks run: "scan" = one lax.scan over the [l, ...] parameter stacks (one compiled block
     # whatever the depth), "unroll" = the same scan fully unrolled (straight-line blocks: no stacked

@@ -110,6 +110,28 @@ def dense_moe(
     return jnp.einsum("me,emd->md", onehot_me, y_emd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def cotangent_as(y: jax.Array, dtype) -> jax.Array:
+    """Identity on the experts' fp32 output whose backward rounds the cotangent to `dtype` (the
+    compute dtype): how every dispatch consumes it. The tiled and Pallas kernels cast it to their
+    operand dtype first thing (a bf16 x fp32 backward dot runs in bf16), so there it changes no
+    value; `ragged_dot` and `dense` would run that dot in fp32. One rule for every dispatch keeps
+    the expert exchange (which sends this cotangent in `dtype`, zaya_jax/parallel/expert.py) equal
+    to one device whatever `moe_impl`."""
+    return y
+
+
+def _cotangent_as_fwd(y, dtype):
+    return y, None
+
+
+def _cotangent_as_bwd(dtype, _, ct):
+    return (ct.astype(dtype).astype(ct.dtype),)
+
+
+cotangent_as.defvjp(_cotangent_as_fwd, _cotangent_as_bwd)
+
+
 def resolve_moe_impl(moe_impl: str, platform: str) -> str:
     """`auto` for devices of `platform` (zaya_jax.parallel.mesh.device_platform): "tiled" on CPU,
     "pallas" on GPUs (XLA:CPU and XLA:GPU both expand ragged_dot into every expert on every
@@ -133,11 +155,14 @@ def local_dispatch(moe_impl: str, platform: str) -> Callable:
 
 
 class ZayaExperts(nn.Module):
-    """x [M, d] (compute dtype), expert [M], weight [M] -> (weight * Expert(x) fp32 [M, d], dropped).
+    """x [M, d] (compute dtype), expert [M], weight [M] -> (weight * Expert(x) fp32 [M, d], dropped,
+    spilled).
 
     Without a mesh the dispatch runs on the global token array; with one, inside shard_map on each
     device's tokens, exchanging them over the "expert" axis when it is > 1 (zaya_jax/parallel/expert.py).
-    `dropped` counts tokens that lost their expert to a capacity limit (always 0 when dropless).
+    `dropped` counts tokens that lost their expert to a capacity limit (always 0 when dropless);
+    `spilled` int32 [devices] (1 without a mesh) is 1 on the devices whose expert group ran the
+    exchange's spill round.
     """
 
     cfg: ZayaConfig
@@ -146,23 +171,24 @@ class ZayaExperts(nn.Module):
     @nn.compact
     def __call__(
         self, x_md: jax.Array, expert_m: jax.Array, weight_m: jax.Array
-    ) -> tuple[jax.Array, jax.Array]:
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = nn.initializers.normal(cfg.initializer_range)
         gate_up = self.param("gate_up_proj", init, (e, d, 2 * i), cfg.params_dtype)
         down = self.param("down_proj", init, (e, i, d), cfg.params_dtype)
-        moe = local_dispatch(cfg.moe_impl, mesh_platform(self.mesh))
+        dispatch = local_dispatch(cfg.moe_impl, mesh_platform(self.mesh))
+        moe = lambda x, *rest: cotangent_as(dispatch(x, *rest), x.dtype)  # noqa: E731
         dt, act = cfg.compute_dtype, ACTIVATIONS[cfg.hidden_act]
         args = (x_md.astype(dt), expert_m, gate_up.astype(dt), down.astype(dt), act)
         if self.mesh is None:
-            y, dropped = moe(*args), jnp.zeros((), jnp.int32)
+            y, dropped, spilled = moe(*args), jnp.zeros((), jnp.int32), jnp.zeros((1,), jnp.int32)
         else:
-            y, dropped = expert_parallel_moe(
+            y, dropped, spilled = expert_parallel_moe(
                 *args,
                 local_moe=moe,
                 mesh=self.mesh,
                 capacity_factor=cfg.moe_capacity_factor,
                 exchange_factor=cfg.moe_exchange_capacity_factor,
             )
-        return y * weight_m[:, None].astype(jnp.float32), dropped
+        return y * weight_m[:, None].astype(jnp.float32), dropped, spilled

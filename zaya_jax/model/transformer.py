@@ -28,6 +28,7 @@ from zaya_jax.model.norm import RMSNorm
 from zaya_jax.model.residual import ResidualScaling
 from zaya_jax.model.router import BALANCING, ZayaRouter
 from zaya_jax.parallel.context import flatten_tokens, unflatten_tokens
+from zaya_jax.parallel.expert import EXCHANGE_NAMES
 from zaya_jax.parallel.mesh import mesh_platform
 
 
@@ -36,13 +37,16 @@ class ZayaOutput:
     """logits: fp32 [B, S, V] (None with return_logits=False); hidden: final-normed fp32 [B, S, d];
     expert_counts: tokens per class per block, padding excluded, fp32 [L, E+1] (class E = skip);
     router_probs: fp32 [L, B, S, E+1]; dropped_tokens: tokens per block that lost their expert to an
-    expert-parallel capacity limit, int32 [L] (0 when dropless)."""
+    expert-parallel capacity limit, int32 [L] (0 when dropless); exchange_spills: int32 [L, devices]
+    (split over the devices; [L, 1] without a mesh), 1 where the device's expert group ran the
+    exchange's spill round in that block (zaya_jax/parallel/expert.py)."""
 
     logits: jax.Array | None
     hidden: jax.Array
     expert_counts: jax.Array
     router_probs: jax.Array
     dropped_tokens: jax.Array
+    exchange_spills: jax.Array
     cache: Any = None  # the updated KVCache when called with one (decoding)
 
 
@@ -70,7 +74,8 @@ def init_cache(cfg: ZayaConfig, batch: int, max_len: int, dtype: Any = None) -> 
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + experts: x [B, S, d], router state [B, S, R] -> (y fp32 [B, S, d], routing, dropped)."""
+    """Router + experts: x [B, S, d], router state [B, S, R] -> (y fp32 [B, S, d], routing, dropped,
+    spilled) (ZayaExperts)."""
 
     cfg: ZayaConfig
     mesh: Mesh | None = None
@@ -79,7 +84,7 @@ class SparseMoeBlock(nn.Module):
     def __call__(self, x_bsd, prev_router_state):
         routing = ZayaRouter(self.cfg, name="gate")(x_bsd, prev_router_state)
         tokens = lambda x: flatten_tokens(x, self.mesh)  # [B, S, ...] -> [B*S, ...], no data moved
-        y, dropped = ZayaExperts(self.cfg, self.mesh, name="experts")(
+        y, dropped, spilled = ZayaExperts(self.cfg, self.mesh, name="experts")(
             tokens(x_bsd), tokens(routing.expert_bs), tokens(routing.weight_bs)
         )
         y = unflatten_tokens(y, x_bsd.shape[0], self.mesh)
@@ -87,7 +92,7 @@ class SparseMoeBlock(nn.Module):
             skip = self.cfg.num_experts
             w_skip = jnp.where(routing.expert_bs == skip, routing.probs_bse[..., skip], 0.0)
             y = y + w_skip[..., None] * x_bsd.astype(jnp.float32)
-        return y, routing, dropped
+        return y, routing, dropped, spilled
 
 
 class ZayaBlock(nn.Module):
@@ -117,7 +122,7 @@ class ZayaBlock(nn.Module):
             new_layer_cache = None
         h = ResidualScaling(cfg.params_dtype, name="post_attention_residual_scale")(a, h)
 
-        y, routing, dropped = SparseMoeBlock(cfg, self.mesh, name="mlp")(
+        y, routing, dropped, spilled = SparseMoeBlock(cfg, self.mesh, name="mlp")(
             norm("post_attention_layernorm")(h), router_state
         )
         h = ResidualScaling(cfg.params_dtype, name="post_mlp_residual_scale")(y, h)
@@ -128,7 +133,7 @@ class ZayaBlock(nn.Module):
             else padding_mask_bs.astype(jnp.float32)
         )
         counts = jnp.zeros((cfg.num_router_classes,), jnp.float32).at[routing.expert_bs].add(token_weight)
-        return (h, routing.next_state_bsr), (counts, routing.probs_bse, dropped, new_layer_cache)
+        return (h, routing.next_state_bsr), (counts, routing.probs_bse, dropped, spilled, new_layer_cache)
 
 
 # "auto" unrolls up to this many blocks: compile time grows linearly with the unrolled depth.
@@ -153,9 +158,14 @@ def resolve_scan_layers(scan_layers: str, num_layers: int, platform: str) -> str
     return "unroll" if platform == "cpu" and num_layers <= MAX_AUTO_UNROLLED_LAYERS else "scan"
 
 
+# Both policies save what the expert exchange received (parallel/expert.py EXCHANGE_NAMES): the
+# backward reuses it instead of replaying the forward all-to-alls (4 exchanges per MoE block, not 6).
+_SAVE_EXCHANGE = jax.checkpoint_policies.save_only_these_names(*EXCHANGE_NAMES)
 REMAT_POLICIES = {
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_saveable, _SAVE_EXCHANGE
+    ),
+    "full": _SAVE_EXCHANGE,
 }
 
 
@@ -246,7 +256,7 @@ class ZayaForCausalLM(nn.Module):
             jnp.float32
         )
         carry = (h, jnp.zeros((b, s, cfg.router_hidden_size), jnp.float32))
-        (h, _), (counts, probs, dropped, new_layers) = self.layers(
+        (h, _), (counts, probs, dropped, spilled, new_layers) = self.layers(
             carry, (*self.per_layer_inputs(), layer_caches), positions, attention_mask, segment_ids, kv_shared
         )
         new_cache = None if cache is None else KVCache(new_layers, kv_shared[1], kv_shared[2])
@@ -258,6 +268,7 @@ class ZayaForCausalLM(nn.Module):
             expert_counts=counts,
             router_probs=probs,
             dropped_tokens=dropped,
+            exchange_spills=spilled,
             cache=new_cache,
         )
 

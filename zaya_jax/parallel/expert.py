@@ -18,7 +18,21 @@ the same four steps with T - C slots per destination (a bucket never holds more 
 the two rounds together always fit: nothing is dropped). The spill runs under `lax.cond` on an
 overflow flag reduced (max) over the "expert" axis, the devices that exchange with each other; in
 the common case no bucket overflows and the spill costs that one scalar all-reduce. Its backward
-is the same `cond` on the saved flag, so the gradient exchange is spill-free too.
+is the same `cond` on the saved flag, so the gradient exchange is spill-free too. The flag comes
+back per device (`spilled`, gathered by nothing) and the train step counts the blocks that took
+the spill round (metrics `expert_exchange/spill_blocks`, `expert_exchange/spill_step_fraction`).
+
+The default f = 1.5 (issue 29's measurement). Whatever f, main + spill together move at most the
+C = T exchange's n x T slots per transfer, so f only trades the main round's size against how often
+the spill runs: expected slots per transfer f + p (n - f), in units of T, with p the share of block
+calls that spill. configs/tiny.py's 300-step run at expert=4 (4 devices, 512 tokens per device, 4
+blocks) has a far-from-balanced router (per-layer max/mean expert load 2.3 to 8 over the first 100
+steps, 1.1 to 5 at step 300), so the spill ran on every step: p = 1.00 / 0.80 / 0.69 / 0.44 of the
+1200 block calls at f = 1 / 1.5 / 2 / 3 (0.58 / 0.46 / 0.16 at f = 1.5 / 2 / 3 over the last 100
+steps), i.e. 4.00 / 3.49 / 3.37 / 3.44 slots per transfer (C = T: 4.00): flat in f. Only a router
+balanced per device makes f matter, and then a smaller main round pays: 1.5 keeps phase1's main
+path compiled for H100 at 1.875x the ideal bytes (the 2x target needs f <= 1.6) and the experts'
+grouped matmuls on 1.5 T slots per device.
 
 Why this spill and not another (issue 17):
   - `jax.lax.ragged_all_to_all` (exact sizes) has no XLA:CPU lowering (jax 0.10.2), and on GPU
@@ -30,14 +44,27 @@ Why this spill and not another (issue 17):
   - Computing overflow tokens locally with all-gathered expert weights moves E/n x 3 d I weights
     per block, far more than the tokens (ZAYA1: 2048 x 3 x 2048 weights per expert vs. 2048 values
     per token).
+Under remat the backward reuses what the forward received: the main round names its received
+tokens and ids, its returned expert outputs and the overflow flag (EXCHANGE_NAMES), every remat
+policy saves them (zaya_jax/model/transformer.py), so a remat'd block runs 4 exchanges (dispatch
+and combine forward, their transposes backward), not 6 (the forward replayed). The price is memory:
+`remat_saved_bytes` per block, f x T x d in the compute dtype plus T x d fp32 (ZAYA1 phase1, one
+4096-token sequence per device at expert=4: 58.7 MB per block, 2.19 GiB over 40 blocks; counted
+by zaya_jax.sizing). The spill round names nothing: remat would keep a cond's residuals of both
+branches on every step, so a spill that ran is replayed instead (6 exchanges, on those steps only).
+The combine's backward sends the outputs' cotangent in the compute dtype (`_combine`): every local
+dispatch consumes it so (zaya_jax/model/moe.py `cotangent_as`), so no value changes.
+
 Bytes per MoE block of the compiled train step (dispatch + combine, forward + backward; read by
-benchmarks/collectives.py `all_to_all_bytes`, asserted in tests/test_expert_exchange.py): at
-data=2 x expert=4 with the tiny test model in fp32 (64 tokens per device) the C = T exchange moved
-4.0x the ideal 4 x T x d x itemsize (n x); the main path now moves 1.5x (C = 24 of 64 slots) plus
-one byte per slot of int8 expert ids. configs/zaya1_base.py:phase1 at data=2 x expert=4: 12.0x
-before, 4.5x now (remat "full" repeats the forward exchange, and XLA:CPU moves bf16 all-to-alls
-as fp32; benchmarks/README.md "expert exchange"). The combine returns fp32 expert outputs (as the
-single-device path does), so in bf16 it moves twice the dispatch bytes.
+benchmarks/collectives.py `all_to_all_bytes`, asserted in tests/test_expert_exchange.py and, for
+the GPU compiler, tests/test_gpu_compile.py): at data=2 x expert=4 with the tiny test model in
+fp32 (64 tokens per device) the C = T exchange moved 4.0x the ideal 4 x T x d x itemsize (n x); the
+main path now moves 1.5x (C = 24 of 64 slots) plus one byte per slot of int8 expert ids, with or
+without remat. configs/zaya1_base.py:phase1 at data=2 x expert=4 (one sequence per device per
+microbatch): 12.0x before issue 17, 4.5x on XLA:CPU and 3.375x compiled for H100 before issue 29
+(remat replayed the forward exchange), now 3.0x on XLA:CPU (which moves bf16 all-to-alls as fp32)
+and 1.875x for H100: f x (2 + 4 + 2 + 2) / 8, bf16 tokens, fp32 outputs (as the single-device path
+returns them), bf16 cotangents (benchmarks/README.md "expert exchange").
 
 With `capacity_factor` f (the dropping mode), C = ceil(f * T / n) rounded up to a multiple of 8 and
 there is no spill: tokens past a bucket's capacity get a zero expert output (the residual carries
@@ -48,11 +75,13 @@ would otherwise gather the batch).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -60,6 +89,12 @@ from zaya_jax.parallel.mesh import MESH_AXES
 
 BATCH = MESH_AXES  # tokens are split over every axis
 DEFAULT_EXCHANGE_FACTOR = 1.5
+# What the exchange received, by name (jax.ad_checkpoint.checkpoint_name): every remat policy saves
+# them (zaya_jax/model/transformer.py), so a remat'd block's backward reuses them instead of
+# replaying the forward all-to-alls. RECEIVED: the tokens and expert ids a device received [n, C, .];
+# RETURNED: the expert outputs back on the tokens' device, fp32 [T, d]; OVERFLOW: the spill flag.
+RECEIVED, RETURNED, OVERFLOW = "expert_exchange_received", "expert_exchange_returned", "expert_exchange_overflow"
+EXCHANGE_NAMES = (RECEIVED, RETURNED, OVERFLOW)
 
 
 def capacity(tokens: int, ranks: int, capacity_factor: float | None) -> int:
@@ -68,6 +103,22 @@ def capacity(tokens: int, ranks: int, capacity_factor: float | None) -> int:
         return tokens
     c = math.ceil(capacity_factor * tokens / ranks)
     return min(tokens, -(-c // 8) * 8)
+
+
+def remat_saved_bytes(
+    tokens: int, ranks: int, hidden: int, experts: int, itemsize: int, factor: float, dropless: bool = True
+) -> int:
+    """Bytes per device that one remat'd MoE block keeps of its exchange (EXCHANGE_NAMES) with
+    `factor` x T/n slots per peer: the tokens received [n, C, d] (compute dtype) and their expert
+    ids [n, C], the expert outputs returned, fp32 [T, d], and the dropless exchange's int32 overflow
+    flag. The spill round keeps nothing (the backward replays a spill that ran). 0 without an
+    exchange (n = 1)."""
+    if ranks == 1:
+        return 0
+    cap = capacity(tokens, ranks, factor)
+    id_bytes = 1 if experts // ranks < 127 else 4  # _exchange's id dtype
+    flag = 4 if dropless and cap < tokens else 0
+    return ranks * cap * (hidden * itemsize + id_bytes) + tokens * hidden * 4 + flag
 
 
 def _bucket(expert_m: jax.Array, num_experts: int, ranks: int) -> tuple[jax.Array, jax.Array]:
@@ -82,26 +133,48 @@ def _bucket(expert_m: jax.Array, num_experts: int, ranks: int) -> tuple[jax.Arra
     return rank, slot
 
 
-def _exchange(x_md, rank_m, slot_m, send_m, local_m, n, cap, gate_up, down, act, local_moe):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _combine(out_ncd: jax.Array, ct_dtype) -> jax.Array:
+    """The expert outputs [n, C, d] (fp32) back to their senders. The backward sends their cotangent
+    in `ct_dtype` (the compute dtype): every local dispatch consumes it so (zaya_jax/model/moe.py,
+    `cotangent_as`), so the gradient exchange moves half the bytes for the same values."""
+    return jax.lax.all_to_all(out_ncd, "expert", 0, 0)
+
+
+def _combine_fwd(out_ncd, ct_dtype):
+    return _combine(out_ncd, ct_dtype), None
+
+
+def _combine_bwd(ct_dtype, _, ct_ncd):
+    return (jax.lax.all_to_all(ct_ncd.astype(ct_dtype), "expert", 0, 0).astype(ct_ncd.dtype),)
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def _exchange(x_md, rank_m, slot_m, send_m, local_m, n, cap, gate_up, down, act, local_moe, saved=True):
     """One round: tokens with `send_m` go to slot `slot_m` (< cap) of rank `rank_m`'s bucket [n, cap,
-    d], run on that rank's expert `local_m` and come back. fp32 [T, d], zero for tokens not sent."""
+    d], run on that rank's expert `local_m` and come back. fp32 [T, d], zero for tokens not sent.
+    `saved`: name what it received (EXCHANGE_NAMES) for remat to keep."""
     d, per_rank = x_md.shape[1], gate_up.shape[0]  # gate_up holds this device's E/n experts
+    name = checkpoint_name if saved else lambda v, _: v
     # Ids fit a byte for any realistic E/n; `per_rank` marks an empty slot (the skip class locally).
     id_dtype = jnp.int8 if per_rank < 127 else jnp.int32
     dest = jnp.where(send_m, rank_m, n)  # row n is out of range: mode="drop" sends nothing
     slot = jnp.where(send_m, slot_m, 0)
     send_x = jnp.zeros((n, cap, d), x_md.dtype).at[dest, slot].set(x_md, mode="drop")
     send_id = jnp.full((n, cap), per_rank, id_dtype).at[dest, slot].set(local_m.astype(id_dtype), mode="drop")
-    recv_x = jax.lax.all_to_all(send_x, "expert", 0, 0)
-    recv_id = jax.lax.all_to_all(send_id, "expert", 0, 0).astype(jnp.int32)
+    recv_x = name(jax.lax.all_to_all(send_x, "expert", 0, 0), RECEIVED)
+    recv_id = name(jax.lax.all_to_all(send_id, "expert", 0, 0), RECEIVED).astype(jnp.int32)
     out = local_moe(recv_x.reshape(n * cap, d), recv_id.reshape(-1), gate_up, down, act)
-    back = jax.lax.all_to_all(out.reshape(n, cap, d), "expert", 0, 0)
-    return jnp.where(send_m[:, None], back[jnp.minimum(rank_m, n - 1), slot], 0.0)
+    back = _combine(out.reshape(n, cap, d), x_md.dtype)
+    return name(jnp.where(send_m[:, None], back[jnp.minimum(rank_m, n - 1), slot], 0.0), RETURNED)
 
 
 def _dropless_exchange(x_md, expert_m, num_experts, n, cap, gate_up, down, act, local_moe):
     """The main round with `cap` slots per destination, plus the spill round (T - cap slots) under
-    a cond when any bucket of the expert group overflowed. fp32 [T, d]; drops nothing."""
+    a cond when any bucket of the expert group overflowed -> (fp32 [T, d], int32 1 if the spill
+    round ran, else 0: the same on the group's n devices). Drops nothing."""
     t = x_md.shape[0]
     rank, slot = _bucket(expert_m, num_experts, n)
     local = expert_m % (num_experts // n)
@@ -109,15 +182,17 @@ def _dropless_exchange(x_md, expert_m, num_experts, n, cap, gate_up, down, act, 
     main = routed & (slot < cap)
     y = _exchange(x_md, rank, slot, main, local, n, cap, gate_up, down, act, local_moe)
     if cap >= t:
-        return y
+        return y, jnp.zeros((), jnp.int32)
     spill = routed & ~main
-    overflow = jax.lax.pmax(jnp.any(spill).astype(jnp.int32), "expert") > 0
+    overflow = checkpoint_name(jax.lax.pmax(jnp.any(spill).astype(jnp.int32), "expert"), OVERFLOW)
 
+    # Unnamed: remat saving a cond's residuals keeps every branch's (the untaken one's as zeros), so
+    # naming these would cost their memory on every step; the backward replays a spill that ran.
     def spill_round(x, g, dn):
-        return _exchange(x, rank, slot - cap, spill, local, n, t - cap, g, dn, act, local_moe)
+        return _exchange(x, rank, slot - cap, spill, local, n, t - cap, g, dn, act, local_moe, saved=False)
 
     no_spill = lambda x, g, dn: jnp.zeros(x.shape, jnp.float32)
-    return y + jax.lax.cond(overflow, spill_round, no_spill, x_md, gate_up, down)
+    return y + jax.lax.cond(overflow > 0, spill_round, no_spill, x_md, gate_up, down), overflow
 
 
 def expert_parallel_moe(
@@ -130,27 +205,31 @@ def expert_parallel_moe(
     mesh: Mesh,
     capacity_factor: float | None = None,
     exchange_factor: float = DEFAULT_EXCHANGE_FACTOR,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Global tokens [T, d] (split over every mesh axis) and experts [E, ...] (split over "expert")
-    -> (y [T, d] fp32, dropped-token count). `local_moe(x, ids, gate_up, down, act)` is the
-    single-device dispatch (sparse or dense) applied to each device's received tokens.
+    -> (y [T, d] fp32, dropped-token count, spilled). `local_moe(x, ids, gate_up, down, act)` is
+    the single-device dispatch (sparse or dense) applied to each device's received tokens.
     `capacity_factor` None is dropless (main exchange of `exchange_factor` x T/n slots per peer plus
-    the spill); a number caps every bucket at that factor and drops the rest."""
+    the spill); a number caps every bucket at that factor and drops the rest.
+    spilled: int32 [devices] (split over every axis, like the tokens), 1 on each device whose
+    expert group ran the spill round, else 0; no collective gathers it (a sum over it / n counts
+    the groups that spilled)."""
+    no_spill = jnp.zeros((mesh.size,), jnp.int32)
     if mesh.size == 1 and capacity_factor is None:
         # One device exchanges nothing. Without shard_map its transpose adds no all-reduce of the
         # expert weight gradients over that one device: XLA:CPU would copy all of them each step.
-        return local_moe(x_md, expert_m, gate_up_edf, down_efd, act), jnp.zeros((), jnp.int32)
+        return local_moe(x_md, expert_m, gate_up_edf, down_efd, act), jnp.zeros((), jnp.int32), no_spill
     num_experts = gate_up_edf.shape[0]
     n = mesh.shape["expert"]
 
     def per_device(x, expert, gate_up, down):
-        t = x.shape[0]
+        t, zero = x.shape[0], jnp.zeros((), jnp.int32)
         if capacity_factor is None:
             if n == 1:
-                return local_moe(x, expert, gate_up, down, act), jnp.zeros((), jnp.int32)
+                return local_moe(x, expert, gate_up, down, act), zero, zero[None]
             cap = capacity(t, n, exchange_factor)
-            y = _dropless_exchange(x, expert, num_experts, n, cap, gate_up, down, act, local_moe)
-            return y, jnp.zeros((), jnp.int32)
+            y, spilled = _dropless_exchange(x, expert, num_experts, n, cap, gate_up, down, act, local_moe)
+            return y, zero, spilled[None]
         cap = capacity(t, n, capacity_factor)
         rank, slot = _bucket(expert, num_experts, n)
         kept = (rank < n) & (slot < cap)
@@ -159,12 +238,12 @@ def expert_parallel_moe(
         else:
             local = expert % (num_experts // n)
             y = _exchange(x, rank, slot, kept, local, n, cap, gate_up, down, act, local_moe)
-        return y, jax.lax.psum(jnp.sum((rank < n) & ~kept), MESH_AXES)
+        return y, jax.lax.psum(jnp.sum((rank < n) & ~kept), MESH_AXES), zero[None]
 
     return jax.shard_map(
         per_device,
         mesh=mesh,
         in_specs=(P(BATCH, None), P(BATCH), P("expert", None, None), P("expert", None, None)),
-        out_specs=(P(BATCH, None), P()),
+        out_specs=(P(BATCH, None), P(), P(BATCH)),
         check_vma=False,
     )(x_md, expert_m, gate_up_edf, down_efd)

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.parallel.context import config_context
+from zaya_jax.parallel.expert import remat_saved_bytes
 from zaya_jax.parallel.mesh import parse_mesh_spec, resolve_mesh_sizes
 from zaya_jax.parallel.sharding import mesh_axes, zero1_spec
 from zaya_jax.sizing.counts import param_counts, param_leaves
@@ -218,6 +219,9 @@ def activation_bytes(
                      while it is recomputed in the backward pass
       full           L x block carry (h fp32 [d] + router state fp32 [R]) per token, + one block's
                      full activations while it is recomputed
+    and, with remat and `expert_axis` n > 1, L x what each block's expert exchange received (its
+    tokens and ids, f x T/n slots per peer, and the returned fp32 expert outputs [T, d]:
+    zaya_jax/parallel/expert.py `remat_saved_bytes`), which the backward reuses;
     plus, when the compute dtype differs from param_dtype, the compute-dtype copies of the block
     weights (every block's for `none`, one block's otherwise; experts divided by `expert_axis`), and
     outside the blocks: the embedding output and final norm (fp32 [d] each, per token) and one loss
@@ -236,6 +240,12 @@ def activation_bytes(
         per_token = n * (carry + _dots_saved_per_token(cfg, seq_len)) + block
     else:
         per_token = n * carry + block
+    exchange = 0.0
+    if remat != "none":
+        dropless = cfg.moe_capacity_factor is None
+        factor = cfg.moe_exchange_capacity_factor if dropless else cfg.moe_capacity_factor
+        args = (tokens, expert_axis, cfg.hidden_size, cfg.num_experts, _DTYPE_BYTES[cfg.dtype], factor, dropless)
+        exchange = n * remat_saved_bytes(*args)
     casts = 0.0
     if cfg.dtype != cfg.param_dtype:
         pc = param_counts(cfg)
@@ -248,7 +258,7 @@ def activation_bytes(
     gathered = 0.0
     if context > 1:
         gathered = (n if remat == "none" else 1) * kv_all_gather_bytes(cfg, seq_len, micro_batch, 1)
-    return tokens * per_token + casts + outside + loss + gathered
+    return tokens * per_token + exchange + casts + outside + loss + gathered
 
 
 def kv_all_gather_bytes(cfg: ZayaConfig, seq_len: int, micro_batch: int, context: int) -> float:
