@@ -146,20 +146,23 @@ def plot_expert_load(records: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def arg_parser() -> cli.ArgumentParser:
     parser = cli.ArgumentParser(prog="python -m zaya_jax.plot", description=__doc__.split("\n")[0])
     parser.add_argument("workdir", type=Path, help=f"run directory holding {METRICS_FILE}")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: WORKDIR)")
     parser.add_argument("--log-y", action="store_true", help="log-scale loss axis")
     parser.add_argument(
         "--smooth",
-        type=float,
+        type=cli.Float(min=0.0, max=1.0, max_open=True),
         default=0.0,
-        help="EMA weight of the past for the train loss, in [0, 1) (default 0: raw)",
+        help="EMA weight of the past for the train loss (default 0: raw)",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arg_parser()
     args = parser.parse_args(argv)
-    if not 0.0 <= args.smooth < 1.0:
-        parser.error(f"--smooth must be in [0, 1), got {args.smooth}")
     if not args.workdir.is_dir():
         parser.error(f"workdir {args.workdir} does not exist or is not a directory")
     if not (args.workdir / METRICS_FILE).is_file():

@@ -51,7 +51,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zaya_jax import cli, dry_run, host_memory, sizing
+from zaya_jax import cli, dry_run, gpu_target, host_memory, sizing
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
 from zaya_jax.cli import UserError
@@ -464,31 +464,43 @@ def _init_from_checkpoint(directory: str) -> tuple[Checkpointer, int]:
 FLAGS = flags.FLAGS
 
 
-def _define_flags() -> None:
-    """CLI flags, defined only when run as a program: importing this module defines none."""
+def _define_flags(fv=None) -> None:
+    """CLI flags, defined only when run as a program: importing this module defines none. On absl's
+    FLAGS, or the FlagValues `fv`; numeric and enumerated ones declare their values (zaya_jax/cli.py)."""
+    fv = FLAGS if fv is None else fv
     config_flags.DEFINE_config_file(
-        "config", None, "Training config file (configs/<name>.py[:arg]).", lock_config=True
+        "config", None, "Training config file (configs/<name>.py[:arg]).", lock_config=True, flag_values=fv
     )
-    flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, TensorBoard.")
+    flags.DEFINE_string(
+        "workdir", None, "Run directory: checkpoints, metrics.jsonl, TensorBoard.", flag_values=fv
+    )
     flags.DEFINE_bool(
         "dry_run",
         False,
         "Compile the full-size train step (for --dry_run_target), print memory per device, "
         "collectives and compile time, and exit; needs no --workdir (zaya_jax/dry_run.py).",
+        flag_values=fv,
     )
-    flags.DEFINE_integer(
-        "dry_run_devices", None, "Devices --dry_run simulates (default: the mesh size; 8 if an axis is -1)."
+    cli.define_flag(
+        "dry_run_devices",
+        None,
+        "Devices --dry_run simulates (default: the mesh size; 8 if an axis is -1).",
+        cli.Int(min=1),
+        fv,
     )
-    flags.DEFINE_string(
+    cli.define_flag(
         "dry_run_target",
         "cpu",
         "What --dry_run compiles for: cpu (simulated CPU devices), mi300x or h100 (deviceless GPUs, "
         "XLA's GPU compiler; pip install -e '.[gpu_compile]'), or a GpuTargetConfig text file.",
+        gpu_target.TARGET_FLAG,
+        fv,
     )
     flags.DEFINE_bool(
         "dry_run_fit",
         False,
         "With a GPU --dry_run_target: also find the largest microbatch (sequences per device) that fits.",
+        flag_values=fv,
     )
 
 
