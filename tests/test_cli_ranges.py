@@ -106,7 +106,7 @@ CONFIG_CASES = [
 def test_config_walk_covers_the_enumerations():
     keys = {k for k, _ in CONFIG_CASES}
     assert {"model.attention_impl", "optim.schedule", "optim.muon.mu_dtype", "balancing.fraction_of"} <= keys
-    assert {"seed", "optim.adamw.b2", "model.eos_token_id"} <= keys
+    assert {"seed", "optim.adamw.b2", "model.eos_token_id", "logging.dead_expert_window"} <= keys
 
 
 @pytest.mark.parametrize("key, value", CONFIG_CASES, ids=[k for k, _ in CONFIG_CASES])

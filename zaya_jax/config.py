@@ -53,6 +53,8 @@ overrides any key (`--config.train.steps=100`). Sections:
   eval.task_limit, eval.task_max_len   examples/documents per task (0 = all); tokens per scored
                             row (0 = train.seq_len)
   logging.every_steps, logging.tensorboard, logging.console
+  logging.dead_expert_window   steps without a token after which an expert counts as dead in the
+                            `expert_dead` metric (routing telemetry, zaya_jax/routing_telemetry.py)
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval = Section(
         {"every_steps": 200, "batches": 0, "batch_size": 16, "tasks": (), "task_limit": 0, "task_max_len": 0}
     )
-    c.logging = Section({"every_steps": 10, "tensorboard": True, "console": True})
+    c.logging = Section({"every_steps": 10, "tensorboard": True, "console": True, "dead_expert_window": 100})
     return c
 
 
@@ -335,6 +337,7 @@ def _validate_counts(c: ml_collections.ConfigDict) -> None:
         "eval.task_limit",
         "eval.task_max_len",
         "logging.every_steps",
+        "logging.dead_expert_window",
         "data.num_threads",
         "data.prefetch",
     ):
@@ -350,7 +353,8 @@ def _validate_counts(c: ml_collections.ConfigDict) -> None:
         section, name = key.split(".")
         value = c[section][name]
         _check(isinstance(value, (int, float)) and value >= 0, key, f"must be a number >= 0, got {value!r}")
-    _check(c.logging.every_steps > 0, "logging.every_steps", "must be > 0")
+    for key in ("every_steps", "dead_expert_window"):
+        _check(c.logging[key] > 0, f"logging.{key}", f"must be > 0, got {c.logging[key]}")
 
 
 def _validate_fault(c: ml_collections.ConfigDict) -> None:

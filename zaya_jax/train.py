@@ -70,6 +70,7 @@ from zaya_jax.metrics import MetricsLogger, to_python
 from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.parallel.sharding import shard_batch
+from zaya_jax.routing_telemetry import DEAD, DeadExperts
 from zaya_jax.train_eval import downstream_tasks, evaluate
 from zaya_jax.train_state import TrainState, check_batch_divides, make_eval_step, train_program
 
@@ -95,9 +96,12 @@ class _InFlight:
     drawn: int | None
 
 
-def _read(p: _InFlight) -> tuple[float, bool]:
-    """(loss, update skipped) of a dispatched step: waits for the step to finish."""
-    loss, skipped = jax.device_get((p.metrics["loss"], p.metrics["update_skipped"]))
+def _read(p: _InFlight, dead: DeadExperts) -> tuple[float, bool]:
+    """(loss, update skipped) of a dispatched step: waits for the step to finish. Its expert load
+    [L, E] comes in the same transfer and goes to the dead-expert window."""
+    m = p.metrics
+    loss, skipped, load = jax.device_get((m["loss"], m["update_skipped"], m["expert_load"]))
+    dead.observe(p.step, load)
     return float(loss), bool(skipped)
 
 
@@ -124,7 +128,8 @@ class Trainer:
 
     Loop state: `step` (the last step dispatched and kept), `state` (the train state after it),
     `ahead` (the next step's batch, put on the devices while a step runs), `pending` (a dispatched
-    step whose loss is not read yet), `tokens_since` / `t_last` (throughput since the last log).
+    step whose loss is not read yet), `tokens_since` / `t_last` (throughput since the last log),
+    `dead` (every read step's expert load, for the dead-expert count of the logs).
     """
 
     def __init__(self, c: ml_collections.ConfigDict, workdir: str):
@@ -163,6 +168,7 @@ class Trainer:
         }
         self.ahead: _Batch | None = None
         self.pending: _InFlight | None = None
+        self.dead = DeadExperts(c.logging.dead_expert_window)
         self.t_last, self.tokens_since = time.perf_counter(), 0
 
     def run(self) -> dict[str, Any]:
@@ -197,7 +203,7 @@ class Trainer:
             current = self._dispatch(done)  # returns before the step ends
             if self.pending is not None:  # the previous step's verdict, read while this one runs
                 pending, self.pending = self.pending, None
-                if self._judge(pending, *_read(pending), functools.partial(_train_loss, current)):
+                if self._judge(pending, *_read(pending, self.dead), functools.partial(_train_loss, current)):
                     continue  # step `done` ran on a discarded state: its result is dropped
                 self._log(pending)
             self.pending, self.step = current, done
@@ -208,7 +214,7 @@ class Trainer:
             # What follows must see this step's verdict (a checkpoint is never written for a step
             # whose loss was not checked): read it now.
             self.pending = None
-            loss, skipped = _read(current)
+            loss, skipped = _read(current, self.dead)
             self.faults.unwatch()
             next_loss = functools.partial(self._eval_next_loss, done + 1, self.state)
             if self._judge(current, loss, skipped, next_loss):
@@ -280,6 +286,7 @@ class Trainer:
         self.summary["rollbacks"] += 1
         self.logger.truncate_after(to)
         self.faults.rolled_back()
+        self.dead.reset()  # the steps since `to` are re-run
         self.step = to
         self.t_last, self.tokens_since = time.perf_counter(), 0
         return True
@@ -299,6 +306,7 @@ class Trainer:
         if util is not None:
             m["mfu"] = util
         m.update(_data_position(p.drawn, self.ramp, self.mixture, self.sources, self.seq_len))
+        m[DEAD] = self.dead.count(p.step)
         self.logger.log_train(p.step, m)
         self.t_last, self.tokens_since = now, 0
         self.summary["loss"] = m["loss"]

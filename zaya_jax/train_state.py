@@ -10,7 +10,7 @@ backprop.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import flax
 import jax
@@ -27,8 +27,21 @@ from zaya_jax.optim.chain import lr_schedule, make_optimizer
 from zaya_jax.parallel.context import CONTEXT, check_local_length, config_context, fold_sequences
 from zaya_jax.parallel.mesh import make_mesh, mesh_platform
 from zaya_jax.parallel.sharding import BATCH_AXES, batch_sharding, opt_state_shardings, param_shardings
+from zaya_jax.routing_telemetry import step_metrics as routing_step_metrics
 
 Batch = dict[str, jax.Array]  # input_ids / targets int32 [B, S], loss_mask fp32 [B, S]
+
+
+class StepAux(NamedTuple):
+    """What a forward pass sums besides the loss (over tokens; over microbatches in the step):
+    weight (loss weights) fp32 []; counts (tokens per class per block) fp32 [L, E+1]; dropped
+    (tokens past an expert-parallel capacity) int32 [L]; entropy (router entropies, nats) fp32 [L].
+    Fields are read by name, so adding one changes no caller."""
+
+    weight: jax.Array
+    counts: jax.Array
+    dropped: jax.Array
+    entropy: jax.Array
 
 
 @flax.struct.dataclass
@@ -86,8 +99,8 @@ def state_shardings(state: TrainState, mesh: Mesh, zero1: bool = True) -> TrainS
 
 def loss_and_counts(
     model: ZayaForCausalLM, params: Any, balancing: Any, batch: Batch, loss_chunk: int = 512
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-    """(sum of token losses, (sum of loss weights, expert counts [L, E+1], dropped tokens [L]))."""
+) -> tuple[jax.Array, StepAux]:
+    """(sum of token losses, StepAux of the batch)."""
     variables = {"params": params, BALANCING: balancing}
     out = model.apply(variables, batch["input_ids"], return_logits=False)
     head = lambda h: model.apply(variables, h, method=ZayaForCausalLM.logits_from_hidden)
@@ -96,7 +109,7 @@ def loss_and_counts(
     total, weight = chunked_cross_entropy(
         fold(out.hidden), fold(batch["targets"]), fold(batch["loss_mask"]), head, loss_chunk
     )
-    return total, (weight, out.expert_counts, out.dropped_tokens)
+    return total, StepAux(weight, out.expert_counts, out.dropped_tokens, out.router_entropy)
 
 
 def split_microbatches(x: jax.Array, grad_accum: int, mesh: Mesh | None) -> jax.Array:
@@ -110,8 +123,8 @@ def split_microbatches(x: jax.Array, grad_accum: int, mesh: Mesh | None) -> jax.
 
 
 def accumulated_grads(grad_fn: Callable, state: TrainState, micro: Batch, cfg: ZayaConfig):
-    """Sums over the microbatches (leading axis of `micro`) of grad_fn's loss sum, its aux
-    (weight, expert counts [l, e+1], dropped tokens [l]) and gradients, in one lax.scan."""
+    """Sums over the microbatches (leading axis of `micro`) of grad_fn's loss sum, its StepAux and
+    gradients, in one lax.scan."""
 
     def accumulate(carry, mb):
         (loss_sum, aux), grads = grad_fn(state.params, state.balancing, mb)
@@ -123,10 +136,12 @@ def accumulated_grads(grad_fn: Callable, state: TrainState, micro: Batch, cfg: Z
         ), None
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    aux0 = (
-        jnp.zeros(()),
-        jnp.zeros((cfg.num_hidden_layers, cfg.num_router_classes), jnp.float32),
-        jnp.zeros((cfg.num_hidden_layers,), jnp.int32),
+    layers = cfg.num_hidden_layers
+    aux0 = StepAux(
+        weight=jnp.zeros(()),
+        counts=jnp.zeros((layers, cfg.num_router_classes), jnp.float32),
+        dropped=jnp.zeros((layers,), jnp.int32),
+        entropy=jnp.zeros((layers,), jnp.float32),
     )
     out, _ = jax.lax.scan(accumulate, (jnp.zeros(()), aux0, zeros), micro)
     return out
@@ -195,7 +210,8 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: Batch):
         micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum, mesh), batch)
-        loss_sum, (weight, counts, dropped), grads = accumulated_grads(grad_fn, state, micro, cfg)
+        loss_sum, aux, grads = accumulated_grads(grad_fn, state, micro, cfg)
+        weight, counts = aux.weight, aux.counts
         denom = jnp.maximum(weight, 1.0)
         loss = loss_sum / denom
         grads = jax.tree.map(lambda g: g / denom, grads)
@@ -204,8 +220,9 @@ def make_train_step(
         # state) rather than poisoning the run; the trainer counts and reports these.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         new_state = updated_state(state, grads, grad_norm, counts, finite, tx, bal_cfg)
-        # The load that produced `counts` (under the old biases), the same whether or not skipped.
-        load = bal.expert_load_stats(counts, cfg.num_experts)
+        # The load that produced `counts` (under the old biases), the same whether or not skipped; the
+        # biases after the update (zaya_jax/routing_telemetry.py).
+        biases = bal.get_balancing_biases(new_state.variables)
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -213,9 +230,8 @@ def make_train_step(
             "tokens": weight,
             "update_skipped": ~finite,
             "skipped_steps": new_state.skipped_steps,  # so a step can be logged after the next is dispatched
-            "dropped_tokens": jnp.sum(dropped),
-            "expert_load_max_over_mean": load["load_max_over_mean"],
-            "expert_skip_fraction": load["skip_fraction"],
+            "dropped_tokens": jnp.sum(aux.dropped),
+            **routing_step_metrics(counts, aux.entropy, biases, cfg.num_experts),
         }
         return new_state, metrics
 
@@ -323,7 +339,7 @@ def make_eval_step(cfg: ZayaConfig, mesh: Mesh | None = None) -> Callable[[Any, 
     model = ZayaForCausalLM(cfg, mesh)
 
     def eval_step(variables, batch):
-        loss_sum, (weight, _, _) = loss_and_counts(model, variables["params"], variables[BALANCING], batch)
-        return {"loss_sum": loss_sum, "weight": weight}
+        loss_sum, aux = loss_and_counts(model, variables["params"], variables[BALANCING], batch)
+        return {"loss_sum": loss_sum, "weight": aux.weight}
 
     return eval_step
