@@ -34,6 +34,8 @@ from typing import Any, Sequence
 if __package__ in (None, ""):  # `python benchmarks/checkpoint_io.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from zaya_jax import cli  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -279,18 +281,24 @@ def table(r: dict[str, Any]) -> str:
     return "\n".join(f"{k:<{w}}  {v:>18}  {n}" for k, v, n in rows)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+def arg_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--config", default="configs/tiny.py")
     p.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")
     p.add_argument("--dir", default=None, help="scratch directory on the disk to measure")
     p.add_argument("--keep-dir", action="store_true")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=8, help="baseline steps for the async-stall measurement")
+    p.add_argument("--repeats", type=cli.Int(min=1), default=3)
+    p.add_argument(
+        "--steps", type=cli.Int(min=1), default=8, help="baseline steps for the async-stall measurement"
+    )
     p.add_argument("--out", default=".", help="directory for checkpoint_io.json")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return arg_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -304,4 +312,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -43,6 +43,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from benchmarks.common import simulate_cpu_devices, write_report
+from zaya_jax import cli
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
@@ -86,6 +87,11 @@ def parse_bytes(text: str | int) -> int:
     if t and t[-1] in mult:
         return int(float(t[:-1]) * mult[t[-1]])
     return int(t)
+
+
+BYTES_FLAG = cli.Int(
+    min=1, convert=parse_bytes, what="a size in bytes (4096, 64K, 1M, 1G)"
+)  # --min-bytes / --max-bytes (membw's too)
 
 
 def message_sizes(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
@@ -375,9 +381,9 @@ def expert_exchange_main(args: argparse.Namespace) -> dict[str, Any]:
 
     c = load_config(args.expert_exchange)
     if args.exchange_mesh:
-        c.mesh.data, c.mesh.fsdp, c.mesh.expert = (int(v) for v in args.exchange_mesh.split(","))
+        c.mesh.data, c.mesh.fsdp, c.mesh.expert = args.exchange_mesh
     n = c.mesh.expert if c.mesh.expert > 0 else jax.device_count()
-    factors = [float(f) for f in (args.exchange_factors or f"1.5,{n}").split(",")]
+    factors = args.exchange_factors or [1.5, float(n)]
     rows = expert_exchange(c, factors, jax.devices())
     result = {"benchmark": "expert_exchange", "config": args.expert_exchange, "results": rows}
     print(
@@ -390,26 +396,38 @@ def expert_exchange_main(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+def _mesh_size(text: str) -> int:
+    size = int(text)
+    if size < 1 and size != -1:
+        raise ValueError("a size is >= 1 or -1")
+    return size
+
+
+def arg_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--collectives", default=",".join(COLLECTIVES))
-    p.add_argument("--min-bytes", default="1K", help="smallest message (1K = 1024 bytes)")
-    p.add_argument("--max-bytes", default="1G", help="largest message")
-    p.add_argument("--factor", type=float, default=2.0, help="size multiplier between steps")
+    p.add_argument("--collectives", type=cli.ListOf(COLLECTIVES), default=",".join(COLLECTIVES))
+    p.add_argument("--min-bytes", type=BYTES_FLAG, default="1K", help="smallest message (1K = 1024 bytes)")
+    p.add_argument("--max-bytes", type=BYTES_FLAG, default="1G", help="largest message")
     p.add_argument(
-        "--device-counts", default=None, help="comma list (default powers of two up to all devices)"
+        "--factor", type=cli.Float(min=1.0, min_open=True), default=2.0, help="size multiplier between steps"
+    )
+    p.add_argument(
+        "--device-counts",
+        type=cli.ListOf(cli.Int(min=1)),
+        default=None,
+        help="comma list (default powers of two up to all devices)",
     )
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=cli.Int(min=0), default=5)
+    p.add_argument("--iters", type=cli.Int(min=1), default=20)
     p.add_argument("--broadcast-impl", default="auto", choices=("auto", "native", "masked_psum"))
     p.add_argument("--out", default=None, help="directory for collectives.json and the PNGs")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument(
         "--cpu-devices",
-        type=int,
+        type=cli.Int(min=1),
         default=None,
         help="simulate N CPU devices (sets XLA_FLAGS before jax loads; implies JAX_PLATFORMS=cpu)",
     )
@@ -420,15 +438,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="instead of the sweep: all-to-all bytes per MoE block of CONFIG's compiled train step "
         "(file.py[:arg]) against the ideal 4 x T x d x itemsize",
     )
-    p.add_argument("--exchange-mesh", default=None, help="data,fsdp,expert for --expert-exchange")
     p.add_argument(
-        "--exchange-factors", default=None, help="comma list of moe_exchange_capacity_factor (default 1.5,n)"
+        "--exchange-mesh",
+        type=cli.ListOf(cli.Parsed(_mesh_size, "a size >= 1 or -1", invalid=("0", "-2")), length=3),
+        default=None,
+        help="data,fsdp,expert for --expert-exchange",
+    )
+    p.add_argument(
+        "--exchange-factors",
+        type=cli.ListOf(cli.Float(min=0.0, min_open=True)),
+        default=None,
+        help="comma list of moe_exchange_capacity_factor (default 1.5,n)",
     )
     p.add_argument("--distributed", action="store_true", help="jax.distributed.initialize() (auto-detect)")
     p.add_argument("--coordinator", default=os.environ.get("ZAYA_COORDINATOR"))
-    p.add_argument("--num-processes", type=int, default=None)
-    p.add_argument("--process-id", type=int, default=None)
-    return p.parse_args(argv)
+    p.add_argument("--num-processes", type=cli.Int(min=1), default=None)
+    p.add_argument("--process-id", type=cli.Int(min=0), default=None)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return arg_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -439,19 +469,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     _initialize_distributed(args)
     if args.expert_exchange:
         return expert_exchange_main(args)
-    names = [c.strip() for c in args.collectives.split(",") if c.strip()]
-    for c in names:
-        busbw_factor(c, 2)  # validates the name
+    names = args.collectives
     devices = jax.devices()
-    counts = (
-        [int(c) for c in args.device_counts.split(",")]
-        if args.device_counts
-        else default_device_counts(len(devices))
-    )
+    counts = args.device_counts or default_device_counts(len(devices))
     bad = [c for c in counts if c < 1 or c > len(devices)]
     if bad:
         raise SystemExit(f"--device-counts {bad}: only {len(devices)} devices available")
-    sizes = message_sizes(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes), args.factor)
+    sizes = message_sizes(args.min_bytes, args.max_bytes, args.factor)
     lead = jax.process_index() == 0
     rows = []
     for name in names:
@@ -508,4 +532,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -21,13 +21,17 @@ COMPILE_EVENTS = (
 
 
 def simulate_cpu_devices(n: int | None) -> None:
-    """Before jax is imported: run on `n` simulated CPU devices (unless XLA_FLAGS already sets a count)."""
+    """Before jax's backends start: run on `n` simulated CPU devices (unless XLA_FLAGS already sets
+    a count). jax may be imported already (importing zaya_jax does): its platforms are then pinned
+    through its config, which it read from JAX_PLATFORMS at import."""
     if not n:
         return
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if "jax" in sys.modules:
+        sys.modules["jax"].config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 
 def host_info() -> dict[str, Any]:
@@ -111,13 +115,6 @@ def add_out_arg(p: argparse.ArgumentParser, name: str) -> None:
         default=f"results/{name}.json",
         help=f"JSON report: a .json path, or a directory for DIR/{name}.json ('' = do not write)",
     )
-
-
-def require_positive(p: argparse.ArgumentParser, args: argparse.Namespace, names: Sequence[str]) -> None:
-    """argparse error naming the flag when any of `names` (dest names) is < 1."""
-    for name in names:
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
 
 
 def print_and_write(report: dict[str, Any], table: str, summary: str, out: str, name: str) -> None:

@@ -58,7 +58,6 @@ from benchmarks.common import (  # noqa: E402
     format_rows,
     host_info,
     print_and_write,
-    require_positive,
     simulate_cpu_devices,
     timed_calls,
 )
@@ -71,6 +70,8 @@ from benchmarks.reference import (  # noqa: E402
     tiny_config,
     weights,
 )
+from zaya_jax import cli  # noqa: E402
+from zaya_jax.parallel.mesh import MESH_FLAG  # noqa: E402
 
 BUCKETED, UNBUCKETED, TORCH = "bucketed", "unbucketed", "torch"
 CHOICES_PER_EXAMPLE = 4
@@ -349,17 +350,26 @@ def summary_line(report: dict[str, Any]) -> str:
     )
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+def arg_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(
         prog="python -m benchmarks.evaluate",
         description=__doc__.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--requests", type=int, default=256, help="requests (choices) to score (default 256)")
-    p.add_argument("--max-len", type=int, default=256, help="longest request / largest bucket (default 256)")
-    p.add_argument("--batch-size", type=int, default=8, help="rows per batch, all sides (default 8)")
     p.add_argument(
-        "--min-bucket", type=int, default=64, help="smallest bucket of the bucketed side (Scorer default 64)"
+        "--requests", type=cli.Int(min=1), default=256, help="requests (choices) to score (default 256)"
+    )
+    p.add_argument(
+        "--max-len", type=cli.Int(min=8), default=256, help="longest request / largest bucket (default 256)"
+    )
+    p.add_argument(
+        "--batch-size", type=cli.Int(min=1), default=8, help="rows per batch, all sides (default 8)"
+    )
+    p.add_argument(
+        "--min-bucket",
+        type=cli.Int(min=1),
+        default=64,
+        help="smallest bucket of the bucketed side (Scorer default 64)",
     )
     p.add_argument(
         "--lengths",
@@ -367,10 +377,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="loguniform",
         help="how example lengths are drawn from [8, max_len] (default loguniform)",
     )
-    p.add_argument("--iters", type=int, default=3, help="timed passes per side, median taken (default 3)")
+    p.add_argument(
+        "--iters", type=cli.Int(min=1), default=3, help="timed passes per side, median taken (default 3)"
+    )
     p.add_argument(
         "--warmup",
-        type=int,
+        type=cli.Int(min=1),
         default=1,
         help="untimed passes per side before timing, the first one compiles (default 1, >= 1)",
     )
@@ -383,15 +395,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     add_torch_args(p)
     p.add_argument(
-        "--mesh", default="none", help="our sides' mesh: none (one device, default), auto, data=2,expert=4"
+        "--mesh",
+        type=MESH_FLAG,
+        default="none",
+        help="our sides' mesh: none (one device, default), auto, data=2,expert=4",
     )
     add_out_arg(p, "evaluate")
-    p.add_argument("--cpu-devices", type=int, default=None, help="simulate N CPU devices (JAX_PLATFORMS=cpu)")
-    args = p.parse_args(argv)
-    require_positive(p, args, ("requests", "batch_size", "iters", "warmup", "min_bucket"))
-    if args.max_len < 8:
-        p.error("--max-len must be >= 8")
-    return args
+    p.add_argument(
+        "--cpu-devices", type=cli.Int(min=1), default=None, help="simulate N CPU devices (JAX_PLATFORMS=cpu)"
+    )
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return arg_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -404,4 +421,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -25,6 +25,7 @@ import time
 from typing import Any, Sequence
 
 from benchmarks.common import simulate_cpu_devices, write_report
+from zaya_jax import cli
 
 DTYPES = ("float32", "bfloat16")
 
@@ -117,25 +118,41 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+def arg_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--min-dim", type=int, default=256)
-    p.add_argument("--max-dim", type=int, default=8192)
-    p.add_argument("--near-miss", default="1024,4096", help="powers p whose (p-1)^3 and (p+1)^3 run too")
+    p.add_argument("--dtypes", type=cli.ListOf(DTYPES), default="float32,bfloat16")
+    p.add_argument("--min-dim", type=cli.Int(min=1), default=256)
+    p.add_argument("--max-dim", type=cli.Int(min=1), default=8192)
+    p.add_argument(
+        "--near-miss",
+        type=cli.ListOf(cli.Int(min=2)),
+        default="1024,4096",
+        help="powers p whose (p-1)^3 and (p+1)^3 run too",
+    )
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument(
-        "--tokens", type=int, default=16384, help="tokens per microbatch per device (ZAYA1 shapes)"
+        "--tokens", type=cli.Int(min=1), default=16384, help="tokens per microbatch per device (ZAYA1 shapes)"
     )
-    p.add_argument("--head-tokens", type=int, default=None)
+    p.add_argument(
+        "--head-tokens",
+        type=cli.Int(min=0),
+        default=None,
+        help="rows of the lm-head GEMM (default min(tokens, 2048); 0 = leave it out)",
+    )
     p.add_argument("--no-zaya", action="store_true")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=cli.Int(min=0), default=3)
+    p.add_argument("--iters", type=cli.Int(min=1), default=10)
     p.add_argument("--out", default=None)
-    p.add_argument("--cpu-devices", type=int, default=None, help="simulate N CPU devices (JAX_PLATFORMS=cpu)")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--cpu-devices", type=cli.Int(min=1), default=None, help="simulate N CPU devices (JAX_PLATFORMS=cpu)"
+    )
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return arg_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -145,14 +162,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     from zaya_jax.sizing import peak_flops_per_device
 
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    for d in dtypes:
-        if d not in DTYPES:
-            raise SystemExit(f"--dtypes: {d!r} not in {DTYPES}")
+    dtypes = args.dtypes
     shapes = []
     if not args.no_sweep:
-        near = [int(x) for x in args.near_miss.split(",") if x.strip()] if args.near_miss else []
-        shapes += sweep_shapes(args.min_dim, args.max_dim, near)
+        shapes += sweep_shapes(args.min_dim, args.max_dim, args.near_miss or [])
     if not args.no_zaya:
         shapes += zaya_shapes(args.tokens, args.head_tokens)
     device = jax.devices()[0]
@@ -178,4 +191,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

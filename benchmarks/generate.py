@@ -52,7 +52,6 @@ from benchmarks.common import (  # noqa: E402
     format_rows,
     host_info,
     print_and_write,
-    require_positive,
     simulate_cpu_devices,
     timed_calls,
 )
@@ -65,6 +64,7 @@ from benchmarks.reference import (  # noqa: E402
     tiny_config,
     weights,
 )
+from zaya_jax import cli  # noqa: E402
 
 CACHED, RECOMPUTE, TORCH = "cached", "recompute", "torch"
 
@@ -276,26 +276,39 @@ def summary_line(report: dict[str, Any]) -> str:
     )
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+def arg_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(
         prog="python -m benchmarks.generate",
         description=__doc__.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--batch-size", type=int, default=4, help="prompts per call (default 4)")
-    p.add_argument("--prompt-len", type=int, default=64, help="longest prompt, tokens (default 64)")
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
-    p.add_argument("--iters", type=int, default=3, help="timed calls per side, median taken (default 3)")
+    p.add_argument("--batch-size", type=cli.Int(min=1), default=4, help="prompts per call (default 4)")
     p.add_argument(
-        "--warmup", type=int, default=1, help="untimed calls per side, the first one compiles (default 1)"
+        "--prompt-len", type=cli.Int(min=1), default=64, help="longest prompt, tokens (default 64)"
+    )
+    p.add_argument(
+        "--new-tokens", type=cli.Int(min=1), default=64, help="tokens generated per prompt (default 64)"
+    )
+    p.add_argument(
+        "--iters", type=cli.Int(min=1), default=3, help="timed calls per side, median taken (default 3)"
+    )
+    p.add_argument(
+        "--warmup",
+        type=cli.Int(min=1),
+        default=1,
+        help="untimed calls per side, the first one compiles (default 1)",
     )
     add_model_args(p)
     add_torch_args(p)
     add_out_arg(p, "generate")
-    p.add_argument("--cpu-devices", type=int, default=None, help="simulate N CPU devices (JAX_PLATFORMS=cpu)")
-    args = p.parse_args(argv)
-    require_positive(p, args, ("batch_size", "prompt_len", "new_tokens", "iters", "warmup"))
-    return args
+    p.add_argument(
+        "--cpu-devices", type=cli.Int(min=1), default=None, help="simulate N CPU devices (JAX_PLATFORMS=cpu)"
+    )
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return arg_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -308,4 +321,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

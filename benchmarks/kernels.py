@@ -39,6 +39,8 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+from zaya_jax import cli
+
 KERNELS = ("attention", "gmm", "swiglu", "ns")
 # Interpret-mode programs are big while loops: XLA's CPU optimisation passes only cost time.
 _CPU_COMPILE = {
@@ -486,8 +488,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+def arg_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
@@ -496,30 +498,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="auto: perf on a GPU, check (tiny shapes, interpret mode) on CPU",
     )
-    p.add_argument("--kernels", default=",".join(KERNELS))
+    p.add_argument("--kernels", type=cli.ListOf(KERNELS), default=",".join(KERNELS))
     p.add_argument(
         "--dtype",
         default="bfloat16",
         choices=("bfloat16", "float32"),
         help="operand dtype of attention / gmm / swiglu",
     )
-    p.add_argument("--batch", type=int, default=2, help="attention batch (sequences) per device")
-    p.add_argument("--tokens", type=int, default=16384, help="expert GEMM rows (tokens) per device")
+    p.add_argument("--batch", type=cli.Int(min=1), default=2, help="attention batch (sequences) per device")
+    p.add_argument(
+        "--tokens", type=cli.Int(min=1), default=16384, help="expert GEMM rows (tokens) per device"
+    )
     p.add_argument("--long", action="store_true", help="add the 32k-token attention case")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=cli.Int(min=0), default=3)
+    p.add_argument("--iters", type=cli.Int(min=1), default=10)
     p.add_argument("--out", default=None, help="JSON report: a .json path or a directory")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return arg_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     import jax
 
-    kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
-    for k in kernels:
-        if k not in KERNELS:
-            raise SystemExit(f"--kernels: {k!r} not in {KERNELS}")
+    kernels = args.kernels
     backend = jax.default_backend()
     mode = args.mode if args.mode != "auto" else ("check" if backend == "cpu" else "perf")
     perf = mode == "perf"
@@ -561,4 +566,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

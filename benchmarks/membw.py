@@ -31,7 +31,8 @@ from benchmarks.common import simulate_cpu_devices, write_report
 if __package__ in (None, ""):  # `python benchmarks/membw.py`: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.collectives import human_bytes, message_sizes, parse_bytes  # noqa: E402
+from benchmarks.collectives import BYTES_FLAG, human_bytes, message_sizes  # noqa: E402
+from zaya_jax import cli  # noqa: E402
 
 KERNELS = ("copy", "scale", "add", "triad")
 # Arrays each kernel reads or writes (STREAM's byte counting).
@@ -107,21 +108,31 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+def arg_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--min-bytes", default="1M", help="smallest array (per array, per device)")
-    p.add_argument("--max-bytes", default="4G")
-    p.add_argument("--factor", type=float, default=4.0)
+    p.add_argument(
+        "--min-bytes", type=BYTES_FLAG, default="1M", help="smallest array (per array, per device)"
+    )
+    p.add_argument("--max-bytes", type=BYTES_FLAG, default="4G")
+    p.add_argument("--factor", type=cli.Float(min=1.0, min_open=True), default=4.0)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--kernels", default=",".join(KERNELS))
-    p.add_argument("--devices", type=int, default=1, help="shard the arrays over this many devices")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--kernels", type=cli.ListOf(KERNELS), default=",".join(KERNELS))
+    p.add_argument(
+        "--devices", type=cli.Int(min=1), default=1, help="shard the arrays over this many devices"
+    )
+    p.add_argument("--warmup", type=cli.Int(min=0), default=3)
+    p.add_argument("--iters", type=cli.Int(min=1), default=20)
     p.add_argument("--out", default=None)
-    p.add_argument("--cpu-devices", type=int, default=None, help="simulate N CPU devices (JAX_PLATFORMS=cpu)")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--cpu-devices", type=cli.Int(min=1), default=None, help="simulate N CPU devices (JAX_PLATFORMS=cpu)"
+    )
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return arg_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -130,17 +141,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
-    kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
-    for k in kernels:
-        if k not in KERNELS:
-            raise SystemExit(f"--kernels: {k!r} not in {KERNELS}")
+    kernels = args.kernels
     devices = jax.local_devices()
     if not 1 <= args.devices <= len(devices):
         raise SystemExit(f"--devices {args.devices}: {len(devices)} local devices")
     devices = devices[: args.devices]
     itemsize = jnp.dtype(args.dtype).itemsize
     rows = []
-    for size in message_sizes(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes), args.factor):
+    for size in message_sizes(args.min_bytes, args.max_bytes, args.factor):
         count = max(1, size // itemsize)
         for k in kernels:
             rows.append(measure(k, count, args.dtype, devices, args.warmup, args.iters))
@@ -162,4 +170,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -19,20 +19,39 @@ import ast
 import dataclasses
 import inspect
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any
+
+from zaya_jax import cli
+
+
+def _cuda_device(text: str) -> str:
+    if not re.fullmatch(r"cuda:\d+", text):
+        raise ValueError("expected cuda:N")
+    return text
+
+
+TORCH_DEVICE_FLAG = cli.OneOf(
+    "auto", "cpu", "cuda", other=cli.Parsed(_cuda_device, "cuda:N", invalid=("cuda:x",)), other_doc="cuda:N"
+)
 
 
 def add_torch_args(p: argparse.ArgumentParser) -> None:
     """The flags every benchmark with a transformers side takes."""
     p.add_argument("--skip-torch", action="store_true", help="only our sides (no torch import)")
     p.add_argument(
-        "--torch-device", default="auto", help="auto (cuda if available, else cpu) | cpu | cuda[:N]"
+        "--torch-device",
+        type=TORCH_DEVICE_FLAG,
+        default="auto",
+        help="auto (cuda if available, else cpu) | cpu | cuda[:N]",
     )
-    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: usable cores)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--threads", type=cli.Int(min=0), default=0, help="torch.set_num_threads (default: usable cores)"
+    )
+    p.add_argument("--seed", type=cli.Int(min=0), default=0)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

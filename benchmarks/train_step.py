@@ -91,11 +91,11 @@ from benchmarks.common import (  # noqa: E402
     format_rows,
     host_info,
     print_and_write,
-    require_positive,
 )
 from benchmarks.gemm import time_gemm  # noqa: E402
 from benchmarks.reference import add_torch_args, hf_config, model_report, resolve_torch_device  # noqa: E402
 from zaya_jax import balancing as bal  # noqa: E402
+from zaya_jax import cli  # noqa: E402
 from zaya_jax import config as config_lib  # noqa: E402
 from zaya_jax import host_memory, sizing  # noqa: E402
 from zaya_jax.model import ZayaConfig  # noqa: E402
@@ -711,8 +711,8 @@ def summary_line(report: dict[str, Any]) -> str:
     return line
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+def arg_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(
         prog="python -m benchmarks.train_step",
         description=__doc__.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -726,14 +726,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="config override, repeatable: --set train.batch_size=4 --set model.num_hidden_layers=2",
     )
-    p.add_argument("--steps", type=int, default=10, help="timed steps per repeat (default 10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps before each repeat (default 2)")
+    p.add_argument("--steps", type=cli.Int(min=1), default=10, help="timed steps per repeat (default 10)")
     p.add_argument(
-        "--repeats", type=int, default=3, help="alternating ours/torch repeats, median taken (default 3)"
+        "--warmup", type=cli.Int(min=0), default=2, help="untimed steps before each repeat (default 2)"
+    )
+    p.add_argument(
+        "--repeats",
+        type=cli.Int(min=1),
+        default=3,
+        help="alternating ours/torch repeats, median taken (default 3)",
     )
     p.add_argument(
         "--loop-steps",
-        type=int,
+        type=cli.Int(min=0),
         default=10,
         help="timed steps of the real trainer loop (it runs 2x this many; 0 = skip; default 10)",
     )
@@ -765,13 +770,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="autocast",
         help="bfloat16 on the torch side: fp32 params + autocast (default) or bf16 params",
     )
-    args = p.parse_args(argv)
-    require_positive(p, args, ("steps", "repeats"))
-    if args.warmup < 0:
-        p.error("--warmup must be >= 0")
-    if args.loop_steps < 0:
-        p.error("--loop-steps must be >= 0")
-    return args
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return arg_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -790,4 +793,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -352,5 +352,5 @@ def test_generate_benchmark_bad_arguments(tmp_path):
     proc = _run(["benchmarks/generate.py", "--set", "no_such_field=1", "--out", str(tmp_path / "x.json")])
     assert proc.returncode != 0 and "no_such_field" in proc.stderr
     proc = _run(["benchmarks/generate.py", "--new-tokens", "0"])
-    assert proc.returncode != 0 and "--new-tokens must be >= 1" in proc.stderr
+    assert proc.returncode == 2 and "error: argument --new-tokens: must be an int >= 1" in proc.stderr
     assert not (tmp_path / "x.json").exists()

@@ -221,7 +221,7 @@ def test_prepare_bad_inputs(tmp_path):
     )
     assert_one_line_error(
         run_cli("data.prepare", "--input", good, "--out", tmp_path / "d", "--eval-fraction", "1.5"),
-        "eval_fraction",
+        "--eval-fraction",
     )
     (tmp_path / "tok.json").write_text("{not json")
     assert_one_line_error(

@@ -55,14 +55,18 @@ def test_zaya1_phases_follow_the_recipe():
         ("train.seq_len", 10**6, "config.train.seq_len"),
         ("optim.lr", -1.0, "config.optim.lr"),
         ("mesh.data", 0, "config.mesh.data"),
-        ("model.num_key_value_heads", 3, "config.model: .*divisible by num_key_value_heads"),
-        ("model.moe_impl", "loop", "config.model: .*moe_impl"),
+        (
+            "model.num_key_value_heads",
+            3,
+            "config.model.num_attention_heads=4 .*divisible by num_key_value_heads",
+        ),
+        ("model.moe_impl", "loop", "config.model.moe_impl='loop'"),
         ("eval.tasks", ("no/such/task.jsonl",), r"config.eval.tasks\[0\]: .*does not exist"),
         ("eval.tasks", (3,), "config.eval.tasks: must be a list of data specs"),
         ("eval.task_limit", -1, "config.eval.task_limit: must be an int >= 0"),
         # tiny: warmup 50 + 30% decay of 60 steps do not fit; caught at start-up, not at step 0.
         ("train.steps", 60, r"config.optim \(schedule='wsd', train.steps=60\): warmup_steps \(50\) \+ decay"),
-        ("optim.schedule", "linear", "config.optim .*schedule"),
+        ("optim.schedule", "linear", "config.optim.schedule: must be one of wsd, cosine, constant"),
     ],
 )
 def test_validation_names_the_bad_key(key, value, message):
@@ -132,7 +136,7 @@ def test_every_balancing_field_is_settable_from_the_command_line():
     config_lib.validate(c)
     assert balancing_config(c) == BalancingConfig(**values)
     assert balancing_config(config_lib.base_config()) == BalancingConfig()  # defaults are the dataclass's
-    with pytest.raises(ValueError, match="config.balancing: balancing skip_target must be in"):
+    with pytest.raises(ValueError, match="config.balancing.skip_target must be in"):
         config_lib.validate(parse("--config.balancing.skip_target=1.5"))
 
 

@@ -173,8 +173,8 @@ def _model_loss_and_grads(cfg, mesh, variables, batch):
     model = ZayaForCausalLM(cfg, mesh)
 
     def f(p):  # the train step's objective: mean token loss
-        loss_sum, (weight, _, dropped, _) = loss_and_counts(model, p, variables[BALANCING], batch)
-        return loss_sum / weight, dropped
+        loss_sum, aux = loss_and_counts(model, p, variables[BALANCING], batch)
+        return loss_sum / aux.weight, aux.dropped
 
     return jax.jit(jax.value_and_grad(f, has_aux=True))(variables["params"])
 

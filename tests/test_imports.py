@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("kernels", ("zaya_jax.kernels",)),
     ("parallel", ("zaya_jax.parallel",)),
     ("model", ("zaya_jax.model", "zaya_jax.loss")),
-    ("optim, hf", ("zaya_jax.optim", "zaya_jax.balancing", "zaya_jax.hf")),
+    ("optim, hf", ("zaya_jax.optim", "zaya_jax.balancing", "zaya_jax.routing_telemetry", "zaya_jax.hf")),
     ("data", ("zaya_jax.data",)),
     (
         "run state",

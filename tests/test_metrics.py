@@ -42,6 +42,12 @@ def test_to_python():
     assert type(to_python(jnp.asarray(2.5, jnp.bfloat16))) is float
     assert type(to_python(np.int32(7))) is int and type(to_python(jnp.asarray(True))) is bool
     assert to_python(jnp.arange(3, dtype=jnp.float32)) == [0.0, 1.0, 2.0]
+    # float32: the shortest decimal that reads back as the same float32 (not its float64 digits)
+    x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    short = to_python(x)
+    np.testing.assert_array_equal(np.asarray(short, np.float32), x)
+    assert to_python(np.float32(0.1)) == 0.1 and len(json.dumps(short)) < len(json.dumps(x.tolist())) * 0.7
+    assert to_python(np.float64(0.1 + 1e-12)) == 0.1 + 1e-12  # float64 keeps its digits
     assert to_python(np.ones((2, 2), np.int8)) == [[1, 1], [1, 1]]
     assert to_python("x") == "x" and to_python(None) is None
 

@@ -102,8 +102,8 @@ def test_first_step_gradients_match_per_parameter():
         model = ZayaForCausalLM(CFG, mesh)
 
         def f(p):  # the train step's objective: mean token loss
-            loss_sum, (weight, *_) = loss_and_counts(model, p, variables[BALANCING], batch)
-            return loss_sum / weight
+            loss_sum, aux = loss_and_counts(model, p, variables[BALANCING], batch)
+            return loss_sum / aux.weight
 
         return jax.jit(jax.value_and_grad(f))(variables["params"])
 

@@ -264,9 +264,9 @@ def test_the_loop_reads_each_loss_one_step_late(tmp_path, monkeypatch):
         p = real_program(*args)
         return dataclasses.replace(p, train_step=Recorded(p.train_step))
 
-    def read(p):
+    def read(p, *rest):
         order.append(("read", p.step))
-        return real_read(p)
+        return real_read(p, *rest)
 
     real_program, real_read = train_lib.train_program, train_lib._read
     monkeypatch.setattr(train_lib, "train_program", program)

@@ -111,7 +111,7 @@ def init_balancing_state(biases_le: jax.Array, cfg: BalancingConfig) -> optax.Op
     return _optimizer(cfg).init(jnp.asarray(biases_le, jnp.float32))
 
 
-def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
+def safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
     """num / den, 0 where den == 0 (the double where keeps gradients and values NaN-free)."""
     ok = den > 0
     return jnp.where(ok, num / jnp.where(ok, den, 1.0), 0.0)
@@ -131,9 +131,9 @@ def expert_load_stats(counts_le: jax.Array, num_experts: int) -> dict[str, jax.A
     empty = mean <= 0
     total = jnp.sum(counts, axis=-1)
     return {
-        "load_max_over_mean": jnp.where(empty, 1.0, _safe_div(jnp.max(routed, axis=-1), mean)),
-        "load_min_over_mean": jnp.where(empty, 1.0, _safe_div(jnp.min(routed, axis=-1), mean)),
-        "skip_fraction": _safe_div(counts[:, num_experts], total),
+        "load_max_over_mean": jnp.where(empty, 1.0, safe_div(jnp.max(routed, axis=-1), mean)),
+        "load_min_over_mean": jnp.where(empty, 1.0, safe_div(jnp.min(routed, axis=-1), mean)),
+        "skip_fraction": safe_div(counts[:, num_experts], total),
     }
 
 
@@ -150,18 +150,18 @@ def balancing_gradient(counts_le: jax.Array, cfg: BalancingConfig) -> jax.Array:
     # f_e - 1/E as (E c_e - N) / (E N): the numerator is exact for integer counts, so an exactly
     # balanced expert gets exactly 0. (A rounding residue of ~1e-9 would not be harmless: Adam
     # divides by sqrt(v) + eps, eps = 1e-8, and turns it into a step of a sizeable fraction of lr.)
-    grad = _safe_div(num_experts * counts - denom, num_experts * denom)
+    grad = safe_div(num_experts * counts - denom, num_experts * denom)
     if cfg.update_skip:
         # The skip share is always over all tokens (over routed ones it could exceed 1).
         skip, n = counts[:, num_experts], total[:, 0]
         if cfg.skip_target is None:
-            skip_grad = _safe_div(num_experts * skip - n, num_experts * n)
+            skip_grad = safe_div(num_experts * skip - n, num_experts * n)
         else:
-            skip_grad = _safe_div(skip - cfg.skip_target * n, n)
+            skip_grad = safe_div(skip - cfg.skip_target * n, n)
         grad = grad.at[:, num_experts].set(skip_grad)
     else:
         grad = grad.at[:, num_experts].set(0.0)
-    return grad  # _safe_div made it 0 for a layer without (routed) tokens
+    return grad  # safe_div made it 0 for a layer without (routed) tokens
 
 
 def balancing_update(

@@ -19,7 +19,9 @@ and the built-in kinds our input checks raise (`OSError`: a missing / unreadable
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
+import math
 import os
 import re
 import sys
@@ -74,6 +76,13 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UserError(message)
 
+    def add_argument(self, *args, **kwargs):
+        """argparse's, with the declared values of a FlagValue `type` added to the help."""
+        value, help_ = kwargs.get("type"), kwargs.get("help")
+        if isinstance(value, FlagValue) and help_ != argparse.SUPPRESS:
+            kwargs["help"] = f"{help_} ({value.describe()})" if help_ else value.describe()
+        return super().add_argument(*args, **kwargs)
+
 
 def run_absl(main: Callable[[list[str]], Any], define_flags: Callable[[], None] | None = None, argv=None):
     """`app.run(main)` with one-line errors: flag parsing (unknown key -> nearest match), UsageError,
@@ -126,3 +135,222 @@ def near_key(key: str, known: list[str], prefix: str = "") -> str:
     """' (did you mean PREFIX+X?)' for the nearest of `known`, or ''."""
     near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     return f" (did you mean {prefix}{near[0]}?)" if near else ""
+
+
+# -- declared flag values -------------------------------------------------------------------------
+#
+# Every numeric or enumerated flag declares what it takes next to its definition, and the parse
+# checks it before anything is loaded:
+#
+#     ap.add_argument("--temperature", type=cli.Float(min=0.0), default=0.0)        # argparse
+#     ap.add_argument("--dtype", choices=("float32", "bfloat16"))                     # argparse enum
+#     cli.define_flag("num_devices", 8, "...", cli.Int(min=1), flag_values)            # absl
+#     flags.DEFINE_enum("remat", None, [...], "...", flag_values=flag_values)         # absl enum
+#
+# A value outside ends the program with one line naming the flag (`error: argument --temperature:
+# must be a number >= 0, got -1`; absl: `error: flag --num_devices=0: must be an int >= 1, got 0`),
+# exit 2. `invalid()` lists values a flag refuses: tests/test_cli_ranges.py feeds them to every CLI
+# in its table (and fails on a numeric flag that declares no range).
+
+
+class FlagValue:
+    """What a flag takes: `parse(text)` returns the value or raises ValueError("must be ...")."""
+
+    def parse(self, text: str) -> Any:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def invalid(self) -> tuple[str, ...]:
+        """Values outside (for the walking test)."""
+        raise NotImplementedError
+
+    def accepts(self, value: Any) -> bool:
+        """Whether a (default) value is inside."""
+        try:
+            self.parse(str(value))
+        except ValueError:
+            return False
+        return True
+
+    def __call__(self, text: str) -> Any:  # argparse `type=`: its message names the flag
+        try:
+            return self.parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    def __repr__(self) -> str:  # argparse's help and errors show the type by name
+        return self.describe()
+
+
+def _num(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Int(FlagValue):
+    """An int in [min, max] (None: unbounded). `convert` reads the text (default int(); e.g. a byte
+    size '64K'), `what` names it in the message."""
+
+    min: int | None = None
+    max: int | None = None
+    convert: Callable[[str], int] = int
+    what: str = "an int"
+
+    def describe(self) -> str:
+        return f"{self.what}{_bounds(self.min, self.max, False, False)}"
+
+    def parse(self, text: str) -> int:
+        try:
+            value = self.convert(text)
+        except (TypeError, ValueError):
+            value = None
+        if value is None or not _inside(value, self.min, self.max, False, False):
+            raise ValueError(f"must be {self.describe()}, got {text!r}")
+        return value
+
+    def invalid(self) -> tuple[str, ...]:
+        return tuple(
+            str(v) for v in (_below(self.min, False, 1), _above(self.max, False, 1)) if v is not None
+        )
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Float(FlagValue):
+    """A finite number in [min, max]; min_open / max_open exclude the bound itself."""
+
+    min: float | None = None
+    max: float | None = None
+    min_open: bool = False
+    max_open: bool = False
+
+    def describe(self) -> str:
+        return f"a number{_bounds(self.min, self.max, self.min_open, self.max_open)}"
+
+    def parse(self, text: str) -> float:
+        try:
+            value = float(text)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not math.isfinite(value) or not _inside(value, self.min, self.max, self.min_open, self.max_open):
+            raise ValueError(f"must be {self.describe()}, got {text!r}")
+        return value
+
+    def invalid(self) -> tuple[str, ...]:
+        bad = (_below(self.min, self.min_open, 1.0), _above(self.max, self.max_open, 1.0))
+        return ("nan", *(_num(float(v)) for v in bad if v is not None))
+
+
+def _bounds(lo, hi, lo_open: bool, hi_open: bool) -> str:
+    if lo is not None and hi is not None:
+        return f" in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f" {'>' if lo_open else '>='} {_num(lo)}"
+    if hi is not None:
+        return f" {'<' if hi_open else '<='} {_num(hi)}"
+    return ""
+
+
+def _inside(value, lo, hi, lo_open: bool, hi_open: bool) -> bool:
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        return False
+    return not (hi is not None and (value > hi or (hi_open and value == hi)))
+
+
+def _below(lo, lo_open: bool, step):
+    return None if lo is None else (lo if lo_open else lo - step)
+
+
+def _above(hi, hi_open: bool, step):
+    return None if hi is None else (hi if hi_open else hi + step)
+
+
+class OneOf(FlagValue):
+    """One of `names`, or (with `other`) a value `other` takes, described as `other_doc`."""
+
+    def __init__(self, *names: str, other: FlagValue | None = None, other_doc: str | None = None):
+        self.names, self.other = names, other
+        self.other_doc = other_doc or (other.describe() if other else None)
+
+    def describe(self) -> str:
+        return f"one of {', '.join(self.names)}" + (f" or {self.other_doc}" if self.other else "")
+
+    def parse(self, text: str) -> Any:
+        if text in self.names:
+            return text
+        if self.other is not None:
+            try:
+                return self.other.parse(text)
+            except ValueError:
+                pass
+        raise ValueError(f"must be {self.describe()}, got {text!r}")
+
+    def invalid(self) -> tuple[str, ...]:
+        return ("no-such-value", *(self.other.invalid() if self.other else ()))
+
+
+class ListOf(FlagValue):
+    """A comma-separated list (empty items dropped) of `item` values (a FlagValue, or a tuple of
+    names), `length` of them if given; parses to a list."""
+
+    def __init__(self, item: FlagValue | tuple[str, ...], length: int | None = None):
+        self.item = OneOf(*item) if isinstance(item, tuple) else item
+        self.length = length
+
+    def describe(self) -> str:
+        count = f"{self.length} " if self.length else ""
+        return f"a comma-separated list of {count}values each {self.item.describe()}"
+
+    def parse(self, text: str) -> list[Any]:
+        parts = [p.strip() for p in str(text).split(",") if p.strip()]
+        if not parts or (self.length is not None and len(parts) != self.length):
+            raise ValueError(f"must be {self.describe()}, got {text!r}")
+        try:
+            return [self.item.parse(p) for p in parts]
+        except ValueError as e:
+            raise ValueError(f"must be {self.describe()}; {e}") from None
+
+    def accepts(self, value: Any) -> bool:
+        return super().accepts(",".join(map(str, value)) if isinstance(value, (list, tuple)) else value)
+
+    def invalid(self) -> tuple[str, ...]:
+        return self.item.invalid()
+
+
+class Parsed(FlagValue):
+    """A value some parse function reads (ValueError for a bad one), e.g. a mesh spec; `invalid`
+    lists examples it refuses."""
+
+    def __init__(self, parse: Callable[[str], Any], what: str, invalid: tuple[str, ...]):
+        self._parse, self.what, self._invalid = parse, what, invalid
+
+    def describe(self) -> str:
+        return self.what
+
+    def parse(self, text: str) -> Any:
+        try:
+            return self._parse(text)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"must be {self.what}, got {text!r} ({one_line(e)})") from None
+
+    def invalid(self) -> tuple[str, ...]:
+        return self._invalid
+
+
+def define_flag(name: str, default: Any, help: str, value: FlagValue, flag_values=None) -> None:
+    """An absl flag whose values `value` declares (absl reports a bad one as `flag --NAME=V: must
+    be ...`, which run_absl turns into the one error line)."""
+    from absl import flags
+
+    class Parser(flags.ArgumentParser):
+        syntactic_help = value.describe()
+
+        def parse(self, argument):
+            return value.parse(argument) if isinstance(argument, str) else argument
+
+        def flag_type(self) -> str:
+            return type(value).__name__.lower()
+
+    Parser.declared = value
+    flags.DEFINE(Parser(), name, default, help, flag_values if flag_values is not None else flags.FLAGS)

@@ -53,6 +53,8 @@ overrides any key (`--config.train.steps=100`). Sections:
   eval.task_limit, eval.task_max_len   examples/documents per task (0 = all); tokens per scored
                             row (0 = train.seq_len)
   logging.every_steps, logging.tensorboard, logging.console
+  logging.dead_expert_window   steps without a token after which an expert counts as dead in the
+                            `expert_dead` metric (routing telemetry, zaya_jax/routing_telemetry.py)
 """
 
 from __future__ import annotations
@@ -64,12 +66,14 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
+from zaya_jax import cli
 from zaya_jax.balancing import BalancingConfig
 from zaya_jax.balancing import from_config as balancing_from_config
 from zaya_jax.data.ramp import parse_batch_ramp
 from zaya_jax.data.tasks import parse_data_spec
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.optim.chain import default_optim_config
+from zaya_jax.optim.schedules import DECAY_SHAPES, SCHEDULE_NAMES
 from zaya_jax.parallel.mesh import DEFAULT_SIZES, MESH_AXES, check_mesh_sizes
 
 Section = ml_collections.ConfigDict
@@ -110,7 +114,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval = Section(
         {"every_steps": 200, "batches": 0, "batch_size": 16, "tasks": (), "task_limit": 0, "task_max_len": 0}
     )
-    c.logging = Section({"every_steps": 10, "tensorboard": True, "console": True})
+    c.logging = Section({"every_steps": 10, "tensorboard": True, "console": True, "dead_expert_window": 100})
     return c
 
 
@@ -169,7 +173,56 @@ def model_config(c: ml_collections.ConfigDict) -> ZayaConfig:
     try:
         return ZayaConfig.from_dict(d)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"config.model: {e}") from None
+        text = str(e)  # ZayaConfig names its field as ZayaConfig.<name>: here it is config.model.<name>
+        if text.startswith("ZayaConfig."):
+            raise ValueError("config.model." + text[len("ZayaConfig.") :]) from None
+        raise ValueError(f"config.model: {text}") from None
+
+
+_FRACTION = cli.Float(min=0.0, max=1.0)
+_BETA = cli.Float(min=0.0, max=1.0, max_open=True)
+_NON_NEGATIVE = cli.Float(min=0.0)
+_DTYPE = cli.OneOf("float32", "bfloat16")
+# Keys whose values are declared as a CLI flag's are (zaya_jax/cli.py); the other keys are checked
+# below or by their section's own code (ZayaConfig, BalancingConfig, the mesh). None (a placeholder
+# left unset) is always allowed.
+DECLARED_VALUES: dict[str, cli.FlagValue] = {
+    "seed": cli.Int(min=0),
+    "model.pad_token_id": cli.Int(min=0),
+    "model.bos_token_id": cli.Int(min=0),
+    "model.eos_token_id": cli.Int(min=0),
+    "optim.schedule": cli.OneOf(*SCHEDULE_NAMES),
+    "optim.decay_shape": cli.OneOf(*DECAY_SHAPES),
+    "optim.decay_fraction": _FRACTION,
+    "optim.final_lr_fraction": _FRACTION,
+    "optim.clip_grad_norm": _NON_NEGATIVE,
+    "optim.adamw.b1": _BETA,
+    "optim.adamw.b2": _BETA,
+    "optim.adamw.eps": _NON_NEGATIVE,
+    "optim.adamw.weight_decay": _NON_NEGATIVE,
+    "optim.adamw.lr_multiplier": _NON_NEGATIVE,
+    "optim.muon.beta": _BETA,
+    "optim.muon.ns_steps": cli.Int(min=1),
+    "optim.muon.ns_dtype": _DTYPE,
+    "optim.muon.ns_impl": cli.OneOf("xla", "pallas", "auto"),
+    "optim.muon.mu_dtype": _DTYPE,
+    "optim.muon.eps": _NON_NEGATIVE,
+    "optim.muon.consistent_rms": cli.Float(min=0.0, min_open=True),
+    "optim.muon.weight_decay": _NON_NEGATIVE,
+    "optim.muon.lr_multiplier": _NON_NEGATIVE,
+}
+
+
+def _validate_declared(c: ml_collections.ConfigDict) -> None:
+    for key, values in DECLARED_VALUES.items():
+        value = c
+        for part in key.split("."):
+            value = value[part]
+        _check(
+            value is None or (not isinstance(value, bool) and values.accepts(value)),
+            key,
+            f"must be {values.describe()}, got {value!r}",
+        )
 
 
 def _check(cond: bool, key: str, message: str) -> None:
@@ -182,12 +235,15 @@ def validate(c: ml_collections.ConfigDict, platform: str | None = None) -> ZayaC
     platform: of the devices the run compiles for (zaya_jax.parallel.mesh.device_platform; the dry
     run's target); None: the default device's, looked up only if a kernel is set to 'pallas'."""
     _validate_keys(c)
+    _validate_declared(c)
     cfg = model_config(c)
-    _check(
-        c.optim.muon.ns_impl in ("xla", "pallas", "auto"),
-        "optim.muon.ns_impl",
-        f"{c.optim.muon.ns_impl!r}; expected 'xla', 'pallas' or 'auto'",
-    )
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = c.model[key]
+        _check(
+            value is None or value < cfg.vocab_size,
+            f"model.{key}",
+            f"{value} is not a token id of model.vocab_size={cfg.vocab_size}",
+        )
     # A Pallas choice for devices without the Triton lowering fails here, not inside jit ("auto"
     # falls back to XLA there, so only an explicit 'pallas' needs the devices' platform).
     impls = (cfg.attention_impl, cfg.moe_impl, c.optim.muon.ns_impl)
@@ -281,6 +337,7 @@ def _validate_counts(c: ml_collections.ConfigDict) -> None:
         "eval.task_limit",
         "eval.task_max_len",
         "logging.every_steps",
+        "logging.dead_expert_window",
         "data.num_threads",
         "data.prefetch",
     ):
@@ -296,7 +353,8 @@ def _validate_counts(c: ml_collections.ConfigDict) -> None:
         section, name = key.split(".")
         value = c[section][name]
         _check(isinstance(value, (int, float)) and value >= 0, key, f"must be a number >= 0, got {value!r}")
-    _check(c.logging.every_steps > 0, "logging.every_steps", "must be > 0")
+    for key in ("every_steps", "dead_expert_window"):
+        _check(c.logging[key] > 0, f"logging.{key}", f"must be > 0, got {c.logging[key]}")
 
 
 def _validate_fault(c: ml_collections.ConfigDict) -> None:
@@ -342,7 +400,10 @@ def _validate_balancing(c: ml_collections.ConfigDict) -> None:
     try:
         balancing_from_config(c.balancing)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"config.balancing: {e}") from None
+        text = str(e)  # BalancingConfig names a field as "balancing <name>"
+        if text.startswith("balancing "):
+            raise ValueError("config.balancing." + text[len("balancing ") :]) from None
+        raise ValueError(f"config.balancing: {text}") from None
 
 
 def _validate_data(c: ml_collections.ConfigDict) -> None:

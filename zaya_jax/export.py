@@ -73,7 +73,7 @@ def export(
     }
 
 
-def main(argv=None):
+def arg_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--checkpoint", required=True, help="WORKDIR (latest step), WORKDIR/checkpoints or .../<step>"
@@ -81,8 +81,12 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="the HF directory to write")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(hf.EXPORT_DTYPES))
     p.add_argument("--tokenizer", default=None, help="byte, a tokenizer.json or a saved tokenizer dir")
-    p.add_argument("--max-shard-bytes", type=int, default=hf.DEFAULT_MAX_SHARD_BYTES)
-    a = p.parse_args(argv)
+    p.add_argument("--max-shard-bytes", type=cli.Int(min=1), default=hf.DEFAULT_MAX_SHARD_BYTES)
+    return p
+
+
+def main(argv=None):
+    a = arg_parser().parse_args(argv)
     logging.set_verbosity(logging.WARNING)
     print(
         json.dumps(

@@ -215,24 +215,36 @@ def read_prompts(prompts: Sequence[str] | None, prompts_file: str | None) -> lis
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> list[str]:
+def arg_parser() -> cli.ArgumentParser:
+    from zaya_jax.pretrained import PREFIX_FLAG
+
     ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--checkpoint", required=True, help="Orbax WORKDIR[/checkpoints[/STEP]] or an HF directory"
     )
     ap.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     ap.add_argument("--prompts-file", default=None, help="a text file of prompts, one a line")
-    ap.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0, help="batch i samples with seed + i")
+    ap.add_argument(
+        "--batch-size", type=cli.Int(min=1), default=8, help="prompts generated together (default 8)"
+    )
+    ap.add_argument("--max-new-tokens", type=cli.Int(min=1), default=64)
+    ap.add_argument("--temperature", type=cli.Float(min=0.0), default=0.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=cli.Float(min=0.0, max=1.0, min_open=True), default=1.0)
+    ap.add_argument("--seed", type=cli.Int(min=0), default=0, help="batch i samples with seed + i")
     ap.add_argument("--tokenizer", default=None, help="override: byte, a tokenizer.json or a saved dir")
-    ap.add_argument("--prefix", default="auto", help="auto | bos | eos | ID | none: token before the prompt")
+    ap.add_argument(
+        "--prefix",
+        type=PREFIX_FLAG,
+        default="auto",
+        help="auto | bos | eos | ID | none: token before the prompt",
+    )
     ap.add_argument("--out", default=None, help="write {prompt, completion, tokens, eos} per prompt (JSONL)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> list[str]:
+    ap = arg_parser()
     args = ap.parse_args(argv)
-    if args.batch_size < 1:
-        ap.error("--batch-size must be >= 1")
     try:
         texts = read_prompts(args.prompt, args.prompts_file)
     except (OSError, ValueError) as e:

@@ -37,6 +37,8 @@ import struct
 from importlib import resources
 from typing import Any
 
+from zaya_jax import cli
+
 GIB = 2**30
 DEVICES_PER_HOST = 8  # a node of 8 GPUs: the topology's hosts x devices
 
@@ -57,6 +59,21 @@ TARGETS: dict[str, tuple[str, str, int, str]] = {
     "mi300x": ("rocm", "mi300x.txtpb", 192, "MI300X"),
     "h100": ("cuda", "h100_sxm.txtpb", 80, "H100 SXM"),
 }
+
+
+def _existing_file(path: str) -> str:
+    if not os.path.isfile(path):
+        raise ValueError("no such file")
+    return path
+
+
+# What `train --dry_run_target` takes (zaya_jax/cli.py): cpu, a name of TARGETS or a target file
+# (whose contents load_target checks).
+TARGET_FLAG = cli.OneOf(
+    "cpu",
+    *TARGETS,
+    other=cli.Parsed(_existing_file, "a GpuTargetConfig text file", invalid=("/nonexistent/target.txtpb",)),
+)
 
 
 def _field(text: str, key: str) -> str | None:

@@ -75,13 +75,14 @@ def import_hf(hf_dir: str, out: str, c=None) -> dict:
 FLAGS = flags.FLAGS
 
 
-def _define_flags() -> None:
-    """CLI flags, defined only when run as a program."""
+def _define_flags(fv=None) -> None:
+    """CLI flags, defined only when run as a program (on absl's FLAGS, or the FlagValues `fv`)."""
+    fv = FLAGS if fv is None else fv
     config_flags.DEFINE_config_file(
-        "config", None, "Training config file whose model section matches.", lock_config=True
+        "config", None, "Training config file whose model section matches.", lock_config=True, flag_values=fv
     )
-    flags.DEFINE_string("hf", None, "transformers ZayaForCausalLM directory")
-    flags.DEFINE_string("out", None, "the new checkpoint WORKDIR")
+    flags.DEFINE_string("hf", None, "transformers ZayaForCausalLM directory", flag_values=fv)
+    flags.DEFINE_string("out", None, "the new checkpoint WORKDIR", flag_values=fv)
 
 
 def main(argv):

@@ -8,6 +8,16 @@ Reads ``WORKDIR/metrics.jsonl`` (written by :class:`zaya_jax.metrics.MetricsLogg
   one expert), from the per-layer list ``expert_load_max_over_mean`` [L] of the train records;
   with a second panel for the per-layer skip fraction when ``expert_skip_fraction`` is logged.
   Skipped (with a note) when no record has the load.
+* ``expert_load_heatmap.png`` — one panel per layer, experts (rows) x steps (columns), coloured by
+  each expert's share of the layer's tokens relative to the balanced share 1/E (``expert_load``
+  [L][E] of the routing telemetry, zaya_jax/routing_telemetry.py): white = balanced, red =
+  overloaded, blue = underloaded (log scale, 1/8x to 8x), black = no token at all; each panel's
+  title gives the layer's skip fraction, router entropy (of at most ln(E+1)) and dead experts at
+  the last logged step.
+* ``balancing_bias.png`` — one panel per layer, a line per expert: the balancing biases
+  (``balancing_bias`` [L][E]) over steps; the skip class's bias (``balancing_skip_bias``) on a
+  second axis when it moves, in the title when it does not.
+  Both skipped when the records carry no routing telemetry (runs from before it).
 * ``expert_exchange.png`` — the expert exchange's spill round (runs with mesh.expert > 1,
   dropless): MoE block calls that took it per step (``expert_exchange/spill_blocks``, the mean
   over each logging interval) and the fraction of steps with any
@@ -177,20 +187,184 @@ def plot_expert_exchange(records: list[dict[str, Any]], path: Path) -> Path | No
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def _expert_rows(records: list[dict[str, Any]], key: str) -> tuple[list[int], Any]:
+    """(steps, values [n, L, E] float array) of the train records whose ``key`` is a per-layer
+    per-expert [L][E] list of the most common shape (a run restarted with another model is
+    drawn as the current one)."""
+    import numpy as np
+
+    rows = [
+        (r["step"], np.asarray(r[key], np.float64))
+        for r in records
+        if r.get("split", "train") == "train" and isinstance(r.get(key), list) and r[key]
+    ]
+    rows = [(s, v) for s, v in rows if v.ndim == 2]
+    if not rows:
+        return [], None
+    shape = rows[-1][1].shape
+    rows = sorted(((s, v) for s, v in rows if v.shape == shape), key=lambda sv: sv[0])
+    return [s for s, _ in rows], np.stack([v for _, v in rows])
+
+
+def _step_edges(steps: list[int]) -> Any:
+    """Cell edges for columns centred on `steps` (half way between neighbours)."""
+    import numpy as np
+
+    x = np.asarray(steps, np.float64)
+    if len(x) == 1:
+        return np.array([x[0] - 0.5, x[0] + 0.5])
+    mid = (x[1:] + x[:-1]) / 2
+    return np.concatenate([[x[0] - (mid[0] - x[0])], mid, [x[-1] + (x[-1] - mid[-1])]])
+
+
+def _layer_grid(plt, num_layers: int, panel_w: float, panel_h: float):
+    """(figure, flat list of num_layers axes) on a grid of at most 4 columns; spare axes hidden."""
+    cols = min(num_layers, 4)
+    rows = math.ceil(num_layers / cols)
+    fig, axes = plt.subplots(
+        rows,
+        cols,
+        figsize=(panel_w * cols + 1.5, panel_h * rows + 1.0),
+        dpi=100,
+        squeeze=False,
+        sharex=True,
+        layout="constrained",  # room for each panel's tick labels, the colour bar and the legend
+    )
+    flat = list(axes.ravel())
+    for ax in flat[num_layers:]:
+        ax.set_visible(False)
+    return fig, flat[:num_layers]
+
+
+def _label_edges(axes: list, ylabel: str) -> None:
+    """`ylabel` on the first column of a _layer_grid, "step" under its bottom row."""
+    cols = min(len(axes), 4)
+    for i, ax in enumerate(axes):
+        if i % cols == 0:
+            ax.set_ylabel(ylabel)
+        if i >= len(axes) - cols:
+            ax.set_xlabel("step")
+
+
+def _last(records: list[dict[str, Any]], key: str, layer: int) -> float | None:
+    """`key`[layer] of the last train record that has it."""
+    for r in reversed(records):
+        v = r.get(key)
+        if (
+            r.get("split", "train") == "train"
+            and isinstance(v, list)
+            and layer < len(v)
+            and _finite(v[layer])
+        ):
+            return v[layer]
+    return None
+
+
+def _layer_note(records: list[dict[str, Any]], layer: int, num_experts: int) -> str:
+    """'layer l · skip s% · entropy h / ln(E+1) · k dead' at the last logged step."""
+    parts = [f"layer {layer}"]
+    skip = _last(records, "expert_skip_fraction", layer)
+    if skip is not None:
+        parts.append(f"skip {100 * skip:.1f}%")
+    entropy = _last(records, "router_entropy", layer)
+    if entropy is not None:
+        parts.append(f"entropy {entropy:.2f}/{math.log(num_experts + 1):.2f}")
+    dead = _last(records, "expert_dead", layer)
+    if dead:
+        parts.append(f"{int(dead)} dead")
+    return " · ".join(parts)
+
+
+def plot_expert_load_heatmap(records: list[dict[str, Any]], path: Path) -> Path | None:
+    """Per-layer experts x steps heatmap of ``expert_load`` (module docstring), or None without it."""
+    import numpy as np
+    from matplotlib.colors import ListedColormap, Normalize
+
+    steps, load = _expert_rows(records, "expert_load")
+    if load is None:
+        return None
+    plt = _pyplot()
+    num_layers, num_experts = load.shape[1:]
+    # log2 of (share / balanced share), clipped to 1/8x..8x; no token at all is masked (drawn black).
+    ratio = load * num_experts
+    with np.errstate(divide="ignore"):
+        level = np.ma.masked_invalid(np.log2(np.where(ratio > 0, ratio, np.nan)))
+    cmap = ListedColormap(plt.get_cmap("RdBu_r")(np.linspace(0, 1, 256))).with_extremes(bad="black")
+    norm = Normalize(-3, 3)
+    fig, axes = _layer_grid(plt, num_layers, 4.2, 0.15 * num_experts + 1.0)
+    x, y = _step_edges(steps), np.arange(num_experts + 1) - 0.5
+    for layer, ax in enumerate(axes):
+        mesh = ax.pcolormesh(x, y, np.clip(level[:, layer, :].T, -3, 3), cmap=cmap, norm=norm, shading="flat")
+        ax.set_title(_layer_note(records, layer, num_experts), fontsize="small")
+        ax.set_ylim(num_experts - 0.5, -0.5)  # expert 0 on top
+        ax.set_yticks(range(0, num_experts, max(1, num_experts // 8)))
+    _label_edges(axes, "expert")
+    bar = fig.colorbar(mesh, ax=axes, shrink=0.8, pad=0.02)
+    bar.set_ticks(range(-3, 4))
+    bar.set_ticklabels(["1/8", "1/4", "1/2", "1", "2", "4", "8"])
+    bar.set_label(f"expert's share of tokens / balanced share (1/{num_experts}); black: none")
+    fig.suptitle("expert load per layer over training (expert_load)")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_balancing_biases(records: list[dict[str, Any]], path: Path) -> Path | None:
+    """Per-layer trajectories of the balancing biases (module docstring), or None without them."""
+    import numpy as np
+
+    steps, bias = _expert_rows(records, "balancing_bias")
+    if bias is None:
+        return None
+    plt = _pyplot()
+    num_layers, num_experts = bias.shape[1:]
+    skip_key, skip = _layer_series(
+        [r for r in records if r.get("split", "train") == "train"], ("balancing_skip_bias",)
+    )
+    cmap = plt.get_cmap("tab20" if num_experts > 10 else "tab10")
+    fig, axes = _layer_grid(plt, num_layers, 4.2, 2.8)
+    for layer, ax in enumerate(axes):
+        for e in range(num_experts):
+            ax.plot(steps, bias[:, layer, e], color=cmap(e % cmap.N), linewidth=1, label=f"expert {e}")
+        title = f"layer {layer}"
+        if skip_key and layer < len(skip) and skip[layer][1]:
+            s_steps, s_values = skip[layer]
+            if np.ptp(s_values) > 0:
+                twin = ax.twinx()
+                twin.plot(s_steps, s_values, color="black", linestyle="--", linewidth=1)
+                twin.set_ylabel("skip bias (dashed)", fontsize="small")
+            else:
+                title += f" · skip bias {s_values[-1]:g} (fixed)"
+        ax.set_title(title, fontsize="small")
+        ax.axhline(0.0, color="grey", linewidth=0.5)
+        ax.grid(True, alpha=0.3)
+    _label_edges(axes, "bias")
+    if num_experts <= 20:
+        handles, labels = axes[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside right center", fontsize="small")
+    fig.suptitle("balancing biases per layer (balancing_bias): up = the controller pulls tokens in")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def arg_parser() -> cli.ArgumentParser:
     parser = cli.ArgumentParser(prog="python -m zaya_jax.plot", description=__doc__.split("\n")[0])
     parser.add_argument("workdir", type=Path, help=f"run directory holding {METRICS_FILE}")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: WORKDIR)")
     parser.add_argument("--log-y", action="store_true", help="log-scale loss axis")
     parser.add_argument(
         "--smooth",
-        type=float,
+        type=cli.Float(min=0.0, max=1.0, max_open=True),
         default=0.0,
-        help="EMA weight of the past for the train loss, in [0, 1) (default 0: raw)",
+        help="EMA weight of the past for the train loss (default 0: raw)",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arg_parser()
     args = parser.parse_args(argv)
-    if not 0.0 <= args.smooth < 1.0:
-        parser.error(f"--smooth must be in [0, 1), got {args.smooth}")
     if not args.workdir.is_dir():
         parser.error(f"workdir {args.workdir} does not exist or is not a directory")
     if not (args.workdir / METRICS_FILE).is_file():
@@ -212,6 +386,17 @@ def main(argv: list[str] | None = None) -> int:
         written.append(load)
     spills = plot_expert_exchange(records, out / "expert_exchange.png")
     written += [spills] if spills else []
+    routing = [
+        plot_expert_load_heatmap(records, out / "expert_load_heatmap.png"),
+        plot_balancing_biases(records, out / "balancing_bias.png"),
+    ]
+    if None in routing:
+        print(
+            "no routing telemetry (expert_load / balancing_bias) in the records; "
+            "expert_load_heatmap.png / balancing_bias.png not written",
+            file=sys.stderr,
+        )
+    written += [p for p in routing if p is not None]
     for path in written:
         print(path)
     return 0

@@ -29,11 +29,17 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from zaya_jax import cli
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, checkpoint_workdir
 from zaya_jax.model import ZayaConfig
 from zaya_jax.tokenizer import CONFIG_FILENAME, HF_FILENAME, ByteTokenizer, Tokenizer, load_tokenizer
 from zaya_jax.train_state import abstract_train_state, variable_shardings
+
+# What the --prefix flag of a CLI that loads a model (generate, evaluate) takes: `prefix` of load_model.
+PREFIX_FLAG = cli.OneOf(
+    "auto", "bos", "eos", "none", other=cli.Int(min=0), other_doc="a token id (an int >= 0)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +148,10 @@ def load_model(
             f"{cfg.vocab_size}: wrong tokenizer for {path}"
         )
     prefix_id = resolve_prefix(prefix, tok, ours)
+    if not 0 <= prefix_id < cfg.vocab_size:
+        raise ValueError(
+            f"prefix={prefix!r}: token id {prefix_id} is outside the model's vocabulary ({cfg.vocab_size})"
+        )
     return Pretrained(cfg, variables, tok, prefix_id, source, step, prefix_every_request=prefix != "none")
 
 

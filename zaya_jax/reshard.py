@@ -21,7 +21,7 @@ from ml_collections import config_dict, config_flags
 from zaya_jax import cli
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, checkpoint_workdir
-from zaya_jax.parallel.mesh import mesh_from_config
+from zaya_jax.parallel.mesh import check_mesh_sizes, mesh_from_config
 from zaya_jax.train_state import abstract_train_state
 
 MESH_KEYS = ("data", "fsdp", "expert", "zero1")
@@ -62,15 +62,17 @@ def reshard(src: str, dst: str, mesh: dict[str, Any], *, step: int | None = None
 FLAGS = flags.FLAGS
 
 
-def _define_flags() -> None:
+def _define_flags(fv=None) -> None:
+    """The CLI's flags, on absl's FLAGS (or the FlagValues `fv`)."""
+    fv = FLAGS if fv is None else fv
     overrides = ml_collections.ConfigDict()
     overrides.mesh = ml_collections.ConfigDict(
         {k: config_dict.placeholder(bool if k == "zero1" else int) for k in MESH_KEYS}
     )
-    config_flags.DEFINE_config_dict("config", overrides, "Only config.mesh.* (the new mesh).")
-    flags.DEFINE_string("src", None, "source checkpoint")
-    flags.DEFINE_string("dst", None, "destination WORKDIR")
-    flags.DEFINE_integer("step", None, "source step (default: from --src, else the latest)")
+    config_flags.DEFINE_config_dict("config", overrides, "Only config.mesh.* (the new mesh).", flag_values=fv)
+    flags.DEFINE_string("src", None, "source checkpoint", flag_values=fv)
+    flags.DEFINE_string("dst", None, "destination WORKDIR", flag_values=fv)
+    cli.define_flag("step", None, "source step (default: from --src, else the latest)", cli.Int(min=0), fv)
 
 
 def main(argv):
@@ -79,7 +81,12 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     if not FLAGS.src or not FLAGS.dst:
         raise app.UsageError("--src and --dst are required")
-    print(json.dumps(reshard(FLAGS.src, FLAGS.dst, FLAGS.config.mesh.to_dict(), step=FLAGS.step)))
+    mesh = FLAGS.config.mesh.to_dict()
+    try:  # before the checkpoint is read: the sizes given (the source's fill the rest)
+        check_mesh_sizes({k: v for k, v in mesh.items() if k != "zero1" and v is not None})
+    except ValueError as e:
+        raise ValueError(f"--config.{e}") from None
+    print(json.dumps(reshard(FLAGS.src, FLAGS.dst, mesh, step=FLAGS.step)))
 
 
 if __name__ == "__main__":

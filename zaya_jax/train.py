@@ -51,7 +51,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zaya_jax import cli, dry_run, host_memory, sizing
+from zaya_jax import cli, dry_run, gpu_target, host_memory, sizing
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
 from zaya_jax.cli import UserError
@@ -70,6 +70,7 @@ from zaya_jax.metrics import MetricsLogger, to_python
 from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.parallel.sharding import shard_batch
+from zaya_jax.routing_telemetry import DEAD, DeadExperts
 from zaya_jax.train_eval import downstream_tasks, evaluate
 from zaya_jax.train_state import (
     SPILL_BLOCKS,
@@ -111,10 +112,12 @@ class _Verdict(NamedTuple):
     spill_blocks: int | None
 
 
-def _read(p: _InFlight) -> _Verdict:
-    """A dispatched step's verdict: waits for the step to finish (one device_get for all three)."""
-    keys = ("loss", "update_skipped", SPILL_BLOCKS)
-    loss, skipped, spills = jax.device_get(tuple(p.metrics.get(k) for k in keys))
+def _read(p: _InFlight, dead: DeadExperts) -> _Verdict:
+    """A dispatched step's verdict: waits for the step to finish (one device_get). Its expert load
+    [L, E] comes in the same transfer and goes to the dead-expert window."""
+    keys = ("loss", "update_skipped", SPILL_BLOCKS, "expert_load")
+    loss, skipped, spills, load = jax.device_get(tuple(p.metrics.get(k) for k in keys))
+    dead.observe(p.step, load)
     return _Verdict(float(loss), bool(skipped), None if spills is None else int(spills))
 
 
@@ -163,7 +166,8 @@ class Trainer:
 
     Loop state: `step` (the last step dispatched and kept), `state` (the train state after it),
     `ahead` (the next step's batch, put on the devices while a step runs), `pending` (a dispatched
-    step whose loss is not read yet), `tokens_since` / `t_last` (throughput since the last log).
+    step whose loss is not read yet), `tokens_since` / `t_last` (throughput since the last log),
+    `dead` (every read step's expert load, for the dead-expert count of the logs).
     """
 
     def __init__(self, c: ml_collections.ConfigDict, workdir: str):
@@ -202,6 +206,7 @@ class Trainer:
         }
         self.ahead: _Batch | None = None
         self.pending: _InFlight | None = None
+        self.dead = DeadExperts(c.logging.dead_expert_window)
         self.t_last, self.tokens_since = time.perf_counter(), 0
         self.spills = _SpillTally()
 
@@ -237,7 +242,7 @@ class Trainer:
             current = self._dispatch(done)  # returns before the step ends
             if self.pending is not None:  # the previous step's verdict, read while this one runs
                 pending, self.pending = self.pending, None
-                verdict = _read(pending)
+                verdict = _read(pending, self.dead)
                 if self._judge(pending, verdict, functools.partial(_train_loss, current)):
                     continue  # step `done` ran on a discarded state: its result is dropped
                 self._log(pending, verdict)
@@ -249,7 +254,7 @@ class Trainer:
             # What follows must see this step's verdict (a checkpoint is never written for a step
             # whose loss was not checked): read it now.
             self.pending = None
-            verdict = _read(current)
+            verdict = _read(current, self.dead)
             self.faults.unwatch()
             next_loss = functools.partial(self._eval_next_loss, done + 1, self.state)
             if self._judge(current, verdict, next_loss):
@@ -321,6 +326,7 @@ class Trainer:
         self.summary["rollbacks"] += 1
         self.logger.truncate_after(to)
         self.faults.rolled_back()
+        self.dead.reset()  # the steps since `to` are re-run
         self.step = to
         self.t_last, self.tokens_since = time.perf_counter(), 0
         self.spills = _SpillTally()
@@ -345,6 +351,7 @@ class Trainer:
         if util is not None:
             m["mfu"] = util
         m.update(_data_position(p.drawn, self.ramp, self.mixture, self.sources, self.seq_len))
+        m[DEAD] = self.dead.count(p.step)
         self.logger.log_train(p.step, m)
         self.t_last, self.tokens_since = now, 0
         self.summary["loss"] = m["loss"]
@@ -510,31 +517,43 @@ def _init_from_checkpoint(directory: str) -> tuple[Checkpointer, int]:
 FLAGS = flags.FLAGS
 
 
-def _define_flags() -> None:
-    """CLI flags, defined only when run as a program: importing this module defines none."""
+def _define_flags(fv=None) -> None:
+    """CLI flags, defined only when run as a program: importing this module defines none. On absl's
+    FLAGS, or the FlagValues `fv`; numeric and enumerated ones declare their values (zaya_jax/cli.py)."""
+    fv = FLAGS if fv is None else fv
     config_flags.DEFINE_config_file(
-        "config", None, "Training config file (configs/<name>.py[:arg]).", lock_config=True
+        "config", None, "Training config file (configs/<name>.py[:arg]).", lock_config=True, flag_values=fv
     )
-    flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, TensorBoard.")
+    flags.DEFINE_string(
+        "workdir", None, "Run directory: checkpoints, metrics.jsonl, TensorBoard.", flag_values=fv
+    )
     flags.DEFINE_bool(
         "dry_run",
         False,
         "Compile the full-size train step (for --dry_run_target), print memory per device, "
         "collectives and compile time, and exit; needs no --workdir (zaya_jax/dry_run.py).",
+        flag_values=fv,
     )
-    flags.DEFINE_integer(
-        "dry_run_devices", None, "Devices --dry_run simulates (default: the mesh size; 8 if an axis is -1)."
+    cli.define_flag(
+        "dry_run_devices",
+        None,
+        "Devices --dry_run simulates (default: the mesh size; 8 if an axis is -1).",
+        cli.Int(min=1),
+        fv,
     )
-    flags.DEFINE_string(
+    cli.define_flag(
         "dry_run_target",
         "cpu",
         "What --dry_run compiles for: cpu (simulated CPU devices), mi300x or h100 (deviceless GPUs, "
         "XLA's GPU compiler; pip install -e '.[gpu_compile]'), or a GpuTargetConfig text file.",
+        gpu_target.TARGET_FLAG,
+        fv,
     )
     flags.DEFINE_bool(
         "dry_run_fit",
         False,
         "With a GPU --dry_run_target: also find the largest microbatch (sequences per device) that fits.",
+        flag_values=fv,
     )
 
 

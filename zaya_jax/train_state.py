@@ -10,7 +10,7 @@ backprop.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import flax
 import jax
@@ -34,9 +34,24 @@ from zaya_jax.parallel.sharding import (
     opt_state_shardings,
     param_shardings,
 )
+from zaya_jax.routing_telemetry import step_metrics as routing_step_metrics
 
 Batch = dict[str, jax.Array]  # input_ids / targets int32 [B, S], loss_mask fp32 [B, S]
 OPTIMIZER_SCOPE = "optimizer_update"  # jax.named_scope of the optimizer's ops (in their HLO op_name)
+
+
+class StepAux(NamedTuple):
+    """What a forward pass sums besides the loss (over tokens; over microbatches in the step):
+    weight (loss weights) fp32 []; counts (tokens per class per block) fp32 [L, E+1]; dropped
+    (tokens past an expert-parallel capacity) int32 [L]; entropy (router entropies, nats) fp32 [L];
+    spills (1 where a device's expert group took the exchange's spill round) int32 [L, devices].
+    Fields are read by name, so adding one changes no caller."""
+
+    weight: jax.Array
+    counts: jax.Array
+    dropped: jax.Array
+    entropy: jax.Array
+    spills: jax.Array
 
 
 @flax.struct.dataclass
@@ -94,9 +109,8 @@ def state_shardings(state: TrainState, mesh: Mesh, zero1: bool = True) -> TrainS
 
 def loss_and_counts(
     model: ZayaForCausalLM, params: Any, balancing: Any, batch: Batch, loss_chunk: int = 512
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-    """(sum of token losses, (sum of loss weights, expert counts [L, E+1], dropped tokens [L],
-    exchange spills [L, devices]: ZayaOutput.exchange_spills))."""
+) -> tuple[jax.Array, StepAux]:
+    """(sum of token losses, StepAux of the batch)."""
     variables = {"params": params, BALANCING: balancing}
     out = model.apply(variables, batch["input_ids"], return_logits=False)
     head = lambda h: model.apply(variables, h, method=ZayaForCausalLM.logits_from_hidden)
@@ -105,7 +119,9 @@ def loss_and_counts(
     total, weight = chunked_cross_entropy(
         fold(out.hidden), fold(batch["targets"]), fold(batch["loss_mask"]), head, loss_chunk
     )
-    return total, (weight, out.expert_counts, out.dropped_tokens, out.exchange_spills)
+    return total, StepAux(
+        weight, out.expert_counts, out.dropped_tokens, out.router_entropy, out.exchange_spills
+    )
 
 
 def split_microbatches(x: jax.Array, grad_accum: int, mesh: Mesh | None) -> jax.Array:
@@ -119,8 +135,7 @@ def split_microbatches(x: jax.Array, grad_accum: int, mesh: Mesh | None) -> jax.
 
 
 def accumulated_grads(grad_fn: Callable, params: Any, balancing: Any, micro: Batch):
-    """Sums over the microbatches (leading axis of `micro`) of grad_fn's loss sum, its aux
-    (weight, expert counts [l, e+1], dropped tokens [l], exchange spills [l, devices]) and
+    """Sums over the microbatches (leading axis of `micro`) of grad_fn's loss sum, its StepAux and
     gradients, in one lax.scan. The aux's zeros take grad_fn's own shapes (the spill flags have one
     entry per device the model sees, fewer inside the per-rank loop of zaya_jax/parallel/zero1.py)."""
 
@@ -246,7 +261,8 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: Batch):
         micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum, mesh), batch)
-        loss_sum, (weight, counts, dropped, spills), grads = gradients(state.params, state.balancing, micro)
+        loss_sum, aux, grads = gradients(state.params, state.balancing, micro)
+        weight, counts = aux.weight, aux.counts
         denom = jnp.maximum(weight, 1.0)
         loss = loss_sum / denom
         grads = jax.tree.map(lambda g: g / denom, grads)
@@ -255,8 +271,9 @@ def make_train_step(
         # state) rather than poisoning the run; the trainer counts and reports these.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         new_state = updated_state(state, grads, grad_norm, counts, finite, tx, bal_cfg)
-        # The load that produced `counts` (under the old biases), the same whether or not skipped.
-        load = bal.expert_load_stats(counts, cfg.num_experts)
+        # The load that produced `counts` (under the old biases), the same whether or not skipped; the
+        # biases after the update (zaya_jax/routing_telemetry.py).
+        biases = bal.get_balancing_biases(new_state.variables)
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -264,13 +281,12 @@ def make_train_step(
             "tokens": weight,
             "update_skipped": ~finite,
             "skipped_steps": new_state.skipped_steps,  # so a step can be logged after the next is dispatched
-            "dropped_tokens": jnp.sum(dropped),
-            "expert_load_max_over_mean": load["load_max_over_mean"],
-            "expert_skip_fraction": load["skip_fraction"],
+            "dropped_tokens": jnp.sum(aux.dropped),
+            **routing_step_metrics(counts, aux.entropy, biases, cfg.num_experts),
         }
         if has_spill_round(cfg, mesh):
             # Spill rounds run: [l, devices] summed over the group's n devices, each of which says so.
-            metrics[SPILL_BLOCKS] = jnp.sum(spills) // mesh.shape["expert"]
+            metrics[SPILL_BLOCKS] = jnp.sum(aux.spills) // mesh.shape["expert"]
         return new_state, metrics
 
     return train_step
@@ -376,7 +392,7 @@ def make_eval_step(cfg: ZayaConfig, mesh: Mesh | None = None) -> Callable[[Any, 
     model = ZayaForCausalLM(cfg, mesh)
 
     def eval_step(variables, batch):
-        loss_sum, (weight, *_) = loss_and_counts(model, variables["params"], variables[BALANCING], batch)
-        return {"loss_sum": loss_sum, "weight": weight}
+        loss_sum, aux = loss_and_counts(model, variables["params"], variables[BALANCING], batch)
+        return {"loss_sum": loss_sum, "weight": aux.weight}
 
     return eval_step

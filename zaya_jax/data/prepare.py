@@ -476,7 +476,7 @@ def _format_summary(out_dir: Path, meta: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def arg_parser() -> cli.ArgumentParser:
     parser = cli.ArgumentParser(
         prog="python -m zaya_jax.data.prepare",
         description="Tokenize .txt/.jsonl files into train/eval token shards for zaya_jax training.",
@@ -492,14 +492,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--eval-fraction",
-        type=float,
+        type=cli.Float(min=0.0, max=1.0, max_open=True),
         default=0.01,
         help="fraction of documents held out for eval (default 0.01)",
     )
-    parser.add_argument("--split-seed", type=int, default=0, help="seed of the train/eval split")
+    parser.add_argument("--split-seed", type=cli.Int(min=0), default=0, help="seed of the train/eval split")
     parser.add_argument(
         "--shard-tokens",
-        type=int,
+        type=cli.Int(min=1),
         default=DEFAULT_SHARD_TOKENS,
         help=f"tokens per shard file (default {DEFAULT_SHARD_TOKENS})",
     )
@@ -511,7 +511,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl")
     parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = arg_parser().parse_args(argv)
     try:
         meta = prepare_dataset(
             args.input,

@@ -19,6 +19,8 @@ from absl import logging
 from zaya_jax import cli
 from zaya_jax.evaluate import evaluate
 from zaya_jax.parallel.distributed import initialize_from_env
+from zaya_jax.parallel.mesh import MESH_FLAG
+from zaya_jax.pretrained import PREFIX_FLAG
 
 
 def format_table(results: dict) -> str:
@@ -46,7 +48,7 @@ def format_table(results: dict) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
+def arg_parser() -> cli.ArgumentParser:
     ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--checkpoint", required=True, help="Orbax WORKDIR[/checkpoints[/STEP]] or an HF directory"
@@ -54,20 +56,32 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--data", action="append", required=True, help="a task (repeatable): see --help above")
     ap.add_argument("--split", default="eval", choices=("train", "eval"), help="split of token data")
     ap.add_argument(
-        "--batch-size", type=int, default=None, help="rows per step (default 8, rounded up to the mesh)"
-    )
-    ap.add_argument("--max-len", type=int, default=None, help="tokens per row (default min(2048, model max))")
-    ap.add_argument("--min-bucket", type=int, default=64, help="shortest sequence bucket")
-    ap.add_argument(
-        "--stride", type=int, default=None, help="perplexity: new tokens per window (default max-len)"
+        "--batch-size",
+        type=cli.Int(min=1),
+        default=None,
+        help="rows per step (default 8, rounded up to the mesh)",
     )
     ap.add_argument(
-        "--mesh", default="auto", help="none | auto (all devices, data parallel) | data=2,expert=4"
+        "--max-len", type=cli.Int(min=2), default=None, help="tokens per row (default min(2048, model max))"
+    )
+    ap.add_argument("--min-bucket", type=cli.Int(min=1), default=64, help="shortest sequence bucket")
+    ap.add_argument(
+        "--stride",
+        type=cli.Int(min=1),
+        default=None,
+        help="perplexity: new tokens per window (default max-len)",
+    )
+    ap.add_argument(
+        "--mesh",
+        type=MESH_FLAG,
+        default="auto",
+        help="none | auto (all devices, data parallel) | data=2,expert=4",
     )
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"), help="compute dtype override")
     ap.add_argument("--tokenizer", default=None, help="override: byte, a tokenizer.json or a saved dir")
     ap.add_argument(
         "--prefix",
+        type=PREFIX_FLAG,
         default="auto",
         help="auto | bos | eos | ID: token every request starts with; none: only requests without "
         "context (lm-eval's default)",
@@ -75,11 +89,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--delimiter", default=" ", help="multiple choice: between context and choice")
     ap.add_argument("--separator", default=None, help="text: document separator (blank-line, form-feed, ...)")
     ap.add_argument("--text-field", default="text", help="text .jsonl: the field holding the text")
-    ap.add_argument("--limit", type=int, default=None, help="only the first N examples / documents per task")
+    ap.add_argument(
+        "--limit", type=cli.Int(min=1), default=None, help="only the first N examples / documents per task"
+    )
     ap.add_argument("--out", default=None, help="write the results JSON here")
     ap.add_argument("--samples-out", default=None, help="write per-example multiple-choice scores (JSONL)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    a = arg_parser().parse_args(argv)
     logging.set_verbosity(logging.WARNING)
     initialize_from_env()
     out = evaluate(

@@ -19,6 +19,7 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.scipy.special import entr
 from jax.sharding import Mesh
 
 from zaya_jax.model.cca import CCAttention, KVContext, LayerCache
@@ -37,15 +38,19 @@ class ZayaOutput:
     """logits: fp32 [B, S, V] (None with return_logits=False); hidden: final-normed fp32 [B, S, d];
     expert_counts: tokens per class per block, padding excluded, fp32 [L, E+1] (class E = skip);
     router_probs: fp32 [L, B, S, E+1]; dropped_tokens: tokens per block that lost their expert to an
-    expert-parallel capacity limit, int32 [L] (0 when dropless); exchange_spills: int32 [L, devices]
-    (split over the devices; [L, 1] without a mesh), 1 where the device's expert group ran the
-    exchange's spill round in that block (zaya_jax/parallel/expert.py)."""
+    expert-parallel capacity limit, int32 [L] (0 when dropless); router_entropy: the sum over the
+    tokens counted in expert_counts of the entropy (nats) of the router's distribution over the E+1
+    classes, fp32 [L] (divide by the tokens for a mean; routing telemetry,
+    zaya_jax/routing_telemetry.py); exchange_spills: int32 [L, devices] (split over the devices;
+    [L, 1] without a mesh), 1 where the device's expert group ran the exchange's spill round in that
+    block (zaya_jax/parallel/expert.py)."""
 
     logits: jax.Array | None
     hidden: jax.Array
     expert_counts: jax.Array
     router_probs: jax.Array
     dropped_tokens: jax.Array
+    router_entropy: jax.Array
     exchange_spills: jax.Array
     cache: Any = None  # the updated KVCache when called with one (decoding)
 
@@ -133,7 +138,11 @@ class ZayaBlock(nn.Module):
             else padding_mask_bs.astype(jnp.float32)
         )
         counts = jnp.zeros((cfg.num_router_classes,), jnp.float32).at[routing.expert_bs].add(token_weight)
-        return (h, routing.next_state_bsr), (counts, routing.probs_bse, dropped, spilled, new_layer_cache)
+        # A scalar per block, not the [B, S] entropies: only this sum leaves the scan (telemetry).
+        # stop_gradient: no tangent of entr at p = 0 (-log 0) can reach the gradients as 0 * inf.
+        entropy = jnp.sum(jnp.sum(entr(jax.lax.stop_gradient(routing.probs_bse)), axis=-1) * token_weight)
+        per_block = (counts, routing.probs_bse, dropped, entropy, spilled, new_layer_cache)
+        return (h, routing.next_state_bsr), per_block
 
 
 # "auto" unrolls up to this many blocks: compile time grows linearly with the unrolled depth.
@@ -256,7 +265,7 @@ class ZayaForCausalLM(nn.Module):
             jnp.float32
         )
         carry = (h, jnp.zeros((b, s, cfg.router_hidden_size), jnp.float32))
-        (h, _), (counts, probs, dropped, spilled, new_layers) = self.layers(
+        (h, _), (counts, probs, dropped, entropy, spilled, new_layers) = self.layers(
             carry, (*self.per_layer_inputs(), layer_caches), positions, attention_mask, segment_ids, kv_shared
         )
         new_cache = None if cache is None else KVCache(new_layers, kv_shared[1], kv_shared[2])
@@ -268,6 +277,7 @@ class ZayaForCausalLM(nn.Module):
             expert_counts=counts,
             router_probs=probs,
             dropped_tokens=dropped,
+            router_entropy=entropy,
             exchange_spills=spilled,
             cache=new_cache,
         )

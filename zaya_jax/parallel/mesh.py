@@ -21,6 +21,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from zaya_jax import cli
+
 # Adding an axis: one entry here (its default size in DEFAULT_SIZES if not 1) and its key in the
 # config's mesh section (zaya_jax/config.py); every parser and builder below walks this tuple.
 MESH_AXES = ("data", "fsdp", "expert", "context")
@@ -88,6 +90,22 @@ def parse_mesh_spec(
                 )
             sizes[key] = int(value)
     return sizes
+
+
+def checked_mesh_spec(spec: str) -> str:
+    """`spec` itself if parse_mesh_spec reads it and its sizes pass check_mesh_sizes (ValueError
+    otherwise): what a --mesh flag is checked with before anything is loaded."""
+    check_mesh_sizes(parse_mesh_spec(spec))
+    return spec
+
+
+# What a CLI's --mesh flag takes (zaya_jax/cli.py): an axis=size spec, or with MESH_FLAG none / auto.
+MESH_SPEC_FLAG = cli.Parsed(
+    checked_mesh_spec,
+    f"axis=size,... (axes {', '.join(MESH_AXES)}; sizes >= 1, one may be -1)",
+    invalid=("data=0", "data=-2", "nope=2"),
+)
+MESH_FLAG = cli.OneOf("none", "auto", other=MESH_SPEC_FLAG)
 
 
 def resolve_mesh_shape(*sizes: int, num_devices: int) -> tuple[int, ...]:

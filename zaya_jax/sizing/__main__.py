@@ -17,24 +17,43 @@ from zaya_jax.sizing.memory import (
 from zaya_jax.sizing.report import report
 
 
-def _define_flags():
+def _define_flags(fv=None):
+    """The CLI's flags, on absl's FLAGS (or the FlagValues `fv`); numeric ones declare their range."""
     from absl import flags
     from ml_collections import config_flags
 
+    from zaya_jax import cli
+    from zaya_jax.parallel.mesh import MESH_SPEC_FLAG
+
+    fv = flags.FLAGS if fv is None else fv
     config_flags.DEFINE_config_file(
-        "config", None, "Training config file (configs/<name>.py[:arg]).", lock_config=True
+        "config", None, "Training config file (configs/<name>.py[:arg]).", lock_config=True, flag_values=fv
     )
-    flags.DEFINE_string("mesh", None, "data=N,fsdp=N,expert=N (default: the config's mesh section).")
-    flags.DEFINE_integer("num_devices", 8, "Devices that a -1 mesh axis fills (default one node of 8).")
-    flags.DEFINE_enum("remat", None, list(REMAT_CHOICES), "Remat policy (default: config.model.remat).")
-    flags.DEFINE_integer(
+    cli.define_flag(
+        "mesh", None, "data=N,fsdp=N,expert=N (default: the config's mesh section).", MESH_SPEC_FLAG, fv
+    )
+    cli.define_flag(
+        "num_devices", 8, "Devices that a -1 mesh axis fills (default one node of 8).", cli.Int(min=1), fv
+    )
+    flags.DEFINE_enum(
+        "remat", None, list(REMAT_CHOICES), "Remat policy (default: config.model.remat).", flag_values=fv
+    )
+    cli.define_flag(
         "micro_batch",
         None,
         "Sequences per device per microbatch (default: train.batch_size / train.grad_accum / devices).",
+        cli.Int(min=1),
+        fv,
     )
-    flags.DEFINE_float("device_memory_gib", MI300X_MEMORY_GIB, "Device memory for the fits-check.")
-    flags.DEFINE_bool("zero1", True, "Shard the optimizer state over the data axis (ZeRO-1).")
-    flags.DEFINE_string("json", None, "Also write the numbers as JSON to this path.")
+    cli.define_flag(
+        "device_memory_gib",
+        MI300X_MEMORY_GIB,
+        "Device memory for the fits-check.",
+        cli.Float(min=0, min_open=True),
+        fv,
+    )
+    flags.DEFINE_bool("zero1", True, "Shard the optimizer state over the data axis (ZeRO-1).", flag_values=fv)
+    flags.DEFINE_string("json", None, "Also write the numbers as JSON to this path.", flag_values=fv)
 
 
 def main(argv) -> None:
