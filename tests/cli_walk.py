@@ -75,6 +75,12 @@ CLIS = (
         ("--checkpoint", "/nonexistent/w", "--out", "/nonexistent/o"),
     ),
     Cli("zaya_jax.plot", "zaya_jax.plot", "argparse", ("/nonexistent/w",)),
+    Cli(
+        "zaya_jax.lm_eval",
+        "zaya_jax.lm_eval.__main__",
+        "argparse",
+        ("--model_args", "checkpoint=/nonexistent/w", "--tasks", "x"),
+    ),
     *(
         Cli(f"benchmarks.{name}", f"benchmarks.{name}", "argparse")
         for name in (
@@ -110,7 +116,7 @@ def argparse_flags(parser: argparse.ArgumentParser):
         flag = _long_name(action.option_strings)
         if isinstance(action.type, cli.FlagValue):
             cases += [(flag, v) for v in action.type.invalid()]
-            if action.default is not None and not action.type.accepts(action.default):
+            if action.default not in (None, argparse.SUPPRESS) and not action.type.accepts(action.default):
                 bad_defaults.append(flag)
         elif action.choices is not None:
             cases.append((flag, BAD_CHOICE))

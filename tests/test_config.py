@@ -64,6 +64,13 @@ def test_zaya1_phases_follow_the_recipe():
         ("eval.tasks", ("no/such/task.jsonl",), r"config.eval.tasks\[0\]: .*does not exist"),
         ("eval.tasks", (3,), "config.eval.tasks: must be a list of data specs"),
         ("eval.task_limit", -1, "config.eval.task_limit: must be an int >= 0"),
+        ("eval.harness_tasks", ("arc_easy", ""), "config.eval.harness_tasks: must be a list of lm-eval"),
+        (
+            "eval.harness_include_path",
+            "no/such/dir",
+            "config.eval.harness_include_path: 'no/such/dir' is not a",
+        ),
+        ("eval.harness_include_path", ".", "config.eval.harness_include_path: is set but eval.harness_tasks"),
         # tiny: warmup 50 + 30% decay of 60 steps do not fit; caught at start-up, not at step 0.
         ("train.steps", 60, r"config.optim \(schedule='wsd', train.steps=60\): warmup_steps \(50\) \+ decay"),
         ("optim.schedule", "linear", "config.optim.schedule: must be one of wsd, cosine, constant"),

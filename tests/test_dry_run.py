@@ -245,7 +245,10 @@ def test_hlo_replica_groups_in_each_form():
         "replica_groups=[2,4]<=[4,2]T(1,0)": ((0, 2, 4, 6), (1, 3, 5, 7)),
         "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}": ((0, 2, 4, 6), (1, 3, 5, 7)),
         "replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}": (
-            (0, 1), (2, 3), (4, 5), (6, 7)
+            (0, 1),
+            (2, 3),
+            (4, 5),
+            (6, 7),
         ),
         "source_target_pairs={{0,1},{2,3}}": ((0, 1), (2, 3)),
     }

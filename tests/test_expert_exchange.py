@@ -70,7 +70,10 @@ def _expected_spills(expert: np.ndarray, mesh_shape) -> np.ndarray:
     expert axis last: a group is n consecutive devices."""
     n = mesh_shape[2]
     per_device = expert.reshape(8, T // 8)
-    full = [np.bincount(row[row < E] // (E // n), minlength=n).max() > capacity(T // 8, n, 1.5) for row in per_device]
+    full = [
+        np.bincount(row[row < E] // (E // n), minlength=n).max() > capacity(T // 8, n, 1.5)
+        for row in per_device
+    ]
     return np.repeat(np.asarray(full).reshape(-1, n).any(axis=1), n).astype(np.int32)
 
 

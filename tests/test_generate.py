@@ -181,3 +181,35 @@ def test_eos_stops_each_row_on_its_own(hf_pair):
         assert row == (row_free[: row_free.index(eos) + 1] if eos in row_free else row_free)
     with pytest.raises(ValueError, match="at least one token"):
         generate(cfg, variables, [[1], []], max_new_tokens=2)
+
+
+def test_a_stop_callback_ends_rows_and_changes_no_token(hf_pair):
+    """Decoding in chunks between stop checks gives the one-program tokens, sampled ones whatever
+    the chunk (the key is split once per token either way); a stopped row ends at the check that
+    stopped it."""
+    _, cfg, variables = hf_pair
+    prompts = [[5, 17, 42, 8], [9, 70, 3]]
+    free = generate(cfg, variables, prompts, max_new_tokens=20)
+    never = lambda row, tokens: False
+    assert generate(cfg, variables, prompts, 20, stop=never, stop_every=6) == free
+    row0_at_7 = lambda row, tokens: row == 0 and len(tokens) >= 7  # checked after 3, 6, 9, ... tokens
+    assert generate(cfg, variables, prompts, 20, stop=row0_at_7, stop_every=3) == [free[0][:9], free[1]]
+    sampled = [generate(cfg, variables, prompts, 20, 0.9, seed=3, stop=never, stop_every=k) for k in (4, 20)]
+    assert sampled[0] == sampled[1] != free
+
+
+@pytest.mark.slow
+def test_rows_over_a_mesh_give_the_one_device_tokens(hf_pair):
+    from zaya_jax.evaluate import parse_mesh
+    from zaya_jax.pretrained import variable_shardings
+
+    _, cfg, variables = hf_pair
+    mesh = parse_mesh("data=2,fsdp=4")  # rows over 8 devices, the model's width over 4
+    sharded = jax.device_put(variables, variable_shardings(variables, mesh))
+    prompts = [[5 + i, 17, 42, 8][: 1 + i % 4] for i in range(8)]
+    stop = lambda row, tokens: row % 2 == 1 and len(tokens) >= 4
+    one_device = generate(cfg, variables, prompts, 10, stop=stop, stop_every=4)
+    assert [len(t) for t in one_device] == [10, 4] * 4
+    assert generate(cfg, sharded, prompts, 10, mesh=mesh, stop=stop, stop_every=4) == one_device
+    with pytest.raises(ValueError, match="do not split over the mesh's 8 batch rows"):
+        generate(cfg, sharded, prompts[:6], 10, mesh=mesh)

@@ -34,7 +34,9 @@ OURS |= {"zaya_flash_attention_dkv", "zaya_ns_matmul"}
 SEQ, DEVICES = 512, 8
 
 
-def small_config(experts: int = 8, impl: str = "auto", data: int = 8, expert_axis: int = 1, remat: str = "none"):
+def small_config(
+    experts: int = 8, impl: str = "auto", data: int = 8, expert_axis: int = 1, remat: str = "none"
+):
     """One block of width 64 (bf16 compute), 8 x 512 tokens; `impl` for attention, experts and
     Newton-Schulz ('auto' resolves on the target's platform)."""
     c = base_config()

@@ -67,6 +67,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "zaya_jax.reshard",
             "zaya_jax.plot",
             "zaya_jax.dry_run",
+            "zaya_jax.lm_eval",
         ),
     ),
     ("trainer", ("zaya_jax.train", "zaya_jax.trainer", "zaya_jax.train_eval")),

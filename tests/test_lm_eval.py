@@ -7,70 +7,21 @@ import json
 
 import numpy as np
 import pytest
-import torch
-from eval_models import BYTE_CASE, TASK, orbax_from_hf, write_task
-from hf_reference import random_hf_model
+from eval_models import TASK, orbax_from_hf, random_byte_model, write_harness_tasks
 
 from zaya_jax.evaluate.__main__ import main as evaluate_main
 from zaya_jax.export import export
 
 MAX_LEN = 64  # several rolling windows per document
-DOCS = [
-    (
-        "Call me Ishmael. Some years ago - never mind how long precisely - having little or no money in "
-        "my purse, and nothing particular to interest me on shore, I thought I would sail about a little."
-    ),
-    "Ünïcödé — naïve café, 日本語, 🐋 whales.",
-    "Short.",
-]
-MC_YAML = """task: zaya_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {path}
-test_split: test
-output_type: multiple_choice
-doc_to_text: context
-doc_to_choice: choices
-doc_to_target: answer
-target_delimiter: " "
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-"""
-PPL_YAML = """task: zaya_ppl
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {path}
-test_split: test
-output_type: loglikelihood_rolling
-doc_to_text: ""
-doc_to_target: text
-metric_list:
-  - metric: word_perplexity
-  - metric: byte_perplexity
-  - metric: bits_per_byte
-"""
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """A tiny random model through the user's path: HF -> import_hf -> Orbax -> export (fp32)."""
     d = tmp_path_factory.mktemp("lm_eval")
-    ref = random_hf_model(BYTE_CASE, eos_token_id=1)
-    with torch.no_grad():  # transformers' from_pretrained resets the skip class's bias to -1 (as we train)
-        for name, buf in ref.named_buffers():
-            if name.endswith("balancing_biases"):
-                buf[-1] = -1.0
-    ref.save_pretrained(str(d / "random_hf"))
+    random_byte_model().save_pretrained(str(d / "random_hf"))
     export(orbax_from_hf(str(d / "random_hf"), str(d / "ckpt")), str(d / "hf"), dtype="float32")
-    task, text = write_task(str(d / "task.jsonl")), str(d / "docs.jsonl")
-    with open(text, "w") as f:
-        f.writelines(json.dumps({"text": t}) + "\n" for t in DOCS)
-    (d / "tasks").mkdir()
-    (d / "tasks" / "zaya_mc.yaml").write_text(MC_YAML.format(path=task))
-    (d / "tasks" / "zaya_ppl.yaml").write_text(PPL_YAML.format(path=text))
+    write_harness_tasks(d)
     return d
 
 

@@ -150,5 +150,6 @@ def test_bf16_cotangent_rounding_changes_no_gradient_of_the_kernels(impl):
     # The rounding is real: the dense reference's gradient (an fp32 backward dot) changes.
     dense = lambda wrap: lambda g: jnp.mean(wrap(dense_moe(x, expert, g, down, act)) * w)
     assert not np.array_equal(
-        jax.grad(dense(lambda y: cotangent_as(y, jnp.bfloat16)))(gate_up), jax.grad(dense(lambda y: y))(gate_up)
+        jax.grad(dense(lambda y: cotangent_as(y, jnp.bfloat16)))(gate_up),
+        jax.grad(dense(lambda y: y))(gate_up),
     )

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from eval_models import write_task
+from eval_models import write_harness_tasks, write_task
 from zaya_jax.evaluate import evaluate
 from zaya_jax.export import export
 from zaya_jax.metrics import read_metrics
@@ -157,14 +157,21 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _two_processes(cmd, port):
-    """Runs `cmd` as 2 processes x 4 CPU devices (jax.distributed on localhost); returns their stdouts."""
+def _two_processes(cmd, port, logs):
+    """Runs `cmd` as 2 processes x 4 CPU devices (jax.distributed on localhost); returns their stdouts.
+    Their output goes to files under `logs`: a pipe nobody reads until the other process ends would
+    stall a process that writes much, and the other then times out in a collective. Without the
+    persistent compilation cache: seen on this jaxlib, one process loading a program from the cache
+    while the other compiled it made the first cross-process collective time out ("Gloo context
+    initialization failed: DEADLINE_EXCEEDED")."""
+    os.makedirs(logs, exist_ok=True)
+    files = [(open(f"{logs}/out{i}", "w+"), open(f"{logs}/err{i}", "w+")) for i in range(2)]
     procs = [
         subprocess.Popen(
             cmd,
             cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stdout=out,
+            stderr=err,
             text=True,
             env={
                 **os.environ,
@@ -172,22 +179,34 @@ def _two_processes(cmd, port):
                 "ZAYA_COORDINATOR": f"127.0.0.1:{port}",
                 "ZAYA_NUM_PROCESSES": "2",
                 "ZAYA_PROCESS_ID": str(i),
+                "JAX_ENABLE_COMPILATION_CACHE": "false",
             },
         )
-        for i in range(2)
+        for i, (out, err) in enumerate(files)
     ]
-    outs = [p.communicate(timeout=600) for p in procs]
+    outs = []
+    for p, (out, err) in zip(procs, files):
+        p.wait(timeout=600)
+        out.seek(0)
+        err.seek(0)
+        outs.append((out.read(), err.read()))
+        out.close()
+        err.close()
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     return [out for out, _ in outs]
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_eight_device_process(tmp_path):
+def test_two_processes_match_one_eight_device_process(tmp_path, monkeypatch):
     """2 processes x 4 CPU devices on a data=2 x expert=4 mesh train with the same losses, and score
-    the same downstream task, as one process with 8 devices; `zaya_jax.evaluate` over 2 processes
-    gives the same numbers from the exported HF directory."""
+    the same downstream task, as one process with 8 devices; every process runs the lm-eval tasks
+    of eval.harness_tasks (scoring and generation) and logs the same numbers; `zaya_jax.evaluate`
+    over 2 processes gives the same numbers from the exported HF directory."""
     task = write_task(str(tmp_path / "task.jsonl"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets_cache"))
+    harness = write_harness_tasks(tmp_path, ["The cat sat on the", "Once upon a time"], max_gen=8)
     mesh = [
         "--config.mesh.data=2",
         "--config.mesh.expert=4",
@@ -209,8 +228,10 @@ def test_two_processes_match_one_eight_device_process(tmp_path):
         str(multi),
         *SMALL,
         *mesh,
+        "--config.eval.harness_tasks=('zaya_mc', 'zaya_gen')",
+        f"--config.eval.harness_include_path={harness}",
     ]
-    outs = _two_processes(cmd, _free_port())
+    outs = _two_processes(cmd, _free_port(), tmp_path / "logs_train")
     summaries = [json.loads(out.strip().splitlines()[-1])["summary"] for out in outs]
     assert all(s["mesh"] == {"data": 2, "fsdp": 1, "expert": 4, "context": 1} for s in summaries)
     ref = train_losses(single)
@@ -221,6 +242,13 @@ def test_two_processes_match_one_eight_device_process(tmp_path):
     evals = [[r for r in read_metrics(str(w)) if r["split"] == "eval"][-1] for w in (single, multi)]
     assert evals[0]["eval_task/acc"] == evals[1]["eval_task/acc"]
     assert evals[0]["eval_task/acc_norm"] == evals[1]["eval_task/acc_norm"]
+    on_1 = [r for r in read_metrics(str(multi / "process_1")) if r["split"] == "eval"][-1]
+    harness_keys = {
+        "eval_harness/zaya_mc/acc",
+        "eval_harness/zaya_mc/acc_norm",
+        "eval_harness/zaya_gen/exact_match",
+    }
+    assert {k: evals[1][k] for k in harness_keys} == {k: on_1[k] for k in harness_keys}
 
     hf_dir = tmp_path / "hf"
     export(str(single), str(hf_dir), dtype="float32")
@@ -228,7 +256,7 @@ def test_two_processes_match_one_eight_device_process(tmp_path):
     cmd = [sys.executable, "-m", "zaya_jax.evaluate", "--checkpoint", str(hf_dir), "--data", task,
            "--mesh", "data=2,expert=4", "--max-len", "32", "--out", str(results), "--quiet",
            "--samples-out", str(tmp_path / "samples.jsonl")]  # fmt: skip
-    _two_processes(cmd, _free_port())
+    _two_processes(cmd, _free_port(), tmp_path / "logs_evaluate")
     written = json.loads(results.read_text())
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     one_device = evaluate(str(hf_dir), [task], max_len=32)["samples"]["task"]

@@ -51,7 +51,12 @@ overrides any key (`--config.train.steps=100`). Sections:
   eval.tasks                downstream tasks scored at every evaluation: data specs of
                             `python -m zaya_jax.evaluate` (multiple-choice JSONL, text files, token data)
   eval.task_limit, eval.task_max_len   examples/documents per task (0 = all); tokens per scored
-                            row (0 = train.seq_len)
+                            row (0 = train.seq_len); both apply to eval.harness_tasks too
+  eval.harness_tasks        lm-evaluation-harness tasks (names, as `--tasks`) run at every evaluation
+                            through the `zaya_jax` backend (zaya_jax/lm_eval/), logged as
+                            eval_harness/<task>/<metric>; needs the `interop` extra
+  eval.harness_include_path a directory of task YAML files for eval.harness_tasks (lm-eval's
+                            `--include_path`); unset = lm-eval's built-in tasks only
   logging.every_steps, logging.tensorboard, logging.console
   logging.dead_expert_window   steps without a token after which an expert counts as dead in the
                             `expert_dead` metric (routing telemetry, zaya_jax/routing_telemetry.py)
@@ -60,6 +65,7 @@ overrides any key (`--config.train.steps=100`). Sections:
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from typing import Any
 
@@ -112,7 +118,16 @@ def base_config() -> ml_collections.ConfigDict:
     )
     c.fault = _fault_section()
     c.eval = Section(
-        {"every_steps": 200, "batches": 0, "batch_size": 16, "tasks": (), "task_limit": 0, "task_max_len": 0}
+        {
+            "every_steps": 200,
+            "batches": 0,
+            "batch_size": 16,
+            "tasks": (),
+            "task_limit": 0,
+            "task_max_len": 0,
+            "harness_tasks": (),
+            "harness_include_path": config_dict.placeholder(str),
+        }
     )
     c.logging = Section({"every_steps": 10, "tensorboard": True, "console": True, "dead_expert_window": 100})
     return c
@@ -388,6 +403,23 @@ def _validate_eval(c: ml_collections.ConfigDict) -> None:
             parse_data_spec(spec)
         except (OSError, ValueError) as e:
             raise ValueError(f"config.eval.tasks[{i}]: {e}") from None
+    tasks = c.eval.harness_tasks
+    _check(
+        isinstance(tasks, (tuple, list)) and all(isinstance(t, str) and t.strip() for t in tasks),
+        "eval.harness_tasks",
+        f"must be a list of lm-evaluation-harness task names, got {tasks!r}",
+    )
+    path = c.eval.harness_include_path
+    _check(
+        path is None or os.path.isdir(path),
+        "eval.harness_include_path",
+        f"{path!r} is not a directory (of lm-evaluation-harness task YAML files)",
+    )
+    _check(
+        path is None or bool(tasks),
+        "eval.harness_include_path",
+        "is set but eval.harness_tasks is empty: name the tasks to run",
+    )
 
 
 def _validate_balancing(c: ml_collections.ConfigDict) -> None:

@@ -6,9 +6,11 @@
     tokens = generate(cfg, variables, prompts, max_new_tokens, temperature=0.0, top_p=1.0, seed=0, eos_id=None)
 
 `generate` runs prefill, sampling and decoding in one jitted `lax.while_loop` (the building blocks
-above stay public for custom loops). Prompts of different lengths are left padded: pad tokens are
-zeroed before the CCA projections and hidden as keys; positions count real tokens only
-(cumsum(mask) - 1, as transformers' generate), so padding changes no result. The batch is padded to
+above stay public for custom loops); with a `stop` callback (lm-eval's stop sequences) it decodes
+`stop_every` tokens per `lax.while_loop` and asks the host between them which rows to end; with a
+`mesh` the rows are split over the mesh's batch axes. Prompts of different lengths are left padded:
+pad tokens are zeroed before the CCA projections and hidden as keys; positions count real tokens
+only (cumsum(mask) - 1, as transformers' generate), so padding changes no result. The batch is padded to
 a power-of-two length (`prompt_bucket`), so a loop over prompts of many lengths compiles one program
 per bucket rather than one per length.
 
@@ -27,16 +29,19 @@ import argparse
 import functools
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zaya_jax import cli
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.model.transformer import KVCache, ZayaForCausalLM, init_cache
+from zaya_jax.parallel.sharding import BATCH_AXES
 
 __all__ = [
     "init_cache",
@@ -120,6 +125,39 @@ def sample(logits_bv: jax.Array, key: jax.Array, temperature: float, top_p: floa
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def _start(cfg: ZayaConfig, variables: Any, prompt, max_new_tokens: int, pad_id: int, key) -> tuple:
+    """Prefill -> the decoding carry: (step, logits, cache, position, key, tokens [B, max_new_tokens],
+    done [B])."""
+    ids, mask = prompt
+    b, s = ids.shape
+    logits, cache = prefill(cfg, variables, ids, mask, init_cache(cfg, b, s + max_new_tokens))
+    position = jnp.sum(mask, axis=-1, dtype=jnp.int32)  # the next token's position per row
+    tokens = jnp.full((b, max_new_tokens), pad_id, jnp.int32)
+    return jnp.zeros((), jnp.int32), logits, cache, position, key, tokens, jnp.zeros((b,), bool)
+
+
+def _decode_until(cfg: ZayaConfig, variables: Any, carry: tuple, limit, prompt_len: int, sampling: tuple):
+    """Samples and decodes in a `lax.while_loop` on the device (no host round trip per token) until
+    step `limit` or until every row is done (produced eos_id or was stopped)."""
+    temperature, top_p, eos_id, pad_id = sampling
+
+    def cond(c):
+        step, *_, done = c
+        return (step < limit) & ~jnp.all(done)
+
+    def body(c):
+        step, logits, cache, position, key, tokens, done = c
+        key, sub = jax.random.split(key)
+        token = jnp.where(done, pad_id, sample(logits, sub, temperature, top_p))
+        tokens = tokens.at[:, step].set(token)
+        done = done | (token == eos_id)
+        # the logits after the last token are not needed; the cache has a slot for them all the same
+        logits, cache = _decode(cfg, variables, token, position, prompt_len + step, cache)
+        return step + 1, logits, cache, position + 1, key, tokens, done
+
+    return jax.lax.while_loop(cond, body, carry)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7))
 def _generate_loop(
     cfg: ZayaConfig,
@@ -132,32 +170,64 @@ def _generate_loop(
     pad_id: int,
     key: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    """Prefill, then sample and decode in one `lax.while_loop` on the device (no host round trip
-    per token), stopping early once every row has produced eos_id (-1: never).
-    Returns (tokens [B, max_new_tokens] (pad_id after a row's EOS), steps taken)."""
-    ids, mask = prompt
-    b, s = ids.shape
-    logits, cache = prefill(cfg, variables, ids, mask, init_cache(cfg, b, s + max_new_tokens))
-    position = jnp.sum(mask, axis=-1, dtype=jnp.int32)  # the next token's position per row
-    tokens = jnp.full((b, max_new_tokens), pad_id, jnp.int32)
-
-    def cond(c):
-        step, *_, done = c
-        return (step < max_new_tokens) & ~jnp.all(done)
-
-    def body(c):
-        step, logits, cache, position, key, tokens, done = c
-        key, sub = jax.random.split(key)
-        token = jnp.where(done, pad_id, sample(logits, sub, temperature, top_p))
-        tokens = tokens.at[:, step].set(token)
-        done = done | (token == eos_id)
-        # the logits after the last token are not needed; the cache has a slot for them all the same
-        logits, cache = _decode(cfg, variables, token, position, s + step, cache)
-        return step + 1, logits, cache, position + 1, key, tokens, done
-
-    carry = (jnp.zeros((), jnp.int32), logits, cache, position, key, tokens, jnp.zeros((b,), bool))
-    steps, *_, tokens, _ = jax.lax.while_loop(cond, body, carry)
+    """Prefill, then sample and decode to the end in one program, stopping early once every row has
+    produced eos_id (-1: never). Returns (tokens [B, max_new_tokens] (pad_id after a row's EOS),
+    steps taken)."""
+    carry = _start(cfg, variables, prompt, max_new_tokens, pad_id, key)
+    sampling = (temperature, top_p, eos_id, pad_id)
+    steps, *_, tokens, _ = _decode_until(cfg, variables, carry, max_new_tokens, prompt[0].shape[1], sampling)
     return tokens, steps
+
+
+_start_jit = jax.jit(_start, static_argnums=(0, 3, 4))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=2)
+def _resume(
+    cfg: ZayaConfig, variables: Any, carry: tuple, stopped_b, limit, prompt_len: int, sampling: tuple
+):
+    """Rows with stopped_b [B] set are done; then `_decode_until` step `limit`."""
+    carry = (*carry[:-1], carry[-1] | stopped_b)
+    return _decode_until(cfg, variables, carry, limit, prompt_len, sampling)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """A (global) array as numpy on every process, rows from all processes included."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _placer(mesh: Mesh | None) -> Callable[[np.ndarray], Any]:
+    """Host arrays [B, ...] -> device arrays: rows split over the mesh's batch axes (every process
+    holds the whole batch; each device takes its rows), or as they are without a mesh."""
+    if mesh is None:
+        return jnp.asarray
+    sharding = NamedSharding(mesh, P(BATCH_AXES))
+    return lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def _decode_with_stop(
+    cfg, variables, prompt, max_new_tokens: int, sampling: tuple, key, stop, stop_every, put
+):
+    """Decodes `stop_every` tokens at a time; after each chunk, stop(row, new tokens) ends a row.
+    Returns the new tokens per row (a stopped row's up to where it was stopped)."""
+    b, prompt_len = prompt[0].shape
+    carry = _start_jit(cfg, variables, prompt, max_new_tokens, sampling[3], key)
+    stopped, ends = np.zeros(b, bool), np.full(b, max_new_tokens)
+    step = 0
+    while step < max_new_tokens:
+        limit = np.int32(min(step + stop_every, max_new_tokens))
+        carry = _resume(cfg, variables, carry, put(stopped), limit, prompt_len, sampling)
+        step, tokens, done = int(_to_host(carry[0])), _to_host(carry[5]), _to_host(carry[6])
+        for i in np.flatnonzero(~done):  # rows still going: produced neither EOS nor a stop
+            if stop(int(i), tokens[i, :step].tolist()):
+                stopped[i], ends[i] = True, step
+        if np.all(done | stopped) or step < limit:
+            break
+    return [tokens[i, : min(ends[i], step)].tolist() for i in range(b)]
 
 
 def generate(
@@ -171,31 +241,43 @@ def generate(
     eos_id: int | None = None,
     pad_id: int = 0,
     bucket: bool = True,
+    *,
+    stop: Callable[[int, list[int]], bool] | None = None,
+    stop_every: int = 16,
+    mesh: Mesh | None = None,
 ) -> list[list[int]]:
     """Continues each prompt by up to max_new_tokens tokens (stopping after eos_id); returns the
     new tokens per prompt (eos included when produced). One jitted program per (batch, padded
     prompt length, max_new_tokens, sampling settings); the prompts are left padded to
-    `prompt_bucket` of the longest, or to the longest itself with bucket=False."""
+    `prompt_bucket` of the longest, or to the longest itself with bucket=False.
+
+    stop(row, new_tokens) -> bool, checked every `stop_every` tokens, ends a row early (e.g. once
+    its text holds a stop string); the row's tokens end where it was stopped. Sampling does not
+    depend on stop_every (the key is split once per token either way). With a `mesh` the rows are
+    split over its batch axes (len(prompts) must divide evenly; `variables` laid out on the mesh,
+    every process passing the same prompts) and every process gets every row back."""
     if not prompts or min(len(p) for p in prompts) < 1:
         raise ValueError("generate: every prompt needs at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
+    if stop_every < 1:
+        raise ValueError(f"generate: stop_every={stop_every} must be >= 1")
+    rows = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+    if len(prompts) % rows:
+        raise ValueError(f"generate: {len(prompts)} prompts do not split over the mesh's {rows} batch rows")
     s = max(len(p) for p in prompts)
     ids, mask = left_pad(prompts, prompt_bucket(s) if bucket else s, pad_id)
-    tokens, steps = _generate_loop(
-        cfg,
-        variables,
-        (jnp.asarray(ids), jnp.asarray(mask)),
-        max_new_tokens,
-        float(temperature),
-        float(top_p),
-        -1 if eos_id is None else int(eos_id),
-        pad_id,
-        jax.random.PRNGKey(seed),
-    )
-    tokens = np.asarray(tokens)[:, : int(steps)]
+    put = _placer(mesh)
+    prompt = (put(ids), put(mask))
+    key = np.asarray(jax.random.PRNGKey(seed))  # host data: replicated on any mesh
+    sampling = (float(temperature), float(top_p), -1 if eos_id is None else int(eos_id), pad_id)
+    if stop is None:
+        tokens, steps = _generate_loop(cfg, variables, prompt, max_new_tokens, *sampling, key)
+        rows = _to_host(tokens)[:, : int(_to_host(steps))].tolist()
+    else:
+        rows = _decode_with_stop(cfg, variables, prompt, max_new_tokens, sampling, key, stop, stop_every, put)
     out = []
-    for row in tokens.tolist():
+    for row in rows:
         if eos_id is not None and eos_id in row:
             row = row[: row.index(eos_id) + 1]
         out.append(row)

@@ -6,6 +6,7 @@ data pipeline and the sampling code need:
     encode(text) -> list[int]            no special tokens are added
     encode_batch(texts) -> list[list[int]]
     decode(ids) -> str                   special tokens are skipped
+    token_text(id) -> str                one token as transformers' decode(id) writes it (`</s>`)
     pad_id / eos_id / bos_id / vocab_size / name
     save(directory)                      records the tokenizer next to a prepared dataset
 
@@ -67,6 +68,7 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
     def decode(self, ids: Iterable[int]) -> str: ...
+    def token_text(self, token_id: int) -> str: ...
     def save(self, directory: str | os.PathLike) -> None: ...
 
 
@@ -105,6 +107,12 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         data = bytes(int(i) - self._OFFSET for i in ids if self._OFFSET <= int(i) < self.vocab_size)
         return data.decode("utf-8", errors="replace")
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as transformers' `decode(token_id)` writes it: specials by name (`</s>`)."""
+        if 0 <= token_id < self._OFFSET:
+            return BYTE_SPECIAL_TOKENS[token_id]
+        return self.decode([token_id])
 
     def save(self, directory: str | os.PathLike) -> None:
         directory = Path(directory)
@@ -251,6 +259,10 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as transformers' `decode(token_id)` writes it: specials by name."""
+        return self._tok.decode([int(token_id)], skip_special_tokens=False)
 
     def save(self, directory: str | os.PathLike) -> None:
         directory = Path(directory)

@@ -71,7 +71,7 @@ from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.parallel.sharding import shard_batch
 from zaya_jax.routing_telemetry import DEAD, DeadExperts
-from zaya_jax.train_eval import downstream_tasks, evaluate
+from zaya_jax.train_eval import downstream_tasks, evaluate, harness_tasks
 from zaya_jax.train_state import (
     SPILL_BLOCKS,
     SPILL_STEP_FRACTION,
@@ -178,6 +178,7 @@ class Trainer:
         self.events = EventLog(workdir, enabled=self.primary)
         self.mesh = mesh_from_config(c)
         check_batch_divides(c, self.mesh.size)
+        self.harness = harness_tasks(c, self.cfg, tokenizer, self.mesh)  # lm-eval's tasks: checked now
         self.ramp = _batch_ramp(c, self.mesh.size)
         self.program = train_program(c, self.cfg, self.mesh)
         # The restore target: a resume reads straight into the sharded arrays, and the fresh state is
@@ -360,6 +361,8 @@ class Trainer:
         ev = evaluate(self.eval_step, self.state.variables, self.c, self.mesh)
         if self.downstream is not None:
             ev.update(self.downstream(self.state.variables))
+        if self.harness is not None:
+            ev.update(self.harness(self.state.variables))
         self.logger.log_eval(step, ev)
         self.summary.update(ev)
         self.t_last = time.perf_counter()  # evaluation time is not training throughput

@@ -12,6 +12,7 @@ import ml_collections
 
 from zaya_jax.data import mixture as mixture_lib
 from zaya_jax.data.pipeline import make_eval_dataset
+from zaya_jax.parallel.distributed import barrier
 from zaya_jax.parallel.sharding import shard_batch
 
 
@@ -82,5 +83,51 @@ def downstream_tasks(c: ml_collections.ConfigDict, cfg, tokenizer, mesh) -> Call
     def run(variables) -> dict:
         results, _ = suite.run(scorer, variables)
         return {name: {k: r[k] for k in TASK_METRICS[r["kind"]]} for name, r in results.items()}
+
+    return run
+
+
+HARNESS_KEY = "config.eval.harness_tasks"
+
+
+def harness_tasks(c: ml_collections.ConfigDict, cfg, tokenizer, mesh) -> Callable[[Any], dict] | None:
+    """eval.harness_tasks loaded once (lm-eval imported only here; a missing lm-eval or an unknown
+    task name is a one-line error at start-up) -> fn(variables) -> {"harness": {task: {metric:
+    value}}} (logged as eval_harness/<task>/<metric>), None if none.
+
+    Run through the `zaya_jax` lm-eval backend on the training mesh with its defaults (prefix
+    none: lm-eval's and `python -m zaya_jax.lm_eval`'s), eval.task_max_len tokens per row (0 =
+    train.seq_len), eval.task_limit examples per task (0 = all) and eval.batch_size rows per step
+    (rounded up to the mesh); every process computes every task and gets the same numbers."""
+    if not c.eval.harness_tasks:
+        return None
+    from zaya_jax.lm_eval import require_lm_eval
+
+    require_lm_eval(HARNESS_KEY)
+    from zaya_jax.lm_eval.backend import ZayaLM
+    from zaya_jax.lm_eval.harness import HarnessTasks
+    from zaya_jax.pretrained import resolve_prefix
+
+    tasks = HarnessTasks(
+        list(c.eval.harness_tasks), c.eval.harness_include_path, c.eval.task_limit or None, HARNESS_KEY
+    )
+    # importing lm-eval and loading its tasks takes uneven time on the processes: the first train
+    # step's collectives would time out on the earliest (zaya_jax/parallel/distributed.py)
+    barrier("zaya_jax/harness_tasks_loaded")
+    lm = ZayaLM.from_model(
+        cfg,
+        None,
+        tokenizer,
+        prefix_id=resolve_prefix("none", tokenizer, trained_by_us=True),
+        prefix_every_request=False,
+        mesh=mesh,
+        batch_size=-(-c.eval.batch_size // mesh.size) * mesh.size,
+        max_length=c.eval.task_max_len or c.train.seq_len,
+        progress=False,
+    )
+
+    def run(variables) -> dict:
+        lm.variables = variables
+        return {"harness": tasks.run(lm)}
 
     return run

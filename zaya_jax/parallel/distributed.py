@@ -37,3 +37,18 @@ def initialize_from_env(env: dict[str, str] | None = None) -> bool:
         jax.distributed.initialize()  # cluster auto-detection reads the SLURM variables
         return True
     return False
+
+
+BARRIER_TIMEOUT_MS = 3_600_000
+
+
+def barrier(name: str, timeout_ms: int = BARRIER_TIMEOUT_MS) -> None:
+    """Waits until every process has reached the barrier `name` (each name used once), through the
+    coordination service on the hosts (a no-op with one process). For host-side work of uneven
+    length before a device collective: XLA:CPU's cross-process collectives give up when the other
+    processes arrive more than 30 s later ("Gloo context initialization failed: DEADLINE_EXCEEDED")."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the client jax.distributed.initialize connected
+
+    distributed.global_state.client.wait_at_barrier(name, timeout_ms)

@@ -93,7 +93,11 @@ DEFAULT_EXCHANGE_FACTOR = 1.5
 # them (zaya_jax/model/transformer.py), so a remat'd block's backward reuses them instead of
 # replaying the forward all-to-alls. RECEIVED: the tokens and expert ids a device received [n, C, .];
 # RETURNED: the expert outputs back on the tokens' device, fp32 [T, d]; OVERFLOW: the spill flag.
-RECEIVED, RETURNED, OVERFLOW = "expert_exchange_received", "expert_exchange_returned", "expert_exchange_overflow"
+RECEIVED, RETURNED, OVERFLOW = (
+    "expert_exchange_received",
+    "expert_exchange_returned",
+    "expert_exchange_overflow",
+)
 EXCHANGE_NAMES = (RECEIVED, RETURNED, OVERFLOW)
 
 

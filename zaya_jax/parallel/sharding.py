@@ -92,9 +92,7 @@ def zero1_spec(
     named = lambda d: () if d is None else (d if isinstance(d, tuple) else (d,))  # noqa: E731
     if n == 1 or any(axis in named(d) for d in dims):
         return P(*dims)
-    free = [
-        d for d in range(len(shape)) if all(sizes[a] == 1 for a in named(dims[d])) and shape[d] % n == 0
-    ]
+    free = [d for d in range(len(shape)) if all(sizes[a] == 1 for a in named(dims[d])) and shape[d] % n == 0]
     if free:
         d = prefer if prefer in free else max(free, key=lambda d: shape[d])
         dims[d] = (*named(dims[d]), axis) if dims[d] is not None else axis

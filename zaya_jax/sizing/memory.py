@@ -244,7 +244,15 @@ def activation_bytes(
     if remat != "none":
         dropless = cfg.moe_capacity_factor is None
         factor = cfg.moe_exchange_capacity_factor if dropless else cfg.moe_capacity_factor
-        args = (tokens, expert_axis, cfg.hidden_size, cfg.num_experts, _DTYPE_BYTES[cfg.dtype], factor, dropless)
+        args = (
+            tokens,
+            expert_axis,
+            cfg.hidden_size,
+            cfg.num_experts,
+            _DTYPE_BYTES[cfg.dtype],
+            factor,
+            dropless,
+        )
         exchange = n * remat_saved_bytes(*args)
     casts = 0.0
     if cfg.dtype != cfg.param_dtype:
