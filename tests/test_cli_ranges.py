@@ -87,6 +87,22 @@ def test_the_reported_case_and_reshard_mesh(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+def test_grad_reduce_is_checked_at_start_up(tmp_path):
+    """A train.grad_reduce that is neither "step" nor "microbatch": one error line from the trainer,
+    before its workdir exists."""
+    workdir = tmp_path / "w"
+    proc = run_cli(
+        "train",
+        "--config",
+        f"{ROOT}/configs/tiny.py",
+        "--workdir",
+        workdir,
+        "--config.train.grad_reduce=zero2",
+    )
+    line = assert_one_line_error(proc, "config.train.grad_reduce", "step", "microbatch", "zero2")
+    assert not workdir.exists(), line
+
+
 def _leaves(c, prefix=""):
     for key, value in c.items():
         if isinstance(value, ml_collections.ConfigDict):
@@ -106,6 +122,7 @@ CONFIG_CASES = [
 def test_config_walk_covers_the_enumerations():
     keys = {k for k, _ in CONFIG_CASES}
     assert {"model.attention_impl", "optim.schedule", "optim.muon.mu_dtype", "balancing.fraction_of"} <= keys
+    assert "train.grad_reduce" in keys
     assert {"seed", "optim.adamw.b2", "model.eos_token_id", "logging.dead_expert_window"} <= keys
 
 

@@ -139,6 +139,30 @@ def test_memory_per_device_single_device_and_data_parallel():
     )
 
 
+def test_grad_reduce_microbatch_keeps_one_gradient_buffer_and_the_sums_shard():
+    """With grad_accum > 1, train.grad_reduce "step" holds two whole fp32 gradient buffers, "microbatch"
+    one and the sum as the rank's ZeRO-1 shard (1/n); where the loop is not per data rank (two of
+    fsdp / expert / context > 1) or nothing is summed (grad_accum 1) the setting changes nothing."""
+    cfg = ZayaConfig.tiny()
+    size = {"seq_len": 16, "micro_batch": 1}
+    one = sizing.memory_per_device(cfg, mesh={"data": 8}, **size)  # grad_accum 1: one buffer
+    step = sizing.memory_per_device(cfg, mesh={"data": 8}, accumulate=True, **size)
+    micro = sizing.memory_per_device(cfg, mesh={"data": 8}, accumulate=True, grad_reduce="microbatch", **size)
+    assert step.grad_buffers == 2 and step.grads == 2 * one.grads and not step.sharded_sum
+    assert micro.grad_buffers == 1 and micro.sharded_sum
+    assert micro.grads == one.grads + micro.grad_shard
+    assert micro.grad_shard == pytest.approx(one.grads / 8, rel=0.02)  # leaves 8 divides none of: whole
+    assert micro.update_temporaries == step.update_temporaries  # the update reads the same shards
+    same = sizing.memory_per_device(cfg, mesh={"data": 8}, grad_reduce="microbatch", **size)
+    assert same.grads == one.grads and not same.sharded_sum
+    mesh = {"data": 2, "fsdp": 2, "expert": 2}
+    gspmd = [
+        sizing.memory_per_device(cfg, mesh=mesh, accumulate=True, grad_reduce=mode, **size).grads
+        for mode in ("step", "microbatch")
+    ]
+    assert gspmd[0] == gspmd[1]
+
+
 def test_zaya1_base_memory_data_parallel_8():
     cfg = ZayaConfig.zaya1_base()
     m = sizing.memory_per_device(cfg, seq_len=4096, micro_batch=4, mesh={"data": 8}, remat="full")

@@ -1,11 +1,13 @@
 """ZeRO-1 data parallelism (zaya_jax/parallel/zero1.py) on 8 simulated CPU devices: the data-parallel
 traffic of the compiled train step is the formula's whatever train.grad_accum (nothing per
-microbatch), and distributed Muon gives the same updates as Muon on one device with each matrix
-orthogonalised once."""
+microbatch), train.grad_reduce=microbatch (ZeRO-2) trains as step and one device do with its own
+formula's bytes and less memory, and distributed Muon gives the same updates as Muon on one device
+with each matrix orthogonalised once."""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import numpy as np
@@ -18,26 +20,59 @@ from zaya_jax.config import base_config, set_model
 from zaya_jax.model import ZayaConfig, init_variables
 from zaya_jax.optim.chain import make_optimizer
 from zaya_jax.parallel import make_mesh
-from zaya_jax.parallel.sharding import opt_state_shardings, param_shardings
+from zaya_jax.parallel.sharding import batch_sharding, opt_state_shardings, param_shardings
 from zaya_jax.parallel.zero1 import owner_plan, step_bytes
+from zaya_jax.train_state import train_program
 
 # 8 layers: the data axis (8 or 4) divides the layer stacks, so every rank owns whole matrices.
 CFG = ZayaConfig.tiny(num_hidden_layers=8, vocab_size=128, moe_intermediate_size=32)
 
 
-def _config(mesh: dict[str, int], grad_accum: int):
+def _config(mesh: dict[str, int], grad_accum: int, grad_reduce: str = "step"):
     c = base_config()
     set_model(c, CFG)
     c.train.seq_len, c.train.batch_size, c.train.grad_accum = 32, 8 * grad_accum, grad_accum
+    c.train.grad_reduce = grad_reduce
+    c.optim.schedule, c.optim.warmup_steps = "constant", 0  # the first step moves the params
     for axis, size in mesh.items():
         c.mesh[axis] = size
     return c
 
 
+def _compiled(
+    mesh: tuple[tuple[str, int], ...], grad_accum: int, grad_reduce: str = "step"
+) -> dry_run.CompiledStep:
+    """The tiny train step as the trainer builds it (train_program), compiled, not run, on as many
+    devices as the mesh has; compiled once per (mesh, grad_accum, grad_reduce) in the module."""
+    return _compile(mesh, grad_accum, grad_reduce)
+
+
 @functools.lru_cache(maxsize=None)
-def _compiled(mesh: tuple[tuple[str, int], ...], grad_accum: int) -> dry_run.CompiledStep:
-    """The tiny train step as the trainer builds it (train_program), compiled, not run."""
-    return dry_run.compile_step(_config(dict(mesh), grad_accum), jax.devices()[:8])
+def _compile(mesh: tuple[tuple[str, int], ...], grad_accum: int, grad_reduce: str) -> dry_run.CompiledStep:
+    devices = jax.devices()[: math.prod(size for _, size in mesh)]
+    return dry_run.compile_step(_config(dict(mesh), grad_accum, grad_reduce), devices)
+
+
+def _train(mesh: tuple[tuple[str, int], ...], grad_accum: int, grad_reduce: str = "step", steps: int = 2):
+    """(losses, final params) of `steps` steps of the compiled train step (`_compiled`) from the
+    config's initial state, on the same random batches whatever the mesh."""
+    step = _compiled(mesh, grad_accum, grad_reduce)
+    c = _config(dict(mesh), grad_accum, grad_reduce)
+    program = train_program(c, step.cfg, step.mesh)
+    state = jax.jit(program.create, out_shardings=program.shardings)()
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(steps):
+        ids = rng.integers(3, CFG.vocab_size, size=(c.train.batch_size, c.train.seq_len + 1))
+        batch = {
+            "input_ids": ids[:, :-1].astype(np.int32),
+            "targets": ids[:, 1:].astype(np.int32),
+            "loss_mask": (rng.random((c.train.batch_size, c.train.seq_len)) > 0.2).astype(np.float32),
+        }
+        batch = jax.device_put(batch, batch_sharding(step.mesh))
+        state, metrics = step.compiled(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, jax.device_get(state.params)
 
 
 @pytest.mark.slow
@@ -59,6 +94,54 @@ def test_data_parallel_bytes_are_the_formula_whatever_grad_accum(mesh):
     formula = step_bytes(step.state.params, step.mesh)
     assert per_step[1] == per_step[4]
     assert formula <= per_step[1] <= 1.25 * formula, (per_step, formula)
+
+
+GRAD_ACCUM = 4  # the equality and the bytes / memory tests share the data=8 programs
+
+
+@pytest.mark.slow
+def test_grad_reduce_microbatch_equals_step_and_one_device():
+    """train.grad_reduce=microbatch (each microbatch's gradients reduce-scattered inside the
+    per-rank loop, only the rank's shard summed) trains as the default step mode and as one device
+    do: data=8, grad_accum 4, fp32, two optimizer steps (losses, then every parameter)."""
+    data8 = (("data", 8),)
+    one_losses, one = _train((("data", 1),), GRAD_ACCUM)
+    step_losses, step = _train(data8, GRAD_ACCUM, "step")
+    micro_losses, micro = _train(data8, GRAD_ACCUM, "microbatch")
+    assert step_losses[1] != step_losses[0]  # the first update moved the params
+    np.testing.assert_allclose(micro_losses, step_losses, atol=1e-5)
+    np.testing.assert_allclose(micro_losses, one_losses, atol=1e-5)
+    leaves = jax.tree_util.tree_flatten_with_path(one)[0]
+    for (path, a), b, c in zip(leaves, jax.tree.leaves(step), jax.tree.leaves(micro), strict=True):
+        name = jax.tree_util.keystr(path)
+        np.testing.assert_allclose(c, b, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(c, a, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.slow
+def test_grad_reduce_microbatch_bytes_are_its_formula_and_memory_falls():
+    """microbatch mode's data-parallel bytes are its formula's 4 P (1 + A/n) (the reduce-scatter in
+    every microbatch, nothing inside the model), within 1.25x; its temporaries are below step
+    mode's at grad_accum 4 (one whole fp32 gradient buffer instead of two), by about what sizing
+    says the sum's shard saves."""
+    data8 = (("data", 8),)
+    step, micro = _compiled(data8, GRAD_ACCUM, "step"), _compiled(data8, GRAD_ACCUM, "microbatch")
+    once, in_model = dry_run.data_parallel_bytes(micro.compiled.as_text(), micro.mesh)
+    assert in_model == 0
+    params = micro.state.params
+    formula = step_bytes(params, micro.mesh, grad_accum=GRAD_ACCUM, grad_reduce="microbatch")
+    assert formula > step_bytes(params, micro.mesh, grad_accum=GRAD_ACCUM)  # 4 reduce-scatters, not 1
+    assert formula <= once <= 1.25 * formula, (once, formula)
+    temp = {s.grad_reduce: s.compiled.memory_analysis().temp_size_in_bytes for s in (step, micro)}
+    shape = {a: int(s) for a, s in micro.mesh.shape.items()}
+    est = {
+        mode: sizing.config_memory_per_device(_config(dict(data8), GRAD_ACCUM, mode), CFG, shape)
+        for mode in ("step", "microbatch")
+    }
+    assert est["microbatch"].sharded_sum and est["step"].grad_buffers == 2
+    saved = est["step"].grads - est["microbatch"].grads  # 4 P - 4 P / n
+    assert temp["microbatch"] < temp["step"]
+    assert 0.75 * saved <= temp["step"] - temp["microbatch"] <= 1.25 * saved, (temp, saved)
 
 
 def _tree(params, seed):

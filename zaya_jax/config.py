@@ -13,6 +13,14 @@ overrides any key (`--config.train.steps=100`). Sections:
   train.batch_size          global batch, sequences per optimizer step (all devices and microbatches)
   train.seq_len             tokens per sequence
   train.grad_accum          microbatches per step (batch_size must divide by it)
+  train.grad_reduce         "step" (default): each data rank sums its microbatches' fp32 gradients and
+                            they are reduce-scattered once per optimizer step (ZeRO-1: least traffic,
+                            two full gradient buffers per device with grad_accum > 1); "microbatch":
+                            each microbatch's gradients reduce-scattered and only the rank's 1/n shard
+                            summed (ZeRO-2: one full buffer, grad_accum times the reduce-scatter).
+                            Changes nothing where the loop is not per rank (data = 1, or two of
+                            fsdp / expert / context > 1: zaya_jax/parallel/zero1.py loop_per_rank);
+                            docs/architecture.md "Data parallelism and ZeRO-1"
   train.batch_ramp          "START,INCREMENT,RAMP_SEQUENCES": Megatron's batch-size ramp up to batch_size
                             (zaya_jax/data/ramp.py); unset = batch_size from the first step
   train.init_from           a checkpoint directory whose params start this run (phase chaining); unset = random
@@ -81,6 +89,7 @@ from zaya_jax.model.config import ZayaConfig
 from zaya_jax.optim.chain import default_optim_config
 from zaya_jax.optim.schedules import DECAY_SHAPES, SCHEDULE_NAMES
 from zaya_jax.parallel.mesh import DEFAULT_SIZES, MESH_AXES, check_mesh_sizes
+from zaya_jax.parallel.zero1 import GRAD_REDUCE
 
 Section = ml_collections.ConfigDict
 
@@ -104,6 +113,7 @@ def base_config() -> ml_collections.ConfigDict:
             "batch_size": 16,
             "seq_len": 256,
             "grad_accum": 1,
+            "grad_reduce": "step",
             "init_from": config_dict.placeholder(str),
             "batch_ramp": config_dict.placeholder(str),
             "sync_every_step": False,
@@ -203,6 +213,7 @@ _DTYPE = cli.OneOf("float32", "bfloat16")
 # left unset) is always allowed.
 DECLARED_VALUES: dict[str, cli.FlagValue] = {
     "seed": cli.Int(min=0),
+    "train.grad_reduce": cli.OneOf(*GRAD_REDUCE),
     "model.pad_token_id": cli.Int(min=0),
     "model.bos_token_id": cli.Int(min=0),
     "model.eos_token_id": cli.Int(min=0),

@@ -158,12 +158,19 @@ def axis_rows(hlo: str, mesh: jax.sharding.Mesh) -> list[str]:
 def zero1_rows(hlo: str, step: "CompiledStep") -> list[str]:
     """The data-parallel traffic against the formula of docs/architecture.md (zero1.step_bytes)."""
     once, looped = data_parallel_bytes(hlo, step.mesh)
-    formula = zero1.step_bytes(step.state.params, step.mesh, step.zero1)
+    formula = zero1.step_bytes(step.state.params, step.mesh, step.zero1, step.grad_accum, step.grad_reduce)
     ratio = f" ({once / formula:.2f}x)" if formula else ""
+    each = zero1.reduces_per_microbatch(step.grad_reduce, step.mesh)
+    what = (
+        f"reduce-scattered in each of the {step.grad_accum} microbatches (train.grad_reduce=microbatch) + "
+        "the updates all-gathered: 4 P (1 + A/n)"
+        if each
+        else "reduce-scattered into the ZeRO-1 shards + the updates all-gathered: 4 P (1 + 1/n)"
+    )
     return [
-        f"  data-parallel (spanning the data axis): once per step {once / 2**20:.2f} MiB{ratio}, in the "
-        f"model {looped / 2**20:.2f} MiB; formula {formula / 2**20:.2f} MiB (fp32 gradients reduce-scattered "
-        "into the ZeRO-1 shards + the updates all-gathered: 4 P (1 + 1/n), P the parameters a device holds)"
+        f"  data-parallel (spanning the data axis): outside the model {once / 2**20:.2f} MiB{ratio}, in the "
+        f"model {looped / 2**20:.2f} MiB; formula {formula / 2**20:.2f} MiB (fp32 gradients {what}, "
+        "P the parameters a device holds)"
     ]
 
 
@@ -268,6 +275,7 @@ def memory_rows(stats: Any, est: sizing.MemoryEstimate, in_place: bool = True) -
     # With mesh.context = R a device holds S/R positions of each of its sequences.
     positions = est.seq_len // est.mesh.get("context", 1)
     grads = "; 2 gradient buffers: the sum so far and the microbatch's" if est.grad_buffers > 1 else ""
+    grads += "; gradients: the microbatch's + the sum as this rank's ZeRO-1 shard" if est.sharded_sum else ""
     out.append(
         f"  (sizing: remat {est.remat}, micro-batch {est.micro_batch} x {positions} tokens per device{grads})"
     )
@@ -314,6 +322,8 @@ class CompiledStep:
     compile_s: float
     state: Any = None  # the abstract train state it was compiled for
     zero1: bool = True  # mesh.zero1
+    grad_accum: int = 1  # train.grad_accum
+    grad_reduce: str = "step"  # train.grad_reduce
 
 
 def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> CompiledStep:
@@ -329,12 +339,24 @@ def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> Com
     t1 = time.perf_counter()
     compiled = lowered.compile()
     elapsed = time.perf_counter() - t1
-    return CompiledStep(compiled, mesh, cfg, t1 - t0, elapsed, program.abstract_state(), c.mesh.zero1)
+    return CompiledStep(
+        compiled,
+        mesh,
+        cfg,
+        t1 - t0,
+        elapsed,
+        program.abstract_state(),
+        c.mesh.zero1,
+        c.train.grad_accum,
+        c.train.grad_reduce,
+    )
 
 
-def device_rows(total: int, target: gpu_target.GpuTarget, scale: float) -> tuple[list[str], str | None]:
+def device_rows(
+    total: int, target: gpu_target.GpuTarget, scale: float, remedies: str = "add devices"
+) -> tuple[list[str], str | None]:
     """The device-memory row (in the memory table's unit: bytes / `scale`) and, when the step does
-    not fit, the one-line error naming the overshoot."""
+    not fit, the one-line error naming the overshoot and `remedies` (`memory_remedies`)."""
     label = f"  {'device memory (' + target.name + ')':<44}{target.memory_bytes / scale:>11.3f}   "
     if total <= target.memory_bytes:
         return [label + f"fits: {100 * total / target.memory_bytes:.1f}% used"], None
@@ -343,11 +365,28 @@ def device_rows(total: int, target: gpu_target.GpuTarget, scale: float) -> tuple
     error = (
         f"the train step needs {size(total)} per device, {size(total - target.memory_bytes)} more than "
         f"the {target.name}'s {size(target.memory_bytes)} (XLA: arguments + outputs - alias + "
-        "temporaries): lower the sequences per device "
-        "per microbatch (raise train.grad_accum; --dry_run_fit finds the largest that fits), set "
-        "model.remat, or add devices"
+        f"temporaries): {remedies}"
     )
     return [row], error
+
+
+def memory_remedies(c: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> str:
+    """What lowers a step's memory per device, for the "does not fit" error: ZeRO-2's gradient sum
+    (train.grad_reduce=microbatch) where the step sums whole gradients (grad_accum > 1, reduced once
+    per step, the loop per data rank), a smaller microbatch, remat, fsdp's split parameters."""
+    out = []
+    if c.train.grad_accum > 1 and c.train.grad_reduce == "step" and zero1.loop_per_rank(mesh):
+        out.append(
+            "set train.grad_reduce=microbatch (the gradient sum kept as this rank's 1/n shard, "
+            "reduce-scattered every microbatch)"
+        )
+    out += [
+        "lower the sequences per device per microbatch (raise train.grad_accum; --dry_run_fit finds the "
+        "largest that fits)",
+        "set model.remat",
+        "split the parameters over mesh.fsdp",
+    ]
+    return ", ".join(out) + ", or add devices"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,7 +438,8 @@ def dry_run(
     lines += memory_rows(stats, est, in_place=gpu is not None)
     error = None
     if gpu is not None:
-        rows, error = device_rows(memory_total(stats), gpu, memory_unit(est.total)[1])
+        remedies = memory_remedies(c, mesh)
+        rows, error = device_rows(memory_total(stats), gpu, memory_unit(est.total)[1], remedies)
         lines += rows
     if fit:
         lines += ["", *fit_rows(fit_search(c, devices, gpu, step))]
@@ -472,7 +512,8 @@ def _header(c, cfg, shape: dict[str, int], gpu: gpu_target.GpuTarget | None, n: 
         + " ".join(f"{a}={s}" for a, s in shape.items())
         + f", ZeRO-1 {'on' if c.mesh.zero1 else 'off'}",
         f"  {pc.total / 1e6:,.1f}M parameters ({pc.active / 1e6:,.1f}M active), global batch "
-        f"{c.train.batch_size} x {c.train.seq_len} tokens, grad_accum {c.train.grad_accum}: {micro_batch} "
+        f"{c.train.batch_size} x {c.train.seq_len} tokens, grad_accum {c.train.grad_accum} (grad_reduce "
+        f"{c.train.grad_reduce}): {micro_batch} "
         f"sequences per device per microbatch, remat {cfg.remat}, compute {cfg.dtype}, "
         f"params {cfg.param_dtype}",
         "  " + impl_summary(c, cfg, platform),

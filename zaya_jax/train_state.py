@@ -134,10 +134,15 @@ def split_microbatches(x: jax.Array, grad_accum: int, mesh: Mesh | None) -> jax.
     return x
 
 
-def accumulated_grads(grad_fn: Callable, params: Any, balancing: Any, micro: Batch):
+def accumulated_grads(
+    grad_fn: Callable, params: Any, balancing: Any, micro: Batch, reduce: Callable | None = None
+):
     """Sums over the microbatches (leading axis of `micro`) of grad_fn's loss sum, its StepAux and
     gradients, in one lax.scan. The aux's zeros take grad_fn's own shapes (the spill flags have one
-    entry per device the model sees, fewer inside the per-rank loop of zaya_jax/parallel/zero1.py)."""
+    entry per device the model sees, fewer inside the per-rank loop of zaya_jax/parallel/zero1.py).
+    `reduce`: applied to each microbatch's gradients before they are added (train.grad_reduce
+    "microbatch": the reduce-scatter into this rank's ZeRO-1 shard, so the sum is only that shard)."""
+    each = reduce or (lambda grads: grads)
 
     def accumulate(carry, mb):
         (loss_sum, aux), grads = grad_fn(params, balancing, mb)
@@ -145,40 +150,48 @@ def accumulated_grads(grad_fn: Callable, params: Any, balancing: Any, micro: Bat
         return (
             acc_loss + loss_sum,
             jax.tree.map(jnp.add, acc_aux, aux),
-            jax.tree.map(jnp.add, acc_grads, grads),
+            jax.tree.map(jnp.add, acc_grads, each(grads)),
         ), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros_of = lambda shapes: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)  # noqa: E731
     first = jax.tree.map(lambda x: x[0], micro)
     (_, aux_shapes), _ = jax.eval_shape(grad_fn, params, balancing, first)
-    aux0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes)
-    out, _ = jax.lax.scan(accumulate, (jnp.zeros(()), aux0, zeros), micro)
+    if reduce is None:
+        zeros = jax.tree.map(jnp.zeros_like, params)
+    else:  # the shapes of a reduced microbatch's gradients: the rank's shard
+        zeros = zeros_of(jax.eval_shape(reduce, params))
+    init = (jnp.zeros(()), zeros_of(aux_shapes), zeros)
+    out, _ = jax.lax.scan(accumulate, init, micro)
     return out
 
 
-def step_gradients(cfg: ZayaConfig, mesh: Mesh | None, zero1: bool = True) -> Callable:
+def step_gradients(
+    cfg: ZayaConfig, mesh: Mesh | None, zero1: bool = True, grad_reduce: str = "step"
+) -> Callable:
     """grads(params, balancing, micro) -> (loss sum, (weight, counts, dropped, spills), gradients):
     sums over the whole global batch of `accumulated_grads`.
 
-    On a mesh with a data axis each data rank accumulates its own microbatches unreduced and the
-    gradients are reduce-scattered once, after the loop, into the ZeRO-1 layout of the optimizer
-    state (zaya_jax/parallel/zero1.py; with zero1 off all-reduced): no data-parallel collective runs
-    per microbatch. The model runs inside on the data-manual mesh of `zero1.step_meshes`. Where
-    `zero1.loop_per_rank` says no (no data axis, or a mesh XLA cannot partition so), GSPMD reduces
-    the gradients as it computes them."""
+    On a mesh with a data axis each data rank accumulates its own microbatches and the gradients
+    are reduce-scattered into the ZeRO-1 layout of the optimizer state (zaya_jax/parallel/zero1.py;
+    with zero1 off all-reduced): with grad_reduce "step" the sum, unreduced, once after the loop (no
+    data-parallel collective per microbatch); with "microbatch" each microbatch's gradients inside
+    the loop, the sum kept as the rank's shard. The model runs inside on the data-manual mesh of
+    `zero1.step_meshes`. Where `zero1.loop_per_rank` says no (no data axis, or a mesh XLA cannot
+    partition so), GSPMD reduces the gradients as it computes them, whatever grad_reduce."""
     per_rank = mesh is not None and zero1_lib.loop_per_rank(mesh)
     model = ZayaForCausalLM(cfg, zero1_lib.step_meshes(mesh)[1] if per_rank else mesh)
     grad_fn = jax.value_and_grad(lambda p, b, mb: loss_and_counts(model, p, b, mb), has_aux=True)
     if not per_rank:
         return lambda params, balancing, micro: accumulated_grads(grad_fn, params, balancing, micro)
 
-    def loop(params, balancing, micro):
-        loss_sum, aux, grads = accumulated_grads(grad_fn, params, balancing, micro)
+    def loop(params, balancing, micro, reduce):
+        loss_sum, aux, grads = accumulated_grads(grad_fn, params, balancing, micro, reduce)
         return (loss_sum, aux), grads
 
     def grads(params, balancing, micro):
         specs = grad_specs(params, mesh, zero1)
-        (loss_sum, aux), g = zero1_lib.accumulate_per_rank(loop, mesh, (params, balancing), micro, specs)
+        args = (loop, mesh, (params, balancing), micro, specs, grad_reduce)
+        (loss_sum, aux), g = zero1_lib.accumulate_per_rank(*args)
         return loss_sum, aux, g
 
     return grads
@@ -253,11 +266,13 @@ def make_train_step(
     grad_accum: int = 1,
     mesh: Mesh | None = None,
     zero1: bool = True,
+    grad_reduce: str = "step",
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """Returns train_step(state, batch) -> (state, metrics); batch leaves are [B, S] (global),
     split into `grad_accum` microbatches (split_microbatches). `zero1`: the optimizer state is laid
-    out by ZeRO-1 (state_shardings' zero1), so the gradients are reduce-scattered into it."""
-    gradients = step_gradients(cfg, mesh, zero1)
+    out by ZeRO-1 (state_shardings' zero1), so the gradients are reduce-scattered into it, once per
+    step or every microbatch (`grad_reduce`, train.grad_reduce: step_gradients)."""
+    gradients = step_gradients(cfg, mesh, zero1, grad_reduce)
 
     def train_step(state: TrainState, batch: Batch):
         micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum, mesh), batch)
@@ -378,10 +393,14 @@ def check_batch_divides(c: ml_collections.ConfigDict, devices: int) -> None:
 
 def train_program(c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh) -> TrainProgram:
     """The train step of config `c` (model `cfg`, validated) on `mesh`: the optimizer, LR schedule
-    and balancing of the config, the state laid out by the sharding table (ZeRO-1 per mesh.zero1)."""
+    and balancing of the config, the state laid out by the sharding table (ZeRO-1 per mesh.zero1),
+    the gradients reduced per train.grad_reduce."""
     layout = _state_layout(c, cfg, mesh)
     schedule = lr_schedule(c, total_steps=c.train.steps)
-    step = make_train_step(cfg, layout.tx, layout.bal_cfg, schedule, c.train.grad_accum, mesh, c.mesh.zero1)
+    train = c.train
+    step = make_train_step(
+        cfg, layout.tx, layout.bal_cfg, schedule, train.grad_accum, mesh, c.mesh.zero1, train.grad_reduce
+    )
     shardings = layout.shardings
     jitted = jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
     return TrainProgram(mesh, layout.create, shardings, jitted, layout.abstract)

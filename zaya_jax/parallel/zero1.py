@@ -14,6 +14,11 @@ the context halo and K/V gather): it is built on the same devices with the data 
 axes stay automatic inside: their reductions are GSPMD's, per microbatch (the docs say why); and
 a mesh with two of them larger than 1 keeps GSPMD's loop altogether (`loop_per_rank`).
 
+`train.grad_reduce` (GRAD_REDUCE) picks the memory / traffic trade-off of the per-rank loop:
+"step" reduces once per optimizer step (ZeRO-1's bytes; the sum is a whole fp32 gradient buffer
+beside the microbatch's), "microbatch" reduce-scatters each microbatch's gradients inside the same
+loop and sums only the rank's 1/n shard (ZeRO-2's memory; the reduce-scatter grad_accum times).
+
 Muon (`owned_orthogonalize`): Newton-Schulz needs whole matrices. Each stacked Muon parameter
 [l, (e,) m, n] is viewed as a stack of matrices, the leading unsharded stack axes flattened and
 padded to a multiple of the owner ranks (every mesh axis the parameter is not split over), and
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +44,9 @@ from zaya_jax.parallel.sharding import grad_specs, param_shardings
 
 DATA = "data"
 REPLICA = "replica"  # the data axis, renamed and manual, around the microbatch loop
+# train.grad_reduce: the per-rank gradient sum reduced once per optimizer step (ZeRO-1), or every
+# microbatch's gradients reduce-scattered and only the rank's shard summed (ZeRO-2).
+GRAD_REDUCE = ("step", "microbatch")
 
 
 def step_meshes(mesh: Mesh) -> tuple[Mesh, Mesh]:
@@ -54,14 +62,24 @@ def step_meshes(mesh: Mesh) -> tuple[Mesh, Mesh]:
     return Mesh(devices, names, axis_types=auto), Mesh(devices, names, axis_types=manual)
 
 
-def loop_per_rank(mesh: Mesh) -> bool:
-    """Whether the microbatch loop runs per data rank on `mesh` (`accumulate_per_rank`): a data axis,
-    and at most one other axis (fsdp, expert or context) larger than 1. XLA's SPMD partitioner
-    (jax 0.10.2, CPU and GPU alike) aborts on a gather inside the data-manual loop when two automatic
-    axes split it (a check in ExpandDeviceGroupsWithIota: the embedding lookup at fsdp x expert,
-    CCA's backward at expert x context); such meshes keep GSPMD's reduction in every microbatch."""
-    others = [a for a in MESH_AXES if a != DATA and mesh.shape[a] > 1]
-    return mesh.shape[DATA] > 1 and len(others) <= 1
+def loop_per_rank(mesh: Mesh | Mapping[str, int]) -> bool:
+    """Whether the microbatch loop runs per data rank on `mesh` (a Mesh, or its {axis: size}:
+    `accumulate_per_rank`): a data axis, and at most one other axis (fsdp, expert or context) larger
+    than 1. XLA's SPMD partitioner (jax 0.10.2, CPU and GPU alike) aborts on a gather inside the
+    data-manual loop when two automatic axes split it (a check in ExpandDeviceGroupsWithIota: the
+    embedding lookup at fsdp x expert, CCA's backward at expert x context); such meshes keep GSPMD's
+    reduction in every microbatch, and train.grad_reduce changes nothing there."""
+    shape = mesh.shape if isinstance(mesh, Mesh) else mesh
+    others = [a for a in MESH_AXES if a != DATA and shape.get(a, 1) > 1]
+    return shape.get(DATA, 1) > 1 and len(others) <= 1
+
+
+def reduces_per_microbatch(grad_reduce: str, mesh: Mesh | Mapping[str, int]) -> bool:
+    """Whether the per-rank loop reduce-scatters every microbatch's gradients (train.grad_reduce
+    "microbatch" on a mesh where the loop runs per rank: `loop_per_rank`)."""
+    if grad_reduce not in GRAD_REDUCE:
+        raise ValueError(f"config.train.grad_reduce: must be one of {GRAD_REDUCE}, got {grad_reduce!r}")
+    return grad_reduce == "microbatch" and loop_per_rank(mesh)
 
 
 def data_dim(spec: P) -> int | None:
@@ -98,8 +116,12 @@ def accumulate_per_rank(
     replicated: tuple[Any, ...],
     batch: Any,
     grad_specs: Any,
+    grad_reduce: str = "step",
 ) -> tuple[Any, Any]:
-    """Runs `loop(*replicated, batch)` -> (sums, grads) per data rank and reduces once.
+    """Runs `loop(*replicated, batch, reduce)` -> (sums, grads) per data rank and reduces the
+    gradients into the ZeRO-1 shards: once after the loop (grad_reduce "step": `reduce` is None),
+    or inside it, the loop applying `reduce` (`reduce_per_rank`) to each microbatch's gradients
+    before summing them ("microbatch": its sum is then the rank's shard, reduced already).
 
     replicated: the arguments every data rank holds whole (params, balancing biases); batch: leaves
     [A, B, ...] with rows B split over the data axis (and any other); grad_specs: the ZeRO-1 spec of
@@ -107,10 +129,12 @@ def accumulate_per_rank(
     gradients summed over the ranks and laid out by grad_specs)."""
     outer, _ = step_meshes(mesh)
     dims = jax.tree.map(data_dim, grad_specs, is_leaf=lambda x: isinstance(x, P))
+    reduce = lambda grads: reduce_per_rank(grads, dims)  # noqa: E731
+    each = reduces_per_microbatch(grad_reduce, mesh)
 
     def body(*args):
-        sums, grads = loop(*args)
-        return jax.lax.psum(sums, REPLICA), reduce_per_rank(grads, dims)
+        sums, grads = loop(*args, reduce if each else None)
+        return jax.lax.psum(sums, REPLICA), grads if each else reduce(grads)
 
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     sums, grads = jax.shard_map(
@@ -125,21 +149,26 @@ def accumulate_per_rank(
     return sums, jax.tree.map(place, grads, grad_specs, is_leaf=is_spec)
 
 
-def step_bytes(params: Any, mesh: Mesh, zero1: bool = True) -> int:
+def step_bytes(
+    params: Any, mesh: Mesh, zero1: bool = True, grad_accum: int = 1, grad_reduce: str = "step"
+) -> int:
     """The data-parallel traffic of one optimizer step by the formula of docs/architecture.md
     ("Data parallelism and ZeRO-1"), in collective result bytes per device: for each gradient leaf
     of b bytes on a device (its share after the parameter's own expert / fsdp split) and n data
     ranks, b / n reduce-scattered plus b all-gathered (the update) where ZeRO-1 splits it, b
-    all-reduced where it does not. `params`: arrays or ShapeDtypeStructs."""
+    all-reduced where it does not; the reduction `grad_accum` times where grad_reduce "microbatch"
+    reduces every microbatch (`reduces_per_microbatch`): 4 P (1 + A / n) for fp32 parameters.
+    `params`: arrays or ShapeDtypeStructs."""
     n = mesh.shape[DATA]
     if n == 1:
         return 0
+    times = grad_accum if reduces_per_microbatch(grad_reduce, mesh) else 1
     total = 0
     specs = jax.tree.leaves(grad_specs(params, mesh, zero1), is_leaf=lambda x: isinstance(x, P))
     shardings = jax.tree.leaves(param_shardings(params, mesh))
     for x, spec, sharding in zip(jax.tree.leaves(params), specs, shardings):
         local = math.prod(sharding.shard_shape(tuple(x.shape))) * jnp.dtype(x.dtype).itemsize
-        total += local + local // n if data_dim(spec) is not None else local
+        total += times * (local // n) + local if data_dim(spec) is not None else times * local
     return total
 
 

@@ -92,6 +92,7 @@ def main(argv) -> None:
         step_tokens=c.train.batch_size * seq_len,
         ns_steps=c.optim.muon.ns_steps,
         accumulate=c.train.batch_size > micro_batch * devices // mesh["context"],
+        grad_reduce=c.train.grad_reduce,
     )
     if c.train.batch_size % (c.train.grad_accum * devices) and not f.micro_batch:
         text += (

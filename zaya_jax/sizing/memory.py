@@ -3,10 +3,12 @@ zaya_jax/parallel/sharding.py:
 
   params, grads   param_dtype; the big matrices are split over `fsdp` on their model width, the
                   expert tensors over `expert`; small vectors are replicated. Gradients are summed
-                  per data rank over the microbatches and reduced once after the loop
-                  (zaya_jax/parallel/zero1.py): with grad_accum > 1 two buffers of them are live,
-                  the sum so far and the microbatch's own (the backward pass assembles a
-                  microbatch's layer gradients into a fresh stack before it is added).
+                  per data rank over the microbatches (zaya_jax/parallel/zero1.py): with
+                  train.grad_reduce "step", reduced once after the loop, so with grad_accum > 1 two
+                  whole buffers of them are live, the sum so far and the microbatch's own (the
+                  backward pass assembles a microbatch's layer gradients into a fresh stack before
+                  it is added); with "microbatch" each microbatch's are reduce-scattered first and
+                  the sum is the rank's ZeRO-1 shard: one whole buffer + that shard (about 1/n).
   optimizer       Muon: one momentum buffer (optim.muon.mu_dtype, fp32) per Muon-routed matrix;
                   AdamW: two moments (fp32) for everything else (routing of the parameter registry).
                   Each leaf is laid out like its parameter and, with ZeRO-1, additionally split over
@@ -26,6 +28,7 @@ from zaya_jax.parallel.context import config_context
 from zaya_jax.parallel.expert import remat_saved_bytes
 from zaya_jax.parallel.mesh import parse_mesh_spec, resolve_mesh_sizes
 from zaya_jax.parallel.sharding import mesh_axes, zero1_spec
+from zaya_jax.parallel.zero1 import reduces_per_microbatch
 from zaya_jax.sizing.counts import param_counts, param_leaves
 
 MI300X_MEMORY_GIB = 192.0
@@ -61,9 +64,11 @@ class MemoryEstimate:
     activations_by_remat: dict[str, float]
     muon_params: int  # parameter counts (global) by optimizer
     adamw_params: int
-    grad_buffers: int = 1  # 2 when the step sums several microbatches (`grads` counts both)
+    grad_buffers: int = 1  # whole gradient buffers in `grads`: 2 when the step sums microbatches whole
     largest_leaf: float = 0.0  # bytes of the largest parameter on the device (its gathered update)
     zero1: bool = True
+    grad_shard: float = 0.0  # the gradients' ZeRO-1 shard on the device (what the update reads)
+    sharded_sum: bool = False  # the microbatches' sum is that shard (grad_reduce "microbatch"; in `grads`)
 
     @property
     def update_temporaries(self) -> float:
@@ -71,8 +76,7 @@ class MemoryEstimate:
         old one (XLA:CPU, inside the skip guard's lax.cond: zaya_jax/train_state.updated_state): the
         new parameters and optimizer state, the largest parameter's all-gathered update and the
         reduced gradient shards (the gradients over the data size; all of them without ZeRO-1)."""
-        n = self.mesh["data"] if self.zero1 else 1
-        return self.params + self.optimizer + self.largest_leaf + self.grads / self.grad_buffers / n
+        return self.params + self.optimizer + self.largest_leaf + self.grad_shard
 
     @property
     def optimizer(self) -> float:
@@ -118,7 +122,8 @@ def state_bytes_per_device(
     adam_moment_bytes: int = 4,
     zero1: bool = True,
 ) -> dict[str, float]:
-    """Params / grads / optimizer-state bytes on one device for the leaves [(path, shape, label)].
+    """Params / grads / optimizer-state bytes on one device for the leaves [(path, shape, label)];
+    grad_shard: the gradients' ZeRO-1 shard (laid out like the optimizer state).
 
     Muon leaves keep 1 momentum buffer, AdamW leaves 2 moments; scalar optimizer counters are ignored.
     """
@@ -131,6 +136,7 @@ def state_bytes_per_device(
         "muon_params": 0,
         "adamw_params": 0,
         "largest_leaf": 0.0,
+        "grad_shard": 0.0,
     }
     for path, shape, label in leaves:
         shape = tuple(int(s) for s in shape)
@@ -139,6 +145,7 @@ def state_bytes_per_device(
         local_opt = _shard_elements(shape, axes, mesh, zero1=zero1)
         out["params"] += local * param_bytes
         out["grads"] += local * grad_bytes
+        out["grad_shard"] += local_opt * grad_bytes
         out["largest_leaf"] = max(out["largest_leaf"], local * param_bytes)
         if label == "muon":
             out["optimizer_muon"] += local_opt * muon_mu_bytes
@@ -289,11 +296,13 @@ def memory_per_device(
     adam_moment_bytes: int = 4,
     leaves: list[tuple[str, tuple[int, ...], str]] | None = None,
     accumulate: bool = False,
+    grad_reduce: str = "step",
 ) -> MemoryEstimate:
     """Memory of one device training `cfg` on `mesh` with `micro_batch` sequences of `seq_len` tokens
     per device per microbatch (see the module docstring for the layout). `leaves` defaults to
     `param_leaves(cfg)`. `accumulate`: the step sums several microbatches (train.grad_accum > 1):
-    two gradient buffers."""
+    two whole gradient buffers, or with `grad_reduce` "microbatch" (where the loop runs per data
+    rank: zero1.reduces_per_microbatch) one and the rank's shard of the sum."""
     mesh = parse_mesh(mesh) if not isinstance(mesh, dict) else parse_mesh(None, default=mesh)
     remat = remat or cfg.remat
     leaves = param_leaves(cfg) if leaves is None else leaves
@@ -316,22 +325,26 @@ def memory_per_device(
         )
         for r in REMAT_CHOICES
     }
+    sharded_sum = accumulate and reduces_per_microbatch(grad_reduce, mesh)
+    grad_buffers = 2 if accumulate and not sharded_sum else 1
     return MemoryEstimate(
         mesh=dict(mesh),
         remat=remat,
         micro_batch=micro_batch,
         seq_len=seq_len,
         params=state["params"],
-        grads=state["grads"] * (2 if accumulate else 1),
+        grads=state["grads"] * grad_buffers + (state["grad_shard"] if sharded_sum else 0.0),
         optimizer_muon=state["optimizer_muon"],
         optimizer_adamw=state["optimizer_adamw"],
         activations=by_remat[remat],
         activations_by_remat=by_remat,
         muon_params=int(state["muon_params"]),
         adamw_params=int(state["adamw_params"]),
-        grad_buffers=2 if accumulate else 1,
+        grad_buffers=grad_buffers,
         largest_leaf=state["largest_leaf"],
         zero1=zero1,
+        grad_shard=state["grad_shard"],
+        sharded_sum=sharded_sum,
     )
 
 
@@ -343,7 +356,7 @@ def config_micro_batch(c: Any, devices: int) -> int:
 
 def config_memory_per_device(c: Any, cfg: ZayaConfig, mesh: Mapping[str, int]) -> MemoryEstimate:
     """`memory_per_device` of training config `c` (model `cfg`) on `mesh`: its micro-batch, remat,
-    ZeRO-1 and Muon momentum dtype, as `python -m zaya_jax.sizing` reports them."""
+    ZeRO-1, gradient reduction and Muon momentum dtype, as `python -m zaya_jax.sizing` reports them."""
     return memory_per_device(
         cfg,
         seq_len=c.train.seq_len,
@@ -353,4 +366,5 @@ def config_memory_per_device(c: Any, cfg: ZayaConfig, mesh: Mapping[str, int]) -
         zero1=c.mesh.zero1,
         muon_mu_bytes=_DTYPE_BYTES.get(c.optim.muon.mu_dtype, 4),
         accumulate=c.train.grad_accum > 1,
+        grad_reduce=c.train.grad_reduce,
     )

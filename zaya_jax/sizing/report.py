@@ -39,10 +39,12 @@ def report(
     step_tokens: int | None = None,
     ns_steps: int = 5,
     accumulate: bool = False,
+    grad_reduce: str = "step",
 ) -> tuple[str, dict[str, Any]]:
     """The sizing printout and the same numbers as a JSON-able dict. `step_tokens`: the global
     batch in tokens, to compare Muon's Newton-Schulz with the step's model FLOPs (with `ns_steps`
-    iterations); `accumulate`: a step of several microbatches (memory_per_device)."""
+    iterations); `accumulate`, `grad_reduce`: a step of several microbatches, the gradients reduced
+    once per step or every microbatch (memory_per_device)."""
     pc = param_counts(cfg)
     fb = flops_breakdown(cfg, seq_len)
     ns = newton_schulz_flops(cfg, ns_steps)
@@ -55,6 +57,7 @@ def report(
         zero1=zero1,
         muon_mu_bytes=muon_mu_bytes,
         accumulate=accumulate,
+        grad_reduce=grad_reduce,
     )
     devices = math.prod(mesh.values())
     tokens = micro_batch * seq_len // mesh["context"]
@@ -64,6 +67,11 @@ def report(
             f"WARNING estimated {mem.total / GIB:.1f} GiB per device exceeds the device's "
             f"{device_memory_gib:g} GiB: lower the micro-batch (raise train.grad_accum), "
             f"rematerialise, or shard more (fsdp / ZeRO-1 / expert)"
+            + (
+                ", or set train.grad_reduce=microbatch (the gradient sum as this rank's shard)"
+                if mem.grad_buffers > 1
+                else ""
+            )
         )
     gemms = gemm_shapes(cfg, tokens, mesh.get("expert", 1), head_tokens=micro_batch * min(512, seq_len))
     lines = [header] if header else []
@@ -147,8 +155,7 @@ def _memory_lines(
         "",
         f"Memory per device (GiB; {devices} devices)",
         f"  {'params (' + cfg.param_dtype + ')':<30}{_gib(mem.params)}",
-        f"  {'grads (' + cfg.param_dtype + ')':<30}{_gib(mem.grads)}"
-        + ("   (x2: the sum over microbatches and the microbatch's own)" if mem.grad_buffers > 1 else ""),
+        f"  {'grads (' + cfg.param_dtype + ')':<30}{_gib(mem.grads)}" + _grads_note(mem),
         f"  {'optimizer: Muon momentum':<30}{_gib(mem.optimizer_muon)}   ({mem.muon_params / 1e9:.3f}B params)",
         f"  {'optimizer: AdamW m, v':<30}{_gib(mem.optimizer_adamw)}   ({mem.adamw_params / 1e9:.3f}B params)",
         f"  {'activations (remat ' + remat + ')':<30}{_gib(mem.activations)}",
@@ -156,6 +163,14 @@ def _memory_lines(
         "  activations by remat policy: "
         + ", ".join(f"{r} {v / GIB:.2f}" for r, v in mem.activations_by_remat.items()),
     ]
+
+
+def _grads_note(mem: MemoryEstimate) -> str:
+    if mem.grad_buffers > 1:
+        return "   (x2: the sum over microbatches and the microbatch's own)"
+    if mem.sharded_sum:
+        return "   (the microbatch's own + the sum as this rank's ZeRO-1 shard: grad_reduce microbatch)"
+    return ""
 
 
 def _gemm_lines(gemms: list[tuple[str, int, int, int]], tokens: int) -> list[str]:
