@@ -65,6 +65,7 @@ from typing import Any
 
 import jax
 import ml_collections
+from jax._src import config as jax_config  # enable_compilation_cache as a context: not public
 
 from zaya_jax import config as config_lib
 from zaya_jax import gpu_target
@@ -328,7 +329,10 @@ class CompiledStep:
 
 def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> CompiledStep:
     """The step the trainer jits (`train_state.train_program`), lowered from abstract state and batch
-    on a mesh of `devices` and compiled; nothing is allocated."""
+    on a mesh of `devices` and compiled; nothing is allocated. The persistent compilation cache is
+    off for it: the compile time reported is XLA's, a deviceless GPU executable cannot be read back
+    without its client, and XLA:CPU (jax 0.10.2) once segfaulted serializing such a step into the
+    cache late in a long test process."""
     cfg = config_lib.validate(c, device_platform(devices[0]))
     mesh = mesh_from_config(c, devices=devices)
     check_batch_divides(c, len(devices))
@@ -337,7 +341,8 @@ def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> Com
     batch = abstract_batch(c.train.batch_size, c.train.seq_len, mesh)
     lowered = program.train_step.lower(program.abstract_state(), batch)
     t1 = time.perf_counter()
-    compiled = lowered.compile()
+    with jax_config.enable_compilation_cache(False):
+        compiled = lowered.compile()
     elapsed = time.perf_counter() - t1
     return CompiledStep(
         compiled,
@@ -418,8 +423,6 @@ def dry_run(
     else:
         gpu_target.prepare_process()
         devices = gpu_target.target_devices(gpu, n)
-    # Nothing is written, and the compile time is XLA's: no persistent compilation cache.
-    jax.config.update("jax_enable_compilation_cache", False)
     try:
         step = compile_step(c, devices)
     except jax.errors.JaxRuntimeError as e:
