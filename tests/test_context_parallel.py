@@ -224,6 +224,19 @@ def test_cli_trains_with_a_context_axis(tmp_path):
     assert os.path.isdir(tmp_path / "c2" / "checkpoints" / "3")
 
 
+@pytest.mark.slow
+def test_cli_trains_one_sequence_per_data_rank(tmp_path):
+    """data=4 x context=2 with batch 4: one sequence per data rank, split over two context ranks.
+    The batch ramp's check divided by all 8 devices and stopped this at start-up (issue 27 item 5);
+    the losses are the same run's on 4 devices without a context axis."""
+    args = ["--config.train.steps=3", "--config.train.batch_size=4", "--config.eval.batch_size=4"]
+    run_train(tmp_path / "c2", *args, "--config.mesh.context=2", "--config.mesh.data=4", devices=8)
+    run_train(tmp_path / "c1", *args, "--config.mesh.data=4", devices=4)
+    c2, c1 = train_losses(tmp_path / "c2"), train_losses(tmp_path / "c1")
+    assert sorted(c2) == [1, 2, 3]
+    np.testing.assert_allclose([c2[s] for s in c2], [c1[s] for s in c2], atol=1e-4)
+
+
 def test_pallas_attention_is_refused_on_a_context_mesh():
     c = base_config()
     c.mesh.context = 2

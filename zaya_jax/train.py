@@ -68,6 +68,7 @@ from zaya_jax.events import EventLog
 from zaya_jax.fault import Do, FaultMonitor
 from zaya_jax.metrics import MetricsLogger, to_python
 from zaya_jax.parallel.distributed import initialize_from_env
+from zaya_jax.parallel.context import row_devices
 from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.parallel.sharding import shard_batch
 from zaya_jax.routing_telemetry import DEAD, DeadExperts
@@ -179,7 +180,8 @@ class Trainer:
         self.mesh = mesh_from_config(c)
         check_batch_divides(c, self.mesh.size)
         self.harness = harness_tasks(c, self.cfg, tokenizer, self.mesh)  # lm-eval's tasks: checked now
-        self.ramp = _batch_ramp(c, self.mesh.size)
+        # context ranks hold chunks of the same rows: the batch divides over the other axes only
+        self.ramp = _batch_ramp(c, row_devices(self.mesh))
         self.program = train_program(c, self.cfg, self.mesh)
         # The restore target: a resume reads straight into the sharded arrays, and the fresh state is
         # built only when there is nothing to restore (one train state in memory, not two).

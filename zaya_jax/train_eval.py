@@ -12,6 +12,7 @@ import ml_collections
 
 from zaya_jax.data import mixture as mixture_lib
 from zaya_jax.data.pipeline import make_eval_dataset
+from zaya_jax.parallel.context import row_devices
 from zaya_jax.parallel.distributed import barrier
 from zaya_jax.parallel.sharding import shard_batch
 
@@ -77,7 +78,8 @@ def downstream_tasks(c: ml_collections.ConfigDict, cfg, tokenizer, mesh) -> Call
         max_len,
         limit=c.eval.task_limit or None,
     )
-    batch = -(-c.eval.batch_size // mesh.size) * mesh.size
+    rows = row_devices(mesh)
+    batch = -(-c.eval.batch_size // rows) * rows
     scorer = Scorer(cfg, mesh=mesh, batch_size=batch, max_len=max_len, min_bucket=min(64, max_len))
 
     def run(variables) -> dict:
@@ -121,7 +123,7 @@ def harness_tasks(c: ml_collections.ConfigDict, cfg, tokenizer, mesh) -> Callabl
         prefix_id=resolve_prefix("none", tokenizer, trained_by_us=True),
         prefix_every_request=False,
         mesh=mesh,
-        batch_size=-(-c.eval.batch_size // mesh.size) * mesh.size,
+        batch_size=-(-c.eval.batch_size // row_devices(mesh)) * row_devices(mesh),
         max_length=c.eval.task_max_len or c.train.seq_len,
         progress=False,
     )

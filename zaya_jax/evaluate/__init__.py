@@ -38,6 +38,7 @@ from zaya_jax.evaluate.perplexity import (
     token_documents,
 )
 from zaya_jax.evaluate.scoring import Request, Score, Scorer, sequence_buckets
+from zaya_jax.parallel.context import row_devices
 from zaya_jax.parallel.mesh import make_mesh, parse_mesh_spec
 from zaya_jax.pretrained import load_model
 from zaya_jax.tokenizer import Tokenizer
@@ -166,7 +167,7 @@ def evaluate(
     tasks = [parse_data_spec(d) for d in data]
     mesh_obj = parse_mesh(mesh)
     model = load_model(checkpoint, mesh=mesh_obj, dtype=dtype, tokenizer=tokenizer, prefix=prefix)
-    devices = 1 if mesh_obj is None else mesh_obj.size
+    devices = row_devices(mesh_obj)
     if batch_size is None:
         batch_size = -(-8 // devices) * devices
     max_len = min(2048, model.cfg.max_position_embeddings) if max_len is None else max_len

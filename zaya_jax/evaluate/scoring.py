@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from zaya_jax.loss import chunked_token_logprobs
 from zaya_jax.model import ZayaConfig, ZayaForCausalLM
+from zaya_jax.parallel.context import row_devices
 from zaya_jax.parallel.sharding import batch_sharding
 from zaya_jax.pretrained import variable_shardings
 
@@ -119,10 +120,10 @@ class Scorer:
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
-        if mesh is not None and batch_size % mesh.size:
+        if mesh is not None and batch_size % row_devices(mesh):
             raise ValueError(
-                f"batch_size={batch_size} must be a multiple of the {mesh.size} devices of the mesh "
-                f"{dict(mesh.shape)} (rows are split over all of them)"
+                f"batch_size={batch_size} must be a multiple of the {row_devices(mesh)} devices of the "
+                f"mesh {dict(mesh.shape)} that split rows (all but the context axis)"
             )
         self.cfg = dataclasses.replace(cfg, moe_capacity_factor=None)
         self.mesh = mesh

@@ -39,6 +39,7 @@ from tqdm import tqdm
 from zaya_jax.evaluate import Request, Scorer, parse_mesh
 from zaya_jax.generate import generate
 from zaya_jax.model import ZayaConfig
+from zaya_jax.parallel.context import row_devices
 from zaya_jax.parallel.distributed import barrier
 from zaya_jax.parallel.mesh import MESH_AXES, parse_mesh_spec
 from zaya_jax.tokenizer import Tokenizer
@@ -135,10 +136,10 @@ class ZayaLM(TemplateLM):
         from zaya_jax.pretrained import load_model
 
         mesh = parse_mesh(a.mesh)
-        if mesh is not None and a.batch_size is not None and a.batch_size % mesh.size:
+        if mesh is not None and a.batch_size is not None and a.batch_size % row_devices(mesh):
             raise ValueError(
-                f"--model_args batch_size={a.batch_size}: must be a multiple of the {mesh.size} devices "
-                f"of the mesh {dict(mesh.shape)}"
+                f"--model_args batch_size={a.batch_size}: must be a multiple of the {row_devices(mesh)} "
+                f"devices of the mesh {dict(mesh.shape)} that split rows (all but the context axis)"
             )
         m = load_model(a.checkpoint, mesh=mesh, dtype=a.dtype, tokenizer=a.tokenizer, prefix=a.prefix)
         if a.max_length is not None and a.max_length > m.cfg.max_position_embeddings:
@@ -181,7 +182,7 @@ class ZayaLM(TemplateLM):
         self.cfg = dataclasses.replace(cfg, moe_capacity_factor=None)  # dropless, as the scorer
         self.tokenizer, self.prefix_id, self.prefix_every_request = tokenizer, prefix_id, every
         self.mesh = mesh
-        devices = 1 if mesh is None else mesh.size
+        devices = row_devices(mesh)
         self.batch_size = -(-DEFAULT_BATCH // devices) * devices if a.batch_size is None else a.batch_size
         self.max_length = cfg.max_position_embeddings if a.max_length is None else a.max_length
         self._max_gen_toks, self.seed = a.max_gen_toks, a.seed

@@ -48,6 +48,12 @@ def context_size(mesh: Mesh | None) -> int:
     return 1 if mesh is None or CONTEXT not in mesh.shape else int(mesh.shape[CONTEXT])
 
 
+def row_devices(mesh: Mesh | None) -> int:
+    """The devices that split batch rows: the mesh size over its context ranks (context ranks hold
+    chunks of the same rows), 1 without a mesh. What a batch size must divide into."""
+    return 1 if mesh is None else mesh.size // context_size(mesh)
+
+
 def config_context(mesh_cfg, devices: int) -> int:
     """R of a config's mesh section on `devices` devices (mesh.context = -1 resolved by the mesh
     parser)."""
