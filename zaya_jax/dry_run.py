@@ -72,7 +72,7 @@ from zaya_jax import gpu_target
 from zaya_jax import hlo as hlo_lib
 from zaya_jax import sizing
 from zaya_jax.hlo import COLLECTIVES
-from zaya_jax.kernels import use_pallas
+from zaya_jax.kernels import attention_choice, use_pallas
 from zaya_jax.model.moe import resolve_moe_impl
 from zaya_jax.model.transformer import resolve_scan_layers
 from zaya_jax.parallel.context import config_context
@@ -490,7 +490,7 @@ def impl_summary(c: ml_collections.ConfigDict, cfg: Any, platform: str) -> str:
     """The impls the step was built with on `platform` (each `auto` resolved, as the model does)."""
     pallas = lambda impl: "pallas" if use_pallas(impl, platform) else "xla"  # noqa: E731
     chosen = {
-        "attention": (cfg.attention_impl, pallas(cfg.attention_impl)),
+        "attention": (cfg.attention_impl, attention_choice(cfg.attention_impl, platform, c.train.seq_len)),
         "experts": (cfg.moe_impl, resolve_moe_impl(cfg.moe_impl, platform)),
         "Newton-Schulz": (c.optim.muon.ns_impl, pallas(c.optim.muon.ns_impl)),
         "layers": (cfg.scan_layers, resolve_scan_layers(cfg.scan_layers, cfg.num_hidden_layers, platform)),

@@ -2,6 +2,7 @@
 the plain-XLA tiled grouped matmul (sparse on every backend; moe_impl="auto" on CPU).
 
   flash_attention / reference_attention     the CCA attention core (zaya_jax.model.attention)
+  blockwise_attention                        plain-XLA flash attention (any backend; long sequences)
   grouped_matmul / reference_grouped_matmul  ragged expert GEMM (jax.lax.ragged_dot), + tgmm
   swiglu_grouped_pallas                      zaya_jax.model.moe.swiglu_grouped on the kernels
   tiled_grouped_matmul                       plain-XLA megablox grouped matmul (row tiles per group)
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from zaya_jax.kernels.block_sizes import pick_blocks
+from zaya_jax.kernels.blockwise_attention import blockwise_attention
+from zaya_jax.kernels.block_sizes import BLOCKWISE_AUTO_MIN_SEQ, pick_blocks
 from zaya_jax.kernels.flash_attention import flash_attention, reference_attention, reference_mask
 from zaya_jax.kernels.grouped_matmul import (
     grouped_matmul,
@@ -65,6 +67,18 @@ def use_pallas(impl: str, platform: str) -> bool:
     return impl == "pallas" or (impl == "auto" and platform in GPU_PLATFORMS)
 
 
+def attention_choice(impl: str, platform: str, seq_len: int, context: int = 1) -> str:
+    """Resolves model.attention_impl for keys of `seq_len` positions to "pallas", "blockwise" or
+    "xla": "auto" is Pallas on a GPU platform without a context axis (the kernel's query offset is
+    static), else blockwise from BLOCKWISE_AUTO_MIN_SEQ keys on (measured on XLA:CPU,
+    kernels/block_sizes.py) and the dense XLA softmax below it."""
+    if impl == "pallas" or (use_pallas(impl, platform) and context == 1):
+        return "pallas"
+    if impl == "blockwise" or (impl == "auto" and seq_len >= BLOCKWISE_AUTO_MIN_SEQ):
+        return "blockwise"
+    return "xla"
+
+
 def check_backend(platform: str, *impls: str) -> None:
     """Start-up check: a Pallas choice for devices without the Triton lowering (TPU) is an error
     here, with the fix named, instead of a lowering failure deep inside jit."""
@@ -78,6 +92,8 @@ def check_backend(platform: str, *impls: str) -> None:
 
 __all__ = [
     "SUPPORTED",
+    "attention_choice",
+    "blockwise_attention",
     "check_backend",
     "GPU_PLATFORMS",
     "interpret_on",

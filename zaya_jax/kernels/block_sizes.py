@@ -11,6 +11,8 @@ grouped_matmul   m (rows T), k, n, [groups]     block_m, block_n, block_k, num_w
 tgmm             m (rows T), k, n, [groups]     block_m (the reduction over rows), block_k,
                                                 block_n (the [K, N] output tile), num_warps, ...
 newton_schulz    m, n (after the wide transpose) block (square output tile), block_k, num_warps, ...
+blockwise_attention  seq_q, seq_k               block_q, block_k (plain XLA, zaya_jax/kernels/
+                                                blockwise_attention.py; no warps)
 
 Sizing rules (why these numbers)
 --------------------------------
@@ -40,6 +42,7 @@ Sizing rules (why these numbers)
   block (64 bf16 / 32 fp32) and its output tile is block_k x block_n = 128 x 128; its last chunk
   of every group is padded too, so block_m drops with the average group the same way (else at 32
   experts of 16 tokens each the weight gradient ran 4x the routed rows; tests/test_gpu_compile.py).
+* Blockwise attention (plain XLA, any backend): BLOCKWISE_PLACEHOLDER
 * Newton-Schulz: square 128 x 128 output tiles (64 for matrices whose short side is < 128), block_k
   32 for fp32 (the default ns_dtype) / 64 for bf16.
 """
@@ -50,7 +53,11 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
-KERNELS = ("flash_attention", "grouped_matmul", "tgmm", "newton_schulz")
+# attention_impl="auto" off GPUs: blockwise attention from this many key positions on, the dense
+# XLA softmax below (kernels.attention_choice). BLOCKWISE_AUTO_PLACEHOLDER
+BLOCKWISE_AUTO_MIN_SEQ = 2048
+
+KERNELS = ("flash_attention", "grouped_matmul", "tgmm", "newton_schulz", "blockwise_attention")
 
 # Base table (bf16 / fp16 operands). fp32 adjustments are applied in `pick_blocks`.
 TABLE: dict[str, dict[str, int]] = {
@@ -60,6 +67,7 @@ TABLE: dict[str, dict[str, int]] = {
     "grouped_matmul": dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=None),
     "tgmm": dict(block_m=64, block_k=128, block_n=128, num_warps=8, num_stages=None),
     "newton_schulz": dict(block=128, block_k=64, num_warps=8, num_stages=None),
+    "blockwise_attention": dict(block_q=512, block_k=512),
 }
 
 
@@ -148,6 +156,10 @@ def pick_blocks(
         out["block"] = _clip(out["block"], short)
         out["block_k"] = _clip(out["block_k"], short)
         out["num_warps"] = 4 if out["block"] <= 64 else 8
+    elif kernel == "blockwise_attention":  # an XLA loop, not a Triton program: no warps to set
+        out["block_q"] = _clip(out["block_q"], get("seq_q"))
+        out["block_k"] = _clip(out["block_k"], get("seq_k"))
+        return out
     if platform == "rocm":  # 64-lane wavefronts: same threads, half the warps
         out["num_warps"] = max(1, out["num_warps"] // 2)
     return out

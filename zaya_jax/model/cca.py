@@ -24,8 +24,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from zaya_jax.kernels import use_pallas
-from zaya_jax.model.attention import attention_allowed, pallas_attention, xla_attention
+from zaya_jax.kernels import attention_choice, blockwise_attention
+from zaya_jax.model.attention import (
+    attention_allowed,
+    blockwise_self_attention,
+    pallas_attention,
+    xla_attention,
+)
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.model.rope import apply_rope, rope_cos_sin
 from zaya_jax.parallel.context import context_size, gather_sequence, with_left_context
@@ -279,11 +284,24 @@ class CCAttention(nn.Module):
         cos, sin = rope_cos_sin(positions_bs, cfg.rotary_dim, rope_theta)
         q = apply_rope(q, cos, sin).astype(cfg.compute_dtype)
         k = apply_rope(k, cos, sin).astype(cfg.compute_dtype)
-        if context_size(self.mesh) > 1:
+        impl = self._impl(x_bsd.shape[1])
+        if impl == "blockwise":
+            o = blockwise_self_attention(
+                q,
+                k,
+                v,
+                positions_bs=positions_bs,
+                key_mask_bs=padding_mask_bs,
+                segment_ids_bs=segment_ids_bs,
+                sliding_window=sliding_window,
+                scale=cfg.head_dim**-0.5,
+                mesh=self.mesh,
+            )
+        elif context_size(self.mesh) > 1:
             o = self._context_attention(
                 q, k, v, positions_bs, padding_mask_bs, segment_ids_bs, sliding_window
             )
-        elif use_pallas(cfg.attention_impl, mesh_platform(self.mesh)):
+        elif impl == "pallas":
             # The kernel masks by token order: positions are the default arange (training, prefill).
             o = pallas_attention(
                 q,
@@ -307,6 +325,12 @@ class CCAttention(nn.Module):
             o = xla_attention(q, k, v, allowed, scale=cfg.head_dim**-0.5)
         b, s = x_bsd.shape[:2]
         return self.o_proj(o.reshape(b, s, -1)), new_state
+
+    def _impl(self, seq_len: int) -> str:
+        """model.attention_impl resolved for `seq_len` keys on the mesh's platform and context axis."""
+        return attention_choice(
+            self.cfg.attention_impl, mesh_platform(self.mesh), seq_len, context_size(self.mesh)
+        )
 
     def _context_attention(self, q, k, v, positions_bs, padding_mask_bs, segment_ids_bs, sliding_window):
         """Attention of this rank's queries over the whole sequence: keys, values and their
@@ -343,10 +367,24 @@ class CCAttention(nn.Module):
         idx = jnp.asarray(ctx.index, jnp.int32)
         k_all = jax.lax.dynamic_update_slice(lc.k, k.astype(lc.k.dtype), (zero, idx, zero, zero))
         v_all = jax.lax.dynamic_update_slice(lc.v, v.astype(lc.v.dtype), (zero, idx, zero, zero))
-        allowed = attention_allowed(
-            positions_bs, ctx.kv_pos_bt, key_mask_bt=ctx.kv_mask_bt, sliding_window=sliding_window
-        )
-        o = xla_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), allowed, scale=cfg.head_dim**-0.5)
+        k_all_q, v_all_q = k_all.astype(q.dtype), v_all.astype(q.dtype)
+        if positions_bs.shape[1] > 1 and self._impl(k_all.shape[1]) == "blockwise":
+            # a prefill: [S, T] scores of a long prompt would not fit; a decode step's [1, T] does
+            o = blockwise_attention(
+                q,
+                k_all_q,
+                v_all_q,
+                q_pos_bs=positions_bs,
+                kv_pos_bt=ctx.kv_pos_bt,
+                key_mask_bt=ctx.kv_mask_bt,
+                sliding_window=sliding_window,
+                scale=cfg.head_dim**-0.5,
+            )
+        else:
+            allowed = attention_allowed(
+                positions_bs, ctx.kv_pos_bt, key_mask_bt=ctx.kv_mask_bt, sliding_window=sliding_window
+            )
+            o = xla_attention(q, k_all_q, v_all_q, allowed, scale=cfg.head_dim**-0.5)
         s = x_bsd.shape[1]
         new = LayerCache(k_all, v_all, st.conv.astype(lc.conv.dtype), st.v_delayed.astype(lc.v_delayed.dtype))
         return self.o_proj(o.reshape(b, s, -1)), new

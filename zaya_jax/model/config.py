@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 LAYER_TYPES = ("hybrid", "hybrid_sliding")
 MOE_IMPLS = ("auto", "tiled", "ragged_dot", "pallas", "dense")
-ATTENTION_IMPLS = ("xla", "pallas", "auto")
+ATTENTION_IMPLS = ("xla", "pallas", "blockwise", "auto")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
 SCAN_LAYERS = ("auto", "scan", "unroll")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
@@ -70,7 +70,9 @@ class ZayaConfig:
     # Dropless only: the main exchange sends ceil(f * T / n) slots to each peer; tokens past that
     # take a spill exchange, run only when some bucket overflowed (zaya_jax/parallel/expert.py).
     moe_exchange_capacity_factor: float = 1.5
-    attention_impl: str = "xla"  # "xla" | "pallas" (flash attention) | "auto"
+    # "xla" | "pallas" (flash attention) | "blockwise" (plain-XLA flash, kernels/blockwise_attention.py)
+    # | "auto" (kernels.attention_choice: Pallas on GPUs, else blockwise from a sequence length on)
+    attention_impl: str = "xla"
     # Rematerialisation of the blocks: "none"; "full" keeps each block's input carry and recomputes
     # the rest in the backward; "dots_saveable" also keeps the matmul outputs. Both keep what the
     # expert exchange received (zaya_jax/parallel/expert.py), so the backward does not replay it.
