@@ -197,17 +197,24 @@ def _model_loss_grads(impl: str, mesh):
     return jax.jit(jax.value_and_grad(objective))(variables["params"])
 
 
+@pytest.fixture(scope="module")
+def xla_model_grads():
+    return _model_loss_grads("xla", None)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [None, (4, 1, 1, 2)], ids=["one_device", "context2"])
-def test_model_blockwise_matches_xla(mesh, monkeypatch):
+def test_model_blockwise_matches_xla(mesh, monkeypatch, xla_model_grads):
     """16-position blocks on 32-token rows: two query and key blocks on one device; per context
     rank one query block against two key blocks, the second skipped on rank 0."""
     monkeypatch.setitem(block_sizes.TABLE, "blockwise_attention", {"block_q": 16, "block_k": 16})
     mesh = None if mesh is None else make_mesh(*mesh)
-    want_loss, want = _model_loss_grads("xla", None)
+    want_loss, want = xla_model_grads
     loss, got = _model_loss_grads("blockwise", mesh)
     assert abs(float(loss) - float(want_loss)) < 1e-5
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(got)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, err_msg=jax.tree_util.keystr(path))
+        err = jax.tree_util.keystr(path)
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, err_msg=err)
 
 
 @pytest.mark.slow

@@ -182,6 +182,11 @@ def _key_block(x_bkth: jax.Array, j, bk: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x_bkth, j * bk, bk, axis=2)
 
 
+def _add_block(acc_bkth: jax.Array, x_bkth: jax.Array, j, bk: int) -> jax.Array:
+    """acc[:, :, key block j] += x, in place in the loop's buffer."""
+    return jax.lax.dynamic_update_slice_in_dim(acc_bkth, _key_block(acc_bkth, j, bk) + x_bkth, j * bk, axis=2)
+
+
 def _forward(q_bsnh, k_btkh, v_btkh, masks: Masks, scale: float, bq: int, bk: int, t: int):
     """(out [B, S, N, H] in q's dtype, log-sum-exp [S/bq, B, K, G*bq] fp32 (+inf on fully masked
     rows), the number of key blocks visited)."""
@@ -225,8 +230,9 @@ def _forward(q_bsnh, k_btkh, v_btkh, masks: Masks, scale: float, bq: int, bk: in
         )
         _, visits, m_bkm, l_bkm, acc_bkmh = jax.lax.while_loop(lambda c: c[0] < nkb, key_block, init)
         empty = l_bkm == 0  # no allowed key in the whole row
-        out = jnp.where(empty[..., None], v_mean_bkh[:, :, None], acc_bkmh / jnp.where(empty, 1, l_bkm)[..., None])
-        lse = jnp.where(empty, jnp.inf, m_bkm + jnp.log(jnp.where(empty, 1, l_bkm)))
+        l_bkm = jnp.where(empty, 1.0, l_bkm)
+        out = jnp.where(empty[..., None], v_mean_bkh[:, :, None], acc_bkmh / l_bkm[..., None])
+        lse = jnp.where(empty, jnp.inf, m_bkm + jnp.log(l_bkm))
         return visits, (out.astype(q_bkmh.dtype), lse)
 
     q_ibkmh = _query_blocks(q_bsnh, nkv, bq)
@@ -256,9 +262,8 @@ def _attention_bwd(scale, bq, bk, t, res, do_bsnh):
     need_ij = _needed_blocks(masks, bq, bk)
     nkb = need_ij.shape[1]
     do_ibkmh = _query_blocks(do_bsnh.astype(q_bsnh.dtype), nkv, bq)
-    delta_ibkm = jnp.einsum(
-        "ibkmh,ibkmh->ibkm", do_ibkmh.astype(jnp.float32), _query_blocks(out_bsnh, nkv, bq).astype(jnp.float32)
-    )
+    out_ibkmh = _query_blocks(out_bsnh, nkv, bq).astype(jnp.float32)
+    delta_ibkm = jnp.einsum("ibkmh,ibkmh->ibkm", do_ibkmh.astype(jnp.float32), out_ibkmh)
 
     def query_block(dkv, xs):
         q_bkmh, do_bkmh, lse_bkm, delta_bkm, i = xs
@@ -274,10 +279,14 @@ def _attention_bwd(scale, bq, bk, t, res, do_bsnh):
             dq_bkmh = dq_bkmh + jnp.einsum(
                 "bkmt,bkth->bkmh", ds_bkmt.astype(k_blk.dtype), k_blk, preferred_element_type=jnp.float32
             )
-            dk_blk = jnp.einsum("bkmt,bkmh->bkth", ds_bkmt.astype(q_bkmh.dtype), q_bkmh, preferred_element_type=jnp.float32)
-            dv_blk = jnp.einsum("bkmt,bkmh->bkth", p_bkmt.astype(do_bkmh.dtype), do_bkmh, preferred_element_type=jnp.float32)
-            add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(acc, _key_block(acc, j, bk) + x, j * bk, axis=2)  # noqa: E731
-            return _next_block(need_ij[i], j), dq_bkmh, (add(dk_bkth, dk_blk), add(dv_bkth, dv_blk))
+            dk_blk = jnp.einsum(
+                "bkmt,bkmh->bkth", ds_bkmt.astype(q_bkmh.dtype), q_bkmh, preferred_element_type=jnp.float32
+            )
+            dv_blk = jnp.einsum(
+                "bkmt,bkmh->bkth", p_bkmt.astype(do_bkmh.dtype), do_bkmh, preferred_element_type=jnp.float32
+            )
+            dk_bkth, dv_bkth = _add_block(dk_bkth, dk_blk, j, bk), _add_block(dv_bkth, dv_blk, j, bk)
+            return _next_block(need_ij[i], j), dq_bkmh, (dk_bkth, dv_bkth)
 
         init = (_next_block(need_ij[i], -1), jnp.zeros(q_bkmh.shape, jnp.float32), dkv)
         _, dq_bkmh, dkv = jax.lax.while_loop(lambda c: c[0] < nkb, key_block, init)

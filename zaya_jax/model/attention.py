@@ -86,7 +86,9 @@ def blockwise_self_attention(
     r = context_size(mesh)
 
     def run(q, k, v, pos, mask, seg, window):
-        gather = lambda x: x if x is None or r == 1 else jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)  # noqa: E731
+        def gather(x):
+            return x if x is None or r == 1 else jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)
+
         return blockwise_attention(
             q,
             gather(k),
