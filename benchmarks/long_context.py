@@ -3,13 +3,14 @@ attention_impl "xla" (the dense [S, T] softmax) against "blockwise" (kernels/blo
 by sequence length, each (impl, length) in a fresh process.
 
     python -m benchmarks.long_context [--config configs/tiny.py] [--seq 1024,2048,4096,8192]
-        [--impls xla,blockwise] [--batch 1] [--steps 3] [--out results/long_context.json]
+        [--impls xla,blockwise] [--batch 1] [--steps 3] [--block N] [--out results/long_context.json]
 
 Per row: the median wall time of jit(value_and_grad(loss)) over `--steps` calls after one warm-up
-(compile excluded), XLA's temporaries of the compiled program (memory_analysis), and the process'
+(compile excluded; `--steps 0` compiles only), XLA's temporaries of the compiled program (memory_analysis), and the process'
 peak RSS (getrusage maxrss, compile included). The loss is the mean token cross-entropy of a random
 batch [B, S] with the config's model (no optimizer). A length that fails (out of memory) is a row
-with its error. The measurement behind attention_impl="auto"'s BLOCKWISE_AUTO_MIN_SEQ
+with its error. `--block N` sets blockwise's block_q = block_k (default: the table's,
+zaya_jax/kernels/block_sizes.py) in the measuring processes. The measurement behind attention_impl="auto"'s BLOCKWISE_AUTO_MIN_SEQ
 (zaya_jax/kernels/block_sizes.py; benchmarks/README.md "Long context").
 """
 
@@ -26,7 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def measure(config: str, impl: str, seq: int, batch: int, steps: int) -> dict:
+def measure(config: str, impl: str, seq: int, batch: int, steps: int, block: int = 0) -> dict:
     """One row, in this process."""
     import importlib.util
 
@@ -35,9 +36,12 @@ def measure(config: str, impl: str, seq: int, batch: int, steps: int) -> dict:
     import numpy as np
 
     from zaya_jax.config import model_config
+    from zaya_jax.kernels import block_sizes
     from zaya_jax.loss import token_cross_entropy
     from zaya_jax.model import ZayaForCausalLM, init_variables
 
+    if block:  # this measuring process only
+        block_sizes.TABLE["blockwise_attention"] = {"block_q": block, "block_k": block}
     spec = importlib.util.spec_from_file_location("bench_config", config)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -55,6 +59,8 @@ def measure(config: str, impl: str, seq: int, batch: int, steps: int) -> dict:
 
     compiled = jax.jit(jax.value_and_grad(loss)).lower(variables["params"]).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
+    if steps == 0:  # compile only: the temporaries of a program that would not fit here
+        return {"impl": impl, "seq": seq, "step_s": None, "temp_bytes": temp, "peak_rss_bytes": None}
     jax.block_until_ready(compiled(variables["params"]))
     times = []
     for _ in range(steps):
@@ -63,7 +69,8 @@ def measure(config: str, impl: str, seq: int, batch: int, steps: int) -> dict:
         times.append(time.perf_counter() - t0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     step = float(np.median(times))
-    return {"impl": impl, "seq": seq, "step_s": step, "temp_bytes": temp, "peak_rss_bytes": rss}
+    row = {"impl": impl, "seq": seq, "step_s": step, "temp_bytes": temp, "peak_rss_bytes": rss}
+    return {**row, "block": block or None}
 
 
 def main(argv=None) -> list[dict]:
@@ -73,18 +80,20 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--impls", default="xla,blockwise")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--block", type=int, default=0)
     p.add_argument("--out", default=None)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # "impl,seq": the child process
     a = p.parse_args(argv)
     if a.one:
         impl, seq = a.one.split(",")
-        print(json.dumps(measure(a.config, impl, int(seq), a.batch, a.steps)))
+        print(json.dumps(measure(a.config, impl, int(seq), a.batch, a.steps, a.block)))
         return []
     rows = []
     for seq in (int(s) for s in a.seq.split(",")):
         for impl in a.impls.split(","):
             cmd = [sys.executable, "-m", "benchmarks.long_context", "--config", a.config]
             cmd += ["--one", f"{impl},{seq}", "--batch", str(a.batch), "--steps", str(a.steps)]
+            cmd += ["--block", str(a.block)]
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if proc.returncode:
                 error = (proc.stderr.strip().splitlines() or ["?"])[-1][:200]
@@ -104,6 +113,8 @@ def _line(row: dict) -> str:
     if "error" in row:
         return f"{row['impl']:10s} {row['seq']:7d}  error: {row['error']}"
     gib = 2.0**30
+    if row["step_s"] is None:
+        return f"{row['impl']:10s} {row['seq']:7d}  (compiled only)  temp {row['temp_bytes'] / gib:7.3f} GiB"
     return (
         f"{row['impl']:10s} {row['seq']:7d}  {row['step_s']:8.3f} s  temp {row['temp_bytes'] / gib:7.3f} GiB"
         f"  peak RSS {row['peak_rss_bytes'] / gib:7.3f} GiB"

@@ -42,7 +42,11 @@ Sizing rules (why these numbers)
   block (64 bf16 / 32 fp32) and its output tile is block_k x block_n = 128 x 128; its last chunk
   of every group is padded too, so block_m drops with the average group the same way (else at 32
   experts of 16 tokens each the weight gradient ran 4x the routed rows; tests/test_gpu_compile.py).
-* Blockwise attention (plain XLA, any backend): BLOCKWISE_PLACEHOLDER
+* Blockwise attention (plain XLA, any backend): block_q = block_k = 512, clipped to short
+  sequences like the rest. No shared memory to fit: the bound is the per-block logits [b, k, g*bq,
+  bk] fp32 (4 MiB per kv head at G = 2) against the loop overhead per block. Measured at 4096
+  tokens (configs/tiny.py, 2 CPU cores, forward + backward): blocks 256 4.3 s, 512 3.5 s, 1024
+  6.5 s, XLA's temporaries the same 0.34 GiB for all three.
 * Newton-Schulz: square 128 x 128 output tiles (64 for matrices whose short side is < 128), block_k
   32 for fp32 (the default ns_dtype) / 64 for bf16.
 """
@@ -54,8 +58,10 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 # attention_impl="auto" off GPUs: blockwise attention from this many key positions on, the dense
-# XLA softmax below (kernels.attention_choice). BLOCKWISE_AUTO_PLACEHOLDER
-BLOCKWISE_AUTO_MIN_SEQ = 2048
+# XLA softmax below (kernels.attention_choice). configs/tiny.py, batch 1, forward + backward on
+# 2 CPU cores (benchmarks/README.md "Long context"): at 512 one block, blockwise 0.36 s vs xla
+# 0.32 s; at 1024 0.50 s vs 1.04 s and 0.08 vs 0.26 GiB of temporaries; the gap grows with S.
+BLOCKWISE_AUTO_MIN_SEQ = 1024
 
 KERNELS = ("flash_attention", "grouped_matmul", "tgmm", "newton_schulz", "blockwise_attention")
 
