@@ -354,3 +354,18 @@ def test_generate_benchmark_bad_arguments(tmp_path):
     proc = _run(["benchmarks/generate.py", "--new-tokens", "0"])
     assert proc.returncode == 2 and "error: argument --new-tokens: must be an int >= 1" in proc.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.slow
+def test_long_context_benchmark_writes_report(tmp_path):
+    """benchmarks/long_context.py: one process per (impl, length), a timed row and a compile-only one."""
+    out = tmp_path / "long.json"
+    proc = _run(["-m", "benchmarks.long_context", "--seq", "64", "--steps", "1", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [(r["impl"], r["seq"]) for r in rows] == [("xla", 64), ("blockwise", 64)]
+    for r in rows:
+        assert _positive_finite(r["step_s"]) and _positive_finite(r["temp_bytes"]), r
+        assert _positive_finite(r["peak_rss_bytes"]), r
+    proc = _run(["-m", "benchmarks.long_context", "--seq", "64", "--impls", "xla", "--steps", "0"])
+    assert proc.returncode == 0 and "(compiled only)" in proc.stdout, proc.stderr[-2000:]

@@ -20,10 +20,12 @@ moves: "context" is the LAST mesh axis, so the flat tokens are exactly P(MESH_AX
 the expert all-to-all (zaya_jax/parallel/expert.py), and the loss scans each rank's own chunks.
 
 Layout: contiguous chunks (rank r owns the r-th chunk). The XLA attention computes each rank's
-[S/R, S] scores in full (masked ones too), so ranks do equal work; a kernel that skipped masked
-blocks would leave rank R-1 about (2R-1)/R times the average, which a load-balanced ("zig-zag")
-layout would fix; it is not built. The Pallas kernel places queries at the last Sq key positions,
-so model.attention_impl='pallas' is refused with context > 1 ('auto' uses the XLA path there).
+[S/R, S] scores in full (masked ones too), so ranks do equal work; the blockwise attention
+(attention_impl='blockwise', or 'auto' from BLOCKWISE_AUTO_MIN_SEQ keys) skips the key blocks after
+a rank's chunk, which leaves rank R-1 about (2R-1)/R times the average, which a load-balanced
+("zig-zag") layout would fix; it is not built. The Pallas kernel places queries at the last Sq key
+positions, so model.attention_impl='pallas' is refused with context > 1 ('auto' uses the XLA or
+blockwise path there).
 The backward of the halo is a permute the other way and that of the all-gather a reduce-scatter
 (jax derives both), so gradients need nothing extra.
 """
