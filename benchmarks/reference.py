@@ -50,7 +50,10 @@ def add_torch_args(p: argparse.ArgumentParser, threads_default: str = "usable co
         help="auto (cuda if available, else cpu) | cpu | cuda[:N]",
     )
     p.add_argument(
-        "--threads", type=cli.Int(min=0), default=0, help=f"torch.set_num_threads (0, the default: {threads_default})"
+        "--threads",
+        type=cli.Int(min=0),
+        default=0,
+        help=f"torch.set_num_threads (0, the default: {threads_default})",
     )
     p.add_argument("--seed", type=cli.Int(min=0), default=0)
 

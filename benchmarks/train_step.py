@@ -351,10 +351,21 @@ class TorchSide:
 
 
 # What a side's process tells the parent about it once built.
-SIDE_INFO = ("name", "init_s", "compile_s", "precision", "device", "devices", "threads", "attn_implementation")
+SIDE_INFO = (
+    "name",
+    "init_s",
+    "compile_s",
+    "precision",
+    "device",
+    "devices",
+    "threads",
+    "attn_implementation",
+)
 
 
-def _serve_side(conn: Any, factory: Any, kwargs: dict[str, Any], env: dict[str, str | None], reuse: bool) -> None:
+def _serve_side(
+    conn: Any, factory: Any, kwargs: dict[str, Any], env: dict[str, str | None], reuse: bool
+) -> None:
     """The child process of an IsolatedSide: builds `factory(**kwargs)` and runs the parent's
     commands; at "stop" it answers with its own peak RSS."""
     set_env(env)  # before torch loads libgomp (it reads OMP_WAIT_POLICY then)
@@ -452,7 +463,9 @@ def run_trainer_loop(c: ml_collections.ConfigDict, loop_steps: int) -> dict[str,
     return {"steps": loop_steps, "tokens_per_s": tokens_per_s, "step_time_s": step_time_s, "wall_s": wall_s}
 
 
-def trainer_loop_alone(c: ml_collections.ConfigDict, loop_steps: int, reuse_host_memory: bool) -> dict[str, Any]:
+def trainer_loop_alone(
+    c: ml_collections.ConfigDict, loop_steps: int, reuse_host_memory: bool
+) -> dict[str, Any]:
     """`run_trainer_loop` in this process (a fresh spawned one), as `python -m zaya_jax.train` runs:
     glibc's malloc set first when asked; with the process' own peak RSS."""
     if reuse_host_memory:
@@ -497,7 +510,9 @@ def alternate(runners: dict[str, Callable[[], Any]], repeats: int) -> dict[str, 
             out[name].append(runners[name]())
             last = out[name][-1]
             step_s = last["step_time_s"] if isinstance(last, dict) else last
-            print(f"  repeat {r + 1}/{repeats} {name}: {1e3 * step_s:.2f} ms/step", file=sys.stderr, flush=True)
+            print(
+                f"  repeat {r + 1}/{repeats} {name}: {1e3 * step_s:.2f} ms/step", file=sys.stderr, flush=True
+            )
     return out
 
 
@@ -516,8 +531,11 @@ def side_maker(args: argparse.Namespace, c: ml_collections.ConfigDict, cfg: Zaya
 
     def make(factory: Any, **kwargs: Any) -> IsolatedSide:
         is_torch = factory is TorchSide
-        what = (TORCH_MUON if kwargs.get("muon") else TORCH) if is_torch else SIDE_OF_OPTIMIZER[kwargs["optimizer"]]
-        print(f"building {what}{'' if is_torch else ' (compiling the train step)'}...", file=sys.stderr, flush=True)
+        if is_torch:
+            what = TORCH_MUON if kwargs.get("muon") else TORCH
+        else:
+            what = f"{SIDE_OF_OPTIMIZER[kwargs['optimizer']]} (compiling the train step)"
+        print(f"building {what}...", file=sys.stderr, flush=True)
         env = {"OMP_WAIT_POLICY": OMP_WAIT_POLICIES[args.omp_wait_policy]} if is_torch else {}
         return IsolatedSide(factory, env, reuse, **shared, **(torch_kwargs if is_torch else {}), **kwargs)
 
@@ -530,7 +548,8 @@ def run_headline(
     """The trainer loop (a fresh process per repeat) alternated with torch running the same optimizer
     (`torch_muon`, its own process): what a user of each sees, each alone on the machine."""
     tokens_per_step = c.train.batch_size * c.train.seq_len
-    loop = functools.partial(in_own_process, trainer_loop_alone, c, args.loop_steps, args.host_memory == "reuse")
+    reuse = args.host_memory == "reuse"
+    loop = functools.partial(in_own_process, trainer_loop_alone, c, args.loop_steps, reuse)
     runners: dict[str, Callable[[], Any]] = {LOOP: loop}
     if torch_muon is not None:
         runners[TORCH_MUON] = functools.partial(timed_window, torch_muon, args.warmup, args.steps)
@@ -620,7 +639,11 @@ def method_report(args: argparse.Namespace, torch_side: IsolatedSide | None, loa
 
 
 def side_results(
-    sides: list[IsolatedSide], times: dict[str, list[float]], c: ml_collections.ConfigDict, cfg: ZayaConfig, device: dict
+    sides: list[IsolatedSide],
+    times: dict[str, list[float]],
+    c: ml_collections.ConfigDict,
+    cfg: ZayaConfig,
+    device: dict[str, Any],
 ) -> dict[str, Any]:
     """One record per bare side (their processes stopped: peak RSS known)."""
     tokens_per_step, seq_len = c.train.batch_size * c.train.seq_len, c.train.seq_len
@@ -649,7 +672,9 @@ def side_results(
     return results
 
 
-def add_ratios(results: dict[str, Any], c: ml_collections.ConfigDict, cfg: ZayaConfig, matmul_peak: float) -> None:
+def add_ratios(
+    results: dict[str, Any], c: ml_collections.ConfigDict, cfg: ZayaConfig, matmul_peak: float
+) -> None:
     """Our rows' ratios to torch (AdamW) and to the torch row with the same optimizer, and the floor:
     model + Newton-Schulz FLOPs at the measured matmul speed (Muon's NS is paid once per step)."""
     tokens_per_step = c.train.batch_size * c.train.seq_len
@@ -708,7 +733,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def finish_headline(headline: dict[str, Any], results: dict[str, Any], torch_muon: IsolatedSide | None) -> None:
+def finish_headline(
+    headline: dict[str, Any], results: dict[str, Any], torch_muon: IsolatedSide | None
+) -> None:
     """What needs the bare step and the stopped torch process: time outside the step, peak RSS."""
     ours = headline["ours"]
     headline["outside_step_fraction"] = 1.0 - results[OURS]["step_time_s"] / ours["step_time_s"]
@@ -734,7 +761,9 @@ def config_report(args: argparse.Namespace, c: ml_collections.ConfigDict, cfg: Z
         "moe_impl": cfg.moe_impl,
         "moe_impl_resolved": resolve_moe_impl(cfg.moe_impl, mesh_platform(None)),
         "scan_layers": cfg.scan_layers,
-        "scan_layers_resolved": resolve_scan_layers(cfg.scan_layers, cfg.num_hidden_layers, mesh_platform(None)),
+        "scan_layers_resolved": resolve_scan_layers(
+            cfg.scan_layers, cfg.num_hidden_layers, mesh_platform(None)
+        ),
         "optimizer": args.optimizer,
         "host_memory": args.host_memory,
         "flops_per_token": sizing.flops_per_token(cfg, c.train.seq_len),
@@ -792,7 +821,8 @@ def format_table(report: dict[str, Any]) -> str:
                 fmt(r.get("ratio_to_torch"), ".2f"),
                 fmt(r.get("ratio_same_optimizer"), ".2f"),
                 fmt(r["model_tflops_per_s"], ".4f"),
-                fmt(None if r["mfu"] is None else 100 * r["mfu"], ".1f") + ("%" if r["mfu"] is not None else ""),
+                fmt(None if r["mfu"] is None else 100 * r["mfu"], ".1f")
+                + ("%" if r["mfu"] is not None else ""),
                 fmt(r["compile_s"], ".2f"),
                 fmt(r["first_step_s"], ".2f"),
                 _mb(r["peak_rss_bytes"]),
