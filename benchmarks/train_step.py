@@ -521,6 +521,7 @@ def side_maker(args: argparse.Namespace, c: ml_collections.ConfigDict, cfg: Zaya
     sides get the torch flags and OMP_WAIT_POLICY as --omp-wait-policy says."""
     reuse = args.host_memory == "reuse"
     shared = dict(c=c, cfg=cfg, ids=ids, seed=args.seed)
+    torch_kwargs: dict[str, Any] = {}
     if not args.skip_torch:
         torch_kwargs = dict(
             device=resolve_torch_device(args.torch_device),
