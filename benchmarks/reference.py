@@ -39,8 +39,9 @@ TORCH_DEVICE_FLAG = cli.OneOf(
 )
 
 
-def add_torch_args(p: argparse.ArgumentParser) -> None:
-    """The flags every benchmark with a transformers side takes."""
+def add_torch_args(p: argparse.ArgumentParser, threads_default: str = "usable cores") -> None:
+    """The flags every benchmark with a transformers side takes; `threads_default` says what
+    --threads 0 means there."""
     p.add_argument("--skip-torch", action="store_true", help="only our sides (no torch import)")
     p.add_argument(
         "--torch-device",
@@ -49,7 +50,10 @@ def add_torch_args(p: argparse.ArgumentParser) -> None:
         help="auto (cuda if available, else cpu) | cpu | cuda[:N]",
     )
     p.add_argument(
-        "--threads", type=cli.Int(min=0), default=0, help="torch.set_num_threads (default: usable cores)"
+        "--threads",
+        type=cli.Int(min=0),
+        default=0,
+        help=f"torch.set_num_threads (0, the default: {threads_default})",
     )
     p.add_argument("--seed", type=cli.Int(min=0), default=0)
 

@@ -1,33 +1,35 @@
-"""Train-step throughput, side by side: our jit-compiled train step vs transformers' ZayaForCausalLM.
+"""Train-step throughput, side by side: our trainer and train step vs transformers' ZayaForCausalLM.
 
     python -m benchmarks.train_step [--config configs/tiny.py] [--set train.batch_size=4 ...]
-        [--steps 10] [--warmup 2] [--repeats 3] [--dtype float32|bfloat16]
+        [--steps 10] [--warmup 2] [--repeats 3] [--loop-steps 10] [--dtype float32|bfloat16]
         [--out results/train_step.json] [--skip-torch] [--optimizer both|config|adamw]
-        [--host-memory reuse|default]
+        [--host-memory reuse|default] [--omp-wait-policy default|passive|active] [--threads N]
 
-(`python benchmarks/train_step.py ...` works too.) Both sides get the same model config and the
-same random token batch [B, S] (train.batch_size x train.seq_len):
+(`python benchmarks/train_step.py ...` works too.) Every side runs in a process of its own
+(spawned, driven over a pipe: `IsolatedSide`), one at a time, so each is alone on the machine and
+its peak RSS (VmHWM) is its own. Torch runs as a user runs it: its default thread count (unless
+`--threads`) and OMP_WAIT_POLICY unset (`--omp-wait-policy passive` is for a machine shared with
+busy processes; it made torch ~15% slower alone).
+
+The headline (unless `--loop-steps 0`): what a user sees. The real trainer, `zaya_jax.train.train`,
+runs the config on the embedded corpus in a temporary workdir for 2 x `--loop-steps` steps, logging
+every `--loop-steps` (data pipeline, host loop, metrics.jsonl + TensorBoard, the final eval and
+checkpoint after the timed window; console off), in a fresh process per repeat: its second logged
+`tokens_per_second` (compile excluded) is its throughput. It alternates (order flipped every
+repeat, ABBA) with torch running the same optimizer (`torch_muon` below): `--warmup` untimed steps,
+then `--steps` timed. 1 - bare step time / loop step time is our share of time outside the step.
+
+Then the bare steps: the same random token batch [B, S] (train.batch_size x train.seq_len) on
+every side, alternated ABBA `--repeats` times, each time `--warmup` untimed steps then `--steps`
+timed ones; a side's step time is the median over its repeats of (timed wall time / steps):
 
   zaya_jax  `make_train_step` under `jax.jit` with the state donated: forward + backward (chunked
             cross-entropy) + clipping + Muon/AdamW + the router-balancing bias step; compile time
             is measured separately (lower + compile) and excluded from the step time.
   torch     `ZayaForCausalLM(input_ids, labels=input_ids)` (its own shifted loss) + backward +
-            `torch.optim.AdamW` step, train mode, `torch.set_num_threads(<cores>)`. bfloat16 means
-            fp32 parameters under `torch.autocast` (like our fp32 params + bf16 matmuls), or pure
-            bf16 parameters with `--torch-precision pure`.
-
-Each torch side runs in a process of its own (spawned, driven over a pipe; `IsolatedTorchSide`):
-next to jax in one process torch's CPU step measured 10-15% slower than alone. The timed loop
-alternates the two sides `--repeats` times (order flipped every repeat, ABBA), each
-time `--warmup` untimed steps then `--steps` timed steps; a side's step time is the median over its
-repeats of (timed wall time / steps), so machine noise hits both sides alike.
-
-Then (unless `--loop-steps 0`) the real trainer, `zaya_jax.train.train`, runs the same config on
-the embedded corpus in a temporary workdir for 2 x `--loop-steps` steps, logging every
-`--loop-steps` (data pipeline, host loop, metrics.jsonl + TensorBoard, the final eval and
-checkpoint after the timed window; console off): its second logged `tokens_per_second` (compile
-excluded) is the throughput a user sees, and 1 - bare step time / loop step time is the share of
-time spent outside the step. See benchmarks/README.md for the columns.
+            `torch.optim.AdamW` step, train mode. bfloat16 means fp32 parameters under
+            `torch.autocast` (like our fp32 params + bf16 matmuls), or pure bf16 parameters with
+            `--torch-precision pure`.
 
 Each side runs twice by default (`--optimizer both`), all four interleaved: `zaya_jax` with the
 config's optimizer (Muon + AdamW, what training runs) and `zaya_jax_adamw` with every parameter on
@@ -35,9 +37,9 @@ AdamW (the optim.adamw settings, the config's lr schedule and clipping); `torch`
 `torch.optim.AdamW` (the baseline every ratio "x torch" is taken against) and `torch_muon` with our
 chain's Muon / AdamW split in PyTorch (benchmarks/torch_muon.py: the same tensors on Muon, the same
 Newton-Schulz). "x same opt" compares each of ours with the torch side running its optimizer
-(zaya_jax / torch_muon, zaya_jax_adamw / torch). `--optimizer config` / `adamw` runs one pair only
-(`config` keeps the AdamW torch baseline too). The trainer loop always uses the config's optimizer,
-so it is not run with `adamw` alone.
+(zaya_jax / torch_muon, zaya_jax_adamw / torch: the AdamW-only pair). `--optimizer config` / `adamw`
+runs one pair only (`config` keeps the AdamW torch baseline too). The trainer loop always uses the
+config's optimizer, so there is no headline with `adamw` alone.
 
 "floor ms" is the fastest a side's step could be on this device: the model's training FLOPs
 (`sizing.flops_per_token` x tokens) plus its optimizer's Newton-Schulz FLOPs
@@ -47,8 +49,8 @@ ratio no implementation of that side could beat here. At a small batch Muon's fl
 exceed torch's whole AdamW step (configs/mid.py on a CPU).
 
 `--host-memory reuse` (the default) sets glibc's malloc as `python -m zaya_jax.train` does
-(`train.reuse_host_memory`, zaya_jax/host_memory.py) before either framework starts: one process,
-so both sides run under it. `default` leaves the C library's settings, for comparison.
+(`train.reuse_host_memory`, zaya_jax/host_memory.py) in every side's process before its framework
+starts. `default` leaves the C library's settings, for comparison.
 """
 
 from __future__ import annotations
@@ -57,11 +59,6 @@ import os
 
 # Both frameworks may share one GPU: do not let XLA grab 75% of its memory up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-# torch's CPU ops run on OpenMP. With GOMP's default spin-waiting and threads = cores, any other
-# busy process on the machine made a tiny-config torch step 5-20x slower and wildly noisy (measured
-# on a shared 2-core box: 0.6 s passive vs 1.5-17 s spinning); passive waiting removes that. Export
-# OMP_WAIT_POLICY=ACTIVE to compare. Read when libgomp loads: set before torch is imported.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import ast  # noqa: E402
@@ -75,6 +72,7 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
 if __package__ in (None, ""):  # `python benchmarks/train_step.py`: make the repo root importable
@@ -90,7 +88,10 @@ from benchmarks.common import (  # noqa: E402
     fmt,
     format_rows,
     host_info,
+    in_own_process,
+    peak_rss_bytes,
     print_and_write,
+    set_env,
 )
 from benchmarks.gemm import time_gemm  # noqa: E402
 from benchmarks.reference import add_torch_args, hf_config, model_report, resolve_torch_device  # noqa: E402
@@ -113,6 +114,11 @@ from zaya_jax.train_state import (  # noqa: E402
 )
 
 OURS, OURS_ADAMW, TORCH, TORCH_MUON = "zaya_jax", "zaya_jax_adamw", "torch", "torch_muon"
+LOOP = "zaya_jax trainer loop"
+# --omp-wait-policy -> OMP_WAIT_POLICY in torch's processes (None: unset, torch's own default). PASSIVE
+# is for a machine shared with other busy processes: there GOMP's spin-waiting made a tiny torch step
+# 5-20x slower and wildly noisy; alone, it made torch ~15% slower than a user's default run.
+OMP_WAIT_POLICIES = {"default": None, "passive": "PASSIVE", "active": "ACTIVE"}
 DTYPES = ("float32", "bfloat16")
 
 
@@ -250,6 +256,9 @@ class JaxSide:
         self.step = step.lower(self.state, self.batch).compile()
         self.compile_s = time.perf_counter() - t0
         self.metrics: dict[str, Any] | None = None
+        self.devices, self.device = self.mesh.size, jax.default_backend()
+        self.precision = f"params {cfg.param_dtype}, matmuls {cfg.dtype}"
+        self.threads = self.attn_implementation = None  # XLA:CPU sizes its own thread pool
 
     def run(self, n: int) -> None:
         for _ in range(n):
@@ -283,7 +292,9 @@ class TorchSide:
 
         self.name = TORCH_MUON if muon else TORCH
         self.torch = torch
-        torch.set_num_threads(threads)
+        if threads:  # 0: torch's own default, as a user's script runs
+            torch.set_num_threads(threads)
+        self.threads, self.devices = torch.get_num_threads(), 1
         torch.manual_seed(seed)
         self.device = torch.device(device)
         t0 = time.perf_counter()
@@ -339,24 +350,33 @@ class TorchSide:
         return None if self._loss is None else float(self._loss)
 
 
-def _serve_torch_side(conn: Any, kwargs: dict[str, Any], reuse_host_memory: bool) -> None:
-    """The child process of an IsolatedTorchSide: builds a TorchSide and runs the parent's commands."""
-    if reuse_host_memory:
+# What a side's process tells the parent about it once built.
+SIDE_INFO = (
+    "name",
+    "init_s",
+    "compile_s",
+    "precision",
+    "device",
+    "devices",
+    "threads",
+    "attn_implementation",
+)
+
+
+def _serve_side(
+    conn: Any, factory: Any, kwargs: dict[str, Any], env: dict[str, str | None], reuse: bool
+) -> None:
+    """The child process of an IsolatedSide: builds `factory(**kwargs)` and runs the parent's
+    commands; at "stop" it answers with its own peak RSS."""
+    set_env(env)  # before torch loads libgomp (it reads OMP_WAIT_POLICY then)
+    if reuse:
         host_memory.reuse_freed_memory()
     try:
-        side = TorchSide(**kwargs)
+        side = factory(**kwargs)
     except Exception as e:  # raised again in the parent
         conn.send(e)
         return
-    conn.send(
-        {
-            "name": side.name,
-            "init_s": side.init_s,
-            "precision": side.precision,
-            "device": str(side.device),
-            "attn_implementation": side.attn_implementation,
-        }
-    )
+    conn.send({key: str(getattr(side, key)) if key == "device" else getattr(side, key) for key in SIDE_INFO})
     while True:
         command, n = conn.recv()
         if command == "run":
@@ -365,34 +385,37 @@ def _serve_torch_side(conn: Any, kwargs: dict[str, Any], reuse_host_memory: bool
         elif command == "loss":
             conn.send(side.loss())
         else:
+            conn.send(peak_rss_bytes())
             return
 
 
-class IsolatedTorchSide:
-    """A TorchSide in a process of its own (spawned), driven over a pipe; the parent times `run`.
+class IsolatedSide:
+    """A JaxSide or TorchSide in a process of its own (spawned), driven over a pipe; the parent
+    times `run` (a command's round trip is well under a millisecond).
 
     In one process with jax (its compiled programs, buffers and thread pool) torch's CPU step ran
-    10-15% slower than alone (benchmarks/README.md, "Page faults"), which flattered every ratio.
-    Here the frameworks share no process; the alternation and the timing loop are unchanged (a
-    command's round trip over the pipe is well under a millisecond)."""
+    10-15% slower than alone (benchmarks/README.md, "Page faults"), which flattered every ratio;
+    and a process' peak RSS is only a side's own when the side is alone in it. `env` is set in the
+    child before anything reads it (OMP_WAIT_POLICY for torch)."""
 
-    def __init__(self, reuse_host_memory: bool, **kwargs: Any):
+    def __init__(self, factory: Any, env: dict[str, str | None], reuse_host_memory: bool, **kwargs: Any):
         import multiprocessing
-
-        import torch
 
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
-            target=_serve_torch_side, args=(child, kwargs, reuse_host_memory), daemon=True
+            target=_serve_side, args=(child, factory, kwargs, env, reuse_host_memory), daemon=True
         )
         self._proc.start()
         info = self._conn.recv()
         if isinstance(info, BaseException):
             raise info
-        self.name, self.init_s, self.precision = info["name"], info["init_s"], info["precision"]
-        self.device, self.attn_implementation = torch.device(info["device"]), info["attn_implementation"]
-        self.compile_s = None
+        for key in SIDE_INFO:
+            setattr(self, key, info[key])
+        self.peak_rss_bytes: int | None = None
+        t0 = time.perf_counter()
+        self.run(1)  # untimed; for torch this includes its lazy set-up
+        self.first_step_s = time.perf_counter() - t0
 
     def run(self, n: int) -> None:
         self._conn.send(("run", n))
@@ -403,7 +426,9 @@ class IsolatedTorchSide:
         return self._conn.recv()
 
     def close(self) -> None:
+        """Stops the child; its own peak RSS lands in `peak_rss_bytes`."""
         self._conn.send(("stop", 0))
+        self.peak_rss_bytes = self._conn.recv()
         self._proc.join(timeout=60)
 
 
@@ -433,7 +458,19 @@ def run_trainer_loop(c: ml_collections.ConfigDict, loop_steps: int) -> dict[str,
     timed = [r for r in records if "tokens_per_second" in r and r.get("step") == 2 * loop_steps]
     if not timed:
         raise RuntimeError(f"trainer loop: no train record at step {2 * loop_steps} in metrics.jsonl")
-    return {"steps": loop_steps, "tokens_per_s": timed[-1]["tokens_per_second"], "wall_s": wall_s}
+    tokens_per_s = timed[-1]["tokens_per_second"]
+    step_time_s = c.train.batch_size * c.train.seq_len / tokens_per_s
+    return {"steps": loop_steps, "tokens_per_s": tokens_per_s, "step_time_s": step_time_s, "wall_s": wall_s}
+
+
+def trainer_loop_alone(
+    c: ml_collections.ConfigDict, loop_steps: int, reuse_host_memory: bool
+) -> dict[str, Any]:
+    """`run_trainer_loop` in this process (a fresh spawned one), as `python -m zaya_jax.train` runs:
+    glibc's malloc set first when asked; with the process' own peak RSS."""
+    if reuse_host_memory:
+        host_memory.reuse_freed_memory()
+    return {**run_trainer_loop(c, loop_steps), "peak_rss_bytes": peak_rss_bytes()}
 
 
 # --------------------------------------------------------------------------------------- benchmark
@@ -454,193 +491,328 @@ def build_config(args: argparse.Namespace) -> tuple[ml_collections.ConfigDict, Z
     return c, cfg
 
 
-def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    c, cfg = build_config(args)
-    batch_size, seq_len = c.train.batch_size, c.train.seq_len
-    tokens_per_step = batch_size * seq_len
-    flops_per_token = sizing.flops_per_token(cfg, seq_len)
-    ids = random_tokens(cfg.vocab_size, batch_size, seq_len, args.seed)
-    threads = args.threads or len(os.sched_getaffinity(0))
+def timed_window(side: Any, warmup: int, steps: int) -> float:
+    """`warmup` untimed steps, then seconds per step over `steps` timed ones."""
+    side.run(warmup)
+    t0 = time.perf_counter()
+    side.run(steps)
+    return (time.perf_counter() - t0) / steps
 
-    jax_device = jax.devices()[0]
-    jax_peak = sizing.peak_flops_per_device(jax_device)
-    matmul_peak = matmul_flops_per_s(cfg.dtype)
-    device: dict[str, Any] = {
-        **host_info(),
-        "jax_peak_bf16_flops": jax_peak,
-        "jax_matmul_flops_per_s": matmul_peak,
-    }
-    # Muon's Newton-Schulz is paid once per step, outside the model's FLOPs: with the model's, the
-    # FLOPs a step cannot do with fewer, hence a floor on its time at the measured matmul speed.
-    optimizer_flops = {OURS: sizing.newton_schulz_flops(cfg, c.optim.muon.ns_steps), OURS_ADAMW: 0.0}
 
-    print(f"building {OURS} (compiling the train step)...", file=sys.stderr, flush=True)
-    optimizers = selected_optimizers(args.optimizer)
-    sides: list[Any] = [JaxSide(c, cfg, ids, args.seed, opt) for opt in optimizers]
-    torch_peak = None
+def alternate(runners: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[Any]]:
+    """Every runner once per repeat, one at a time, the order flipped every repeat (ABBA), so that
+    drifting machine load falls on all alike; each call's result (seconds per step, or a trainer
+    loop's record) by name."""
+    out: dict[str, list[Any]] = {name: [] for name in runners}
+    names = list(runners)
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            out[name].append(runners[name]())
+            last = out[name][-1]
+            step_s = last["step_time_s"] if isinstance(last, dict) else last
+            print(
+                f"  repeat {r + 1}/{repeats} {name}: {1e3 * step_s:.2f} ms/step", file=sys.stderr, flush=True
+            )
+    return out
+
+
+def side_maker(args: argparse.Namespace, c: ml_collections.ConfigDict, cfg: ZayaConfig, ids: np.ndarray):
+    """`make(JaxSide | TorchSide, **kwargs)`: an IsolatedSide over the shared batch and config; torch
+    sides get the torch flags and OMP_WAIT_POLICY as --omp-wait-policy says."""
+    reuse = args.host_memory == "reuse"
+    shared = dict(c=c, cfg=cfg, ids=ids, seed=args.seed)
+    torch_kwargs: dict[str, Any] = {}
     if not args.skip_torch:
-        import torch
-        import transformers
-
-        torch_device = resolve_torch_device(args.torch_device)
-        print(f"building {TORCH} on {torch_device}...", file=sys.stderr, flush=True)
-        torch_side = functools.partial(
-            IsolatedTorchSide,
-            args.host_memory == "reuse",
-            c=c,
-            cfg=cfg,
-            ids=ids,
-            seed=args.seed,
-            device=torch_device,
+        torch_kwargs = dict(
+            device=resolve_torch_device(args.torch_device),
             dtype=cfg.dtype,
             precision=args.torch_precision,
-            threads=threads,
+            threads=args.threads,
         )
-        side = torch_side()
-        sides.append(side)
-        if "config" in optimizers:  # torch with our Muon / AdamW split: the like-for-like Muon row
-            sides.append(torch_side(muon=True))
-        torch_name = (
-            torch.cuda.get_device_name(side.device)
-            if side.device.type == "cuda"
-            else platform.processor() or "cpu"
+
+    def make(factory: Any, **kwargs: Any) -> IsolatedSide:
+        is_torch = factory is TorchSide
+        if is_torch:
+            what = TORCH_MUON if kwargs.get("muon") else TORCH
+        else:
+            what = f"{SIDE_OF_OPTIMIZER[kwargs['optimizer']]} (compiling the train step)"
+        print(f"building {what}...", file=sys.stderr, flush=True)
+        env = {"OMP_WAIT_POLICY": OMP_WAIT_POLICIES[args.omp_wait_policy]} if is_torch else {}
+        return IsolatedSide(factory, env, reuse, **shared, **(torch_kwargs if is_torch else {}), **kwargs)
+
+    return make
+
+
+def run_headline(
+    args: argparse.Namespace, c: ml_collections.ConfigDict, cfg: ZayaConfig, torch_muon: IsolatedSide | None
+) -> dict[str, Any]:
+    """The trainer loop (a fresh process per repeat) alternated with torch running the same optimizer
+    (`torch_muon`, its own process): what a user of each sees, each alone on the machine."""
+    tokens_per_step = c.train.batch_size * c.train.seq_len
+    reuse = args.host_memory == "reuse"
+    loop = functools.partial(in_own_process, trainer_loop_alone, c, args.loop_steps, reuse)
+    runners: dict[str, Callable[[], Any]] = {LOOP: loop}
+    if torch_muon is not None:
+        runners[TORCH_MUON] = functools.partial(timed_window, torch_muon, args.warmup, args.steps)
+    print(f"trainer loop ({2 * args.loop_steps} steps a run) vs {TORCH_MUON}...", file=sys.stderr, flush=True)
+    runs = alternate(runners, args.repeats)
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in runs[LOOP])
+    ours = {
+        "side": LOOP,
+        "steps": args.loop_steps,
+        "tokens_per_s": tokens_per_s,
+        "step_time_s": tokens_per_step / tokens_per_s,
+        "model_tflops_per_s": tokens_per_s * sizing.flops_per_token(cfg, c.train.seq_len) / 1e12,
+        "tokens_per_s_repeats": [r["tokens_per_s"] for r in runs[LOOP]],
+        "wall_s_repeats": [r["wall_s"] for r in runs[LOOP]],
+        "peak_rss_bytes": max(r["peak_rss_bytes"] or 0 for r in runs[LOOP]) or None,
+    }
+    theirs = None
+    if torch_muon is not None:
+        step_s = statistics.median(runs[TORCH_MUON])
+        theirs = {
+            "side": TORCH_MUON,
+            "step_time_s": step_s,
+            "step_times_s": runs[TORCH_MUON],
+            "tokens_per_s": tokens_per_step / step_s,
+            "peak_rss_bytes": None,  # its process' peak, read when it stops
+        }
+    return {
+        "ours": ours,
+        "torch": theirs,
+        "ratio_same_optimizer": None if theirs is None else tokens_per_s / theirs["tokens_per_s"],
+        "outside_step_fraction": None,  # against the bare step, measured next
+        "peak_rss_ratio": None,
+    }
+
+
+def device_report(cfg: ZayaConfig) -> dict[str, Any]:
+    """The report's "device" section: the host and jax's matmul peak (measured before any side
+    starts, on an idle machine)."""
+    return {
+        **host_info(),
+        "jax_peak_bf16_flops": sizing.peak_flops_per_device(jax.devices()[0]),
+        "jax_matmul_flops_per_s": matmul_flops_per_s(cfg.dtype),
+    }
+
+
+def torch_device_report(torch_side: IsolatedSide) -> dict[str, Any]:
+    """torch's device, versions and attention implementation, for the "device" section."""
+    import torch
+    import transformers
+
+    cuda = torch_side.device.startswith("cuda")
+    name = torch.cuda.get_device_name(torch_side.device) if cuda else platform.processor() or "cpu"
+    if (jax.default_backend() in ("gpu", "cuda", "rocm")) != cuda:
+        print(
+            f"WARNING: jax runs on {jax.default_backend()} but torch on {torch_side.device}: the ratio "
+            "compares different devices",
+            file=sys.stderr,
         )
-        torch_peak = peak_flops_for_name(torch_name) if side.device.type == "cuda" else None
-        device.update(
-            torch_device=str(side.device),
-            torch_device_name=torch_name,
-            torch_version=torch.__version__,
-            transformers_version=transformers.__version__,
-            torch_num_threads=threads,
-            torch_process="its own (spawned), alternating with ours",
-            torch_peak_bf16_flops=torch_peak,
-            omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
-            torch_attn_implementation=side.attn_implementation,
-        )
-        jax_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
-        if jax_gpu != (side.device.type == "cuda"):
-            print(
-                f"WARNING: jax runs on {jax.default_backend()} but torch on {side.device}: the ratio "
-                "compares different devices",
-                file=sys.stderr,
-            )
+    return {
+        "torch_device": torch_side.device,
+        "torch_device_name": name,
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "torch_peak_bf16_flops": peak_flops_for_name(name) if cuda else None,
+        "torch_attn_implementation": torch_side.attn_implementation,
+    }
 
-    # One untimed first step per side (for the torch side this includes its lazy set-up).
-    first_step_s = {}
-    for side in sides:
-        t0 = time.perf_counter()
-        side.run(1)
-        first_step_s[side.name] = time.perf_counter() - t0
 
-    times: dict[str, list[float]] = {side.name: [] for side in sides}
-    for r in range(args.repeats):
-        for side in sides if r % 2 == 0 else sides[::-1]:
-            side.run(args.warmup)
-            t0 = time.perf_counter()
-            side.run(args.steps)
-            times[side.name].append((time.perf_counter() - t0) / args.steps)
-            print(
-                f"  repeat {r + 1}/{args.repeats} {side.name}: {1e3 * times[side.name][-1]:.2f} ms/step",
-                file=sys.stderr,
-                flush=True,
-            )
+def method_report(args: argparse.Namespace, torch_side: IsolatedSide | None, load: tuple) -> dict[str, Any]:
+    """How the numbers were taken: threads, OpenMP wait policy, processes, machine load."""
+    return {
+        "torch_threads": None if torch_side is None else torch_side.threads,
+        "torch_threads_set_by": "--threads" if args.threads else "torch's default",
+        "jax_threads": "XLA's own pool (all cores)",
+        "cores": len(os.sched_getaffinity(0)),
+        "omp_wait_policy": args.omp_wait_policy,
+        "omp_wait_policy_env": OMP_WAIT_POLICIES[args.omp_wait_policy],
+        "processes": "every side in its own spawned process (the trainer loop a fresh one per repeat), "
+        "one running at a time, the order flipped every repeat",
+        "trainer_loop": "zaya_jax.train.train: metrics.jsonl tokens_per_second over steps "
+        f"{args.loop_steps + 1}..{2 * args.loop_steps} (compilation excluded)",
+        "peak_rss": "VmHWM of each side's own process",
+        "host_memory": args.host_memory,
+        "load_average_before": load,
+        "load_average_after": os.getloadavg(),
+    }
 
-    results: dict[str, Any] = {}
+
+def side_results(
+    sides: list[IsolatedSide],
+    times: dict[str, list[float]],
+    c: ml_collections.ConfigDict,
+    cfg: ZayaConfig,
+    device: dict[str, Any],
+) -> dict[str, Any]:
+    """One record per bare side (their processes stopped: peak RSS known)."""
+    tokens_per_step, seq_len = c.train.batch_size * c.train.seq_len, c.train.seq_len
+    results = {}
     for side in sides:
         step_s = statistics.median(times[side.name])
         tokens_per_s = tokens_per_step / step_s
         ours = side.name in (OURS, OURS_ADAMW)
-        peak = jax_peak if ours else torch_peak
+        peak = device["jax_peak_bf16_flops"] if ours else device.get("torch_peak_bf16_flops")
         results[side.name] = {
             "step_time_s": step_s,
             "step_times_s": times[side.name],
             "tokens_per_step": tokens_per_step,
             "tokens_per_s": tokens_per_s,
-            "model_tflops_per_s": tokens_per_s * flops_per_token / 1e12,
-            "mfu": sizing.mfu(tokens_per_s, cfg, seq_len, side.mesh.size if ours else 1, peak),
+            "model_tflops_per_s": tokens_per_s * sizing.flops_per_token(cfg, seq_len) / 1e12,
+            "mfu": sizing.mfu(tokens_per_s, cfg, seq_len, side.devices, peak),
             "init_s": side.init_s,
             "compile_s": side.compile_s,
-            "first_step_s": first_step_s[side.name],
+            "first_step_s": side.first_step_s,
             "final_loss": _finite_or_none(side.loss()),
-            "precision": f"params {cfg.param_dtype}, matmuls {cfg.dtype}" if ours else side.precision,
+            "precision": side.precision,
         }
-    torch_tps = results[TORCH]["tokens_per_s"] if TORCH in results else None
-    for side in sides[: len(optimizers)]:
-        r, same = results[side.name], results.get(SAME_OPTIMIZER[side.name])
-        r["ratio_to_torch"] = None if torch_tps is None else r["tokens_per_s"] / torch_tps
-        r["ratio_same_optimizer"] = None if same is None else r["tokens_per_s"] / same["tokens_per_s"]
-        r["optimizer_flops_per_step"] = optimizer_flops[side.name]
-        r["floor_step_s"] = (tokens_per_step * flops_per_token + optimizer_flops[side.name]) / matmul_peak
-        r["max_ratio_to_torch"] = (
-            None if torch_tps is None else results[TORCH]["step_time_s"] / r["floor_step_s"]
-        )
     for side in sides:
-        if isinstance(side, IsolatedTorchSide):
-            side.close()
-    ratio = results[sides[0].name]["ratio_to_torch"]
-    loop = None
+        side.close()
+        results[side.name]["peak_rss_bytes"] = side.peak_rss_bytes
+    return results
+
+
+def add_ratios(
+    results: dict[str, Any], c: ml_collections.ConfigDict, cfg: ZayaConfig, matmul_peak: float
+) -> None:
+    """Our rows' ratios to torch (AdamW) and to the torch row with the same optimizer, and the floor:
+    model + Newton-Schulz FLOPs at the measured matmul speed (Muon's NS is paid once per step)."""
+    tokens_per_step = c.train.batch_size * c.train.seq_len
+    model_flops = tokens_per_step * sizing.flops_per_token(cfg, c.train.seq_len)
+    optimizer_flops = {OURS: sizing.newton_schulz_flops(cfg, c.optim.muon.ns_steps), OURS_ADAMW: 0.0}
+    torch_r = results.get(TORCH)
+    for name in (OURS, OURS_ADAMW):
+        if name not in results:
+            continue
+        r, same = results[name], results.get(SAME_OPTIMIZER[name])
+        r["ratio_to_torch"] = None if torch_r is None else r["tokens_per_s"] / torch_r["tokens_per_s"]
+        r["ratio_same_optimizer"] = None if same is None else r["tokens_per_s"] / same["tokens_per_s"]
+        r["optimizer_flops_per_step"] = optimizer_flops[name]
+        r["floor_step_s"] = (model_flops + optimizer_flops[name]) / matmul_peak
+        r["max_ratio_to_torch"] = None if torch_r is None else torch_r["step_time_s"] / r["floor_step_s"]
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    c, cfg = build_config(args)
+    load = os.getloadavg()
+    device = device_report(cfg)
+    ids = random_tokens(cfg.vocab_size, c.train.batch_size, c.train.seq_len, args.seed)
+    optimizers = selected_optimizers(args.optimizer)
+    make = side_maker(args, c, cfg, ids)
+    # torch with our Muon / AdamW split: the like-for-like partner of the headline and of zaya_jax
+    torch_muon = make(TorchSide, muon=True) if not args.skip_torch and "config" in optimizers else None
+    headline = None
     if args.loop_steps and "config" not in optimizers:
         print("trainer loop skipped: it always runs the config's optimizer", file=sys.stderr, flush=True)
     elif args.loop_steps:
-        print(f"running the trainer loop ({2 * args.loop_steps} steps)...", file=sys.stderr, flush=True)
-        loop = run_trainer_loop(c, args.loop_steps)
-        loop_step_s = tokens_per_step / loop["tokens_per_s"]
-        loop.update(
-            step_time_s=loop_step_s,
-            model_tflops_per_s=loop["tokens_per_s"] * flops_per_token / 1e12,
-            outside_step_fraction=1.0 - results[OURS]["step_time_s"] / loop_step_s,
-            ratio_to_torch=None if torch_tps is None else loop["tokens_per_s"] / torch_tps,
-        )
+        headline = run_headline(args, c, cfg, torch_muon)
+
+    sides = [make(JaxSide, optimizer=o) for o in optimizers]
+    if not args.skip_torch:
+        sides.append(make(TorchSide))
+    if torch_muon is not None:
+        sides.append(torch_muon)
+    runners = {s.name: functools.partial(timed_window, s, args.warmup, args.steps) for s in sides}
+    times = alternate(runners, args.repeats)
+    torch_side = None if args.skip_torch else sides[len(optimizers)]
+    if torch_side is not None:
+        device.update(torch_device_report(torch_side))
+    method = method_report(args, torch_side, load)
+    results = side_results(sides, times, c, cfg, device)
+    add_ratios(results, c, cfg, device["jax_matmul_flops_per_s"])
+    if headline is not None:
+        finish_headline(headline, results, torch_muon)
     return {
-        "config": {
-            "config_file": args.config,
-            "batch_size": batch_size,
-            "seq_len": seq_len,
-            "grad_accum": c.train.grad_accum,
-            "dtype": cfg.dtype,
-            "param_dtype": cfg.param_dtype,
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "repeats": args.repeats,
-            "seed": args.seed,
-            "moe_impl": cfg.moe_impl,
-            "moe_impl_resolved": resolve_moe_impl(cfg.moe_impl, mesh_platform(None)),
-            "scan_layers": cfg.scan_layers,
-            "scan_layers_resolved": resolve_scan_layers(
-                cfg.scan_layers, cfg.num_hidden_layers, mesh_platform(None)
-            ),
-            "optimizer": args.optimizer,
-            "host_memory": args.host_memory,
-            "flops_per_token": flops_per_token,
-            **model_report(cfg, args.set),
-        },
+        "config": config_report(args, c, cfg),
         "device": device,
+        "method": method,
+        "headline": headline,
         "results": results,
-        "ratio_tokens_per_s": ratio,
-        "loop": loop,
+        "ratio_tokens_per_s": results[sides[0].name].get("ratio_to_torch"),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
 
+def finish_headline(
+    headline: dict[str, Any], results: dict[str, Any], torch_muon: IsolatedSide | None
+) -> None:
+    """What needs the bare step and the stopped torch process: time outside the step, peak RSS."""
+    ours = headline["ours"]
+    headline["outside_step_fraction"] = 1.0 - results[OURS]["step_time_s"] / ours["step_time_s"]
+    if torch_muon is not None and headline["torch"] is not None:
+        headline["torch"]["peak_rss_bytes"] = torch_muon.peak_rss_bytes
+        if ours["peak_rss_bytes"] and torch_muon.peak_rss_bytes:
+            headline["peak_rss_ratio"] = ours["peak_rss_bytes"] / torch_muon.peak_rss_bytes
+
+
+def config_report(args: argparse.Namespace, c: ml_collections.ConfigDict, cfg: ZayaConfig) -> dict[str, Any]:
+    return {
+        "config_file": args.config,
+        "batch_size": c.train.batch_size,
+        "seq_len": c.train.seq_len,
+        "grad_accum": c.train.grad_accum,
+        "dtype": cfg.dtype,
+        "param_dtype": cfg.param_dtype,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "loop_steps": args.loop_steps,
+        "seed": args.seed,
+        "moe_impl": cfg.moe_impl,
+        "moe_impl_resolved": resolve_moe_impl(cfg.moe_impl, mesh_platform(None)),
+        "scan_layers": cfg.scan_layers,
+        "scan_layers_resolved": resolve_scan_layers(
+            cfg.scan_layers, cfg.num_hidden_layers, mesh_platform(None)
+        ),
+        "optimizer": args.optimizer,
+        "host_memory": args.host_memory,
+        "flops_per_token": sizing.flops_per_token(cfg, c.train.seq_len),
+        **model_report(cfg, args.set),
+    }
+
+
 # ------------------------------------------------------------------------------------------ report
-def format_table(report: dict[str, Any]) -> str:
-    header = (
-        "side",
-        "step ms",
-        "floor ms",
-        "tokens/s",
-        "x torch",
-        "x same opt",
-        "TFLOP/s",
-        "MFU",
-        "compile s",
-        "1st step s",
-        "loss",
+def _mb(x: int | None) -> str:
+    return fmt(None if x is None else x / 1e6, ",.0f")
+
+
+def format_headline(report: dict[str, Any]) -> str:
+    """The trainer loop against torch with the same optimizer, each alone, alternated."""
+    h, m = report["headline"], report["method"]
+    rows = [("headline: as a user runs it", "step ms", "tokens/s", "x torch_muon", "peak RSS MB", "")]
+    ours, theirs = h["ours"], h["torch"]
+    outside = h["outside_step_fraction"]
+    rows.append(
+        (
+            ours["side"],
+            fmt(1e3 * ours["step_time_s"], ".2f"),
+            fmt(ours["tokens_per_s"], ",.0f"),
+            fmt(h["ratio_same_optimizer"], ".2f"),
+            _mb(ours["peak_rss_bytes"]),
+            "-" if outside is None else f"{100 * outside:.1f}% outside the step",
+        )
     )
-    rows = [header]
+    if theirs is not None:
+        threads, policy = m["torch_threads"], m["omp_wait_policy"]
+        rows.append(
+            (
+                theirs["side"],
+                fmt(1e3 * theirs["step_time_s"], ".2f"),
+                fmt(theirs["tokens_per_s"], ",.0f"),
+                "1.00",
+                _mb(theirs["peak_rss_bytes"]),
+                f"{threads} threads ({m['torch_threads_set_by']}), OMP_WAIT_POLICY {policy}",
+            )
+        )
+    return format_rows(rows)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The headline (when the trainer loop ran), then the bare steps, one row per side."""
+    header = ("bare step", "step ms", "floor ms", "tokens/s", "x torch", "x same opt", "TFLOP/s")
+    rows = [header + ("MFU", "compile s", "1st step s", "peak RSS MB", "loss")]
     for name, r in report["results"].items():
-        if r is None:
-            continue
         rows.append(
             (
                 name,
@@ -654,43 +826,38 @@ def format_table(report: dict[str, Any]) -> str:
                 + ("%" if r["mfu"] is not None else ""),
                 fmt(r["compile_s"], ".2f"),
                 fmt(r["first_step_s"], ".2f"),
+                _mb(r["peak_rss_bytes"]),
                 fmt(r["final_loss"], ".4f"),
             )
         )
-    loop = report.get("loop")
-    if loop is not None:
-        rows.append(
-            (
-                f"{OURS} trainer loop",
-                fmt(1e3 * loop["step_time_s"], ".2f"),
-                "-",
-                fmt(loop["tokens_per_s"], ",.0f"),
-                fmt(loop["ratio_to_torch"], ".2f"),
-                "-",
-                fmt(loop["model_tflops_per_s"], ".4f"),
-                "-",
-                "-",
-                "-",
-                f"outside step {100 * loop['outside_step_fraction']:.1f}%",
-            )
-        )
-    return format_rows(rows)
+    bare = format_rows(rows)
+    return bare if report["headline"] is None else format_headline(report) + "\n\n" + bare
 
 
 def summary_line(report: dict[str, Any]) -> str:
-    cfgd, res = report["config"], report["results"]
+    cfgd, res, m = report["config"], report["results"], report["method"]
     where = (
         f"{os.path.basename(cfgd['config_file'])} B={cfgd['batch_size']} S={cfgd['seq_len']} "
         f"{cfgd['dtype']}, {report['device']['jax_backend']}"
     )
     where += f", moe_impl={cfgd['moe_impl']} ({cfgd['moe_impl_resolved']})"
     where += f", scan_layers={cfgd['scan_layers']} ({cfgd['scan_layers_resolved']})"
+    h = report["headline"]
+    line = "train_step: "
+    if h is not None:
+        line += f"trainer loop {h['ours']['tokens_per_s']:,.0f} tok/s"
+        if h["torch"] is not None:
+            line += (
+                f", trainer loop/torch_muon = {h['ratio_same_optimizer']:.2f}x (torch {m['torch_threads']} "
+                f"threads, OMP_WAIT_POLICY {m['omp_wait_policy']})"
+            )
+        line += f", {100 * h['outside_step_fraction']:.1f}% outside the step; bare steps: "
     ours = [name for name in (OURS, OURS_ADAMW) if name in res]
     if OURS_ADAMW in res:
         where += f"; {OURS_ADAMW}: every parameter on AdamW, like torch"
     if TORCH not in res:
         sides = ", ".join(f"{name} {res[name]['tokens_per_s']:,.0f} tok/s" for name in ours)
-        return f"train_step: {sides} ({where}; torch skipped)"
+        return line + f"{sides} ({where}; torch skipped)"
     ratios = "; ".join(
         f"{name}/torch tokens/s = {res[name]['ratio_to_torch']:.2f}x ({res[name]['tokens_per_s']:,.0f} tok/s"
         + (
@@ -701,14 +868,7 @@ def summary_line(report: dict[str, Any]) -> str:
         + f"; at most {res[name]['max_ratio_to_torch']:.2f}x at the matmul peak)"
         for name in ours
     )
-    line = f"train_step: {ratios}; torch {res[TORCH]['tokens_per_s']:,.0f} tok/s ({where})"
-    loop = report.get("loop")
-    if loop is not None:
-        line += (
-            f"; trainer loop/torch = {loop['ratio_to_torch']:.2f}x "
-            f"({loop['tokens_per_s']:,.0f} tok/s, {100 * loop['outside_step_fraction']:.1f}% outside the step)"
-        )
-    return line
+    return line + f"{ratios}; torch {res[TORCH]['tokens_per_s']:,.0f} tok/s ({where})"
 
 
 def arg_parser() -> cli.ArgumentParser:
@@ -762,8 +922,15 @@ def arg_parser() -> cli.ArgumentParser:
         help="reuse (default): glibc malloc set as zaya_jax.train sets it (zaya_jax/host_memory.py), "
         "for both sides; default: the C library's defaults",
     )
+    p.add_argument(
+        "--omp-wait-policy",
+        choices=tuple(OMP_WAIT_POLICIES),
+        default="default",
+        help="OMP_WAIT_POLICY in torch's processes: default (unset, even if exported: torch as a user "
+        "runs it), passive (for a machine shared with busy processes) or active",
+    )
     add_out_arg(p, "train_step")
-    add_torch_args(p)
+    add_torch_args(p, threads_default="torch's own default")
     p.add_argument(
         "--torch-precision",
         choices=("autocast", "pure"),
@@ -779,10 +946,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.host_memory == "reuse":
-        # As zaya_jax.train does, before jax starts its threads; for both frameworks in this process
-        # (torch's CPU buffers come from malloc too).
-        host_memory.reuse_freed_memory()
     try:
         build_config(args)  # fail fast, in one line, on a bad config file or override
     except (KeyError, ValueError, TypeError, FileNotFoundError) as e:

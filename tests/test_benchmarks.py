@@ -44,6 +44,7 @@ SIDE_KEYS = {
     "first_step_s",
     "final_loss",
     "precision",
+    "peak_rss_bytes",
 }
 
 
@@ -72,10 +73,12 @@ def test_train_step_benchmark_writes_report(tmp_path):
     # Two rows of ours by default, interleaved with torch: the config's optimizer and AdamW only.
     assert "zaya_jax/torch tokens/s =" in proc.stdout, proc.stdout
     assert "zaya_jax_adamw/torch tokens/s =" in proc.stdout, proc.stdout
-    assert "trainer loop/torch =" in proc.stdout and "outside the step" in proc.stdout, proc.stdout
+    assert "trainer loop/torch_muon =" in proc.stdout and "outside the step" in proc.stdout, proc.stdout
+    assert "OMP_WAIT_POLICY default" in proc.stdout, proc.stdout
 
     report = json.loads(out.read_text())
-    assert set(report) == {"config", "device", "results", "ratio_tokens_per_s", "loop", "timestamp"}
+    keys = {"config", "device", "method", "headline", "results", "ratio_tokens_per_s", "timestamp"}
+    assert set(report) == keys
     cfg = report["config"]
     assert (cfg["batch_size"], cfg["seq_len"], cfg["steps"], cfg["repeats"]) == (2, 32, 2, 1)
     assert cfg["model"]["num_hidden_layers"] == 1 and cfg["dtype"] == "float32"
@@ -122,16 +125,33 @@ def test_train_step_benchmark_writes_report(tmp_path):
     assert cfg["scan_layers"] == "auto" and cfg["scan_layers_resolved"] == "unroll"
     assert cfg["optimizer"] == "both"
     assert cfg["host_memory"] == "reuse"  # glibc malloc set as the trainer sets it
+    # each side's own process and its own peak RSS (not a high-water mark inherited from the parent)
+    assert all(_positive_finite(r["peak_rss_bytes"]) for r in res.values())
 
-    # the real trainer loop (zaya_jax.train.train) over the same config: its steady-state window
-    loop = report["loop"]
-    assert loop["steps"] == 2
-    for key in ("tokens_per_s", "step_time_s", "model_tflops_per_s", "ratio_to_torch", "wall_s"):
-        assert _positive_finite(loop[key]), (key, loop[key])
-    assert loop["step_time_s"] == pytest.approx(2 * 32 / loop["tokens_per_s"])
-    assert loop["outside_step_fraction"] == pytest.approx(
-        1 - report["results"]["zaya_jax"]["step_time_s"] / loop["step_time_s"]
-    )
+    # how it was measured: torch as a user runs it (its default threads, OMP_WAIT_POLICY unset)
+    method = report["method"]
+    assert method["omp_wait_policy"] == "default" and method["omp_wait_policy_env"] is None
+    assert method["torch_threads_set_by"] == "torch's default" and method["torch_threads"] >= 1
+    assert "own spawned process" in method["processes"] and "flipped" in method["processes"]
+    assert method["cores"] >= 1 and len(method["load_average_before"]) == 3
+    assert "tokens_per_second" in method["trainer_loop"] and "VmHWM" in method["peak_rss"]
+
+    # the headline: the real trainer loop (zaya_jax.train.train, a process per repeat) alternated with
+    # torch running the same optimizer
+    h = report["headline"]
+    ours, theirs = h["ours"], h["torch"]
+    assert ours["side"] == "zaya_jax trainer loop" and theirs["side"] == "torch_muon" and ours["steps"] == 2
+    assert len(ours["tokens_per_s_repeats"]) == 1 and len(theirs["step_times_s"]) == 1
+    for key in ("tokens_per_s", "step_time_s", "model_tflops_per_s", "peak_rss_bytes"):
+        assert _positive_finite(ours[key]), (key, ours[key])
+    for key in ("tokens_per_s", "step_time_s", "peak_rss_bytes"):
+        assert _positive_finite(theirs[key]), (key, theirs[key])
+    assert ours["step_time_s"] == pytest.approx(2 * 32 / ours["tokens_per_s"])
+    assert theirs["tokens_per_s"] == pytest.approx(2 * 32 / theirs["step_time_s"])
+    assert h["ratio_same_optimizer"] == pytest.approx(ours["tokens_per_s"] / theirs["tokens_per_s"])
+    assert h["peak_rss_ratio"] == pytest.approx(ours["peak_rss_bytes"] / theirs["peak_rss_bytes"])
+    outside = 1 - res["zaya_jax"]["step_time_s"] / ours["step_time_s"]
+    assert h["outside_step_fraction"] == pytest.approx(outside)
 
 
 def test_adamw_only_optimizer_routes_every_parameter_to_adamw():
@@ -208,7 +228,8 @@ def test_train_step_benchmark_adamw_only_row(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "every parameter on AdamW" in proc.stdout and "trainer loop skipped" in proc.stderr
     report = json.loads(out.read_text())
-    assert report["config"]["optimizer"] == "adamw" and report["loop"] is None
+    assert report["config"]["optimizer"] == "adamw" and report["headline"] is None
+    assert report["method"]["torch_threads"] is None
     assert set(report["results"]) == {"zaya_jax_adamw"} and report["ratio_tokens_per_s"] is None
     assert _positive_finite(report["results"]["zaya_jax_adamw"]["tokens_per_s"])
 
@@ -369,3 +390,27 @@ def test_long_context_benchmark_writes_report(tmp_path):
         assert _positive_finite(r["peak_rss_bytes"]), r
     proc = _run(["-m", "benchmarks.long_context", "--seq", "64", "--impls", "xla", "--steps", "0"])
     assert proc.returncode == 0 and "(compiled only)" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_peak_rss_is_the_process_own():
+    # A spawned child's VmHWM is its own; getrusage's ru_maxrss would carry this process' high-water
+    # mark across fork + exec (what made checkpoint_io report an export's RSS as 23 GB).
+    import numpy as np
+
+    from benchmarks.common import in_own_process, peak_rss_bytes, reset_peak_rss, rss_bytes
+
+    big = np.ones(300_000_000 // 8)  # 300 MB, touched
+    parent = peak_rss_bytes()
+    child = in_own_process(peak_rss_bytes)
+    assert parent is not None and child is not None and child < parent - 200e6, (child, parent)
+    del big
+    if reset_peak_rss():  # the high-water mark falls back to what the process holds now
+        assert peak_rss_bytes() < parent - 200e6 and rss_bytes() <= peak_rss_bytes()
+
+
+def test_train_step_wait_policy_is_torch_default_unless_asked():
+    from benchmarks.train_step import OMP_WAIT_POLICIES, parse_args
+
+    assert parse_args([]).omp_wait_policy == "default" and OMP_WAIT_POLICIES["default"] is None
+    assert OMP_WAIT_POLICIES[parse_args(["--omp-wait-policy", "passive"]).omp_wait_policy] == "PASSIVE"
+    assert parse_args([]).threads == 0  # torch's own thread count

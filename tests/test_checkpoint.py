@@ -304,8 +304,25 @@ def test_checkpoint_io_benchmark_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "checkpoint_io.json").read_text())
     assert r["save"]["MBps"] > 0 and r["restore"]["MBps"] > 0 and r["disk"]["write_MBps"] > 0
-    assert r["async_save"]["stall_s"] >= 0 and r["export"]["bfloat16"]["peak_rss_MB"] > 0
-    assert "orbax save" in proc.stdout and not (tmp_path / "scratch").exists()
+    assert r["async_save"]["stall_s"] >= 0
+    # a trained state (random moments: incompressible), its size on disk next to its size in memory
+    assert "random" in r["method"]["state_fill"] and "moments" in r["method"]["state_fill"]
+    assert r["checkpoint_bytes_on_disk"] > 0.5 * r["state_bytes"] > 0
+    assert r["on_disk_over_state"] == r["checkpoint_bytes_on_disk"] / r["state_bytes"]
+    assert r["save"]["fraction_of_disk_write"] > 0 and len(r["save"]["seconds"]) == 1
+    # each operation's own process and its own peak RSS (never a parent's high-water mark)
+    assert "own" in r["method"]["processes"] and "VmHWM" in r["method"]["peak_rss"]
+    for part in (r["save"], r["restore"]):
+        assert part["peak_rss_bytes"] > 0 and part["extra_peak_rss_bytes"] >= 0, part
+    assert r["restore"]["peak_over_state"] == r["restore"]["peak_rss_bytes"] / r["state_bytes"]
+    export = r["export"]
+    for dtype in ("float32", "bfloat16"):
+        e = export[dtype]
+        assert e["peak_rss_bytes"] > 0 and e["hf_bytes"] > 0, e
+        assert e["extra_rss_bytes"] == e["peak_rss_bytes"] - export["baseline_peak_rss_bytes"]
+        assert e["peak_over_state"] == e["peak_rss_bytes"] / r["state_bytes"]
+    assert "orbax save" in proc.stdout and "export float32: peak RSS" in proc.stdout
+    assert not (tmp_path / "scratch").exists()
 
 
 def _device_bytes(arrays):
