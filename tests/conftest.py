@@ -11,3 +11,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "zaya_jax_test_xla_cache")
 )
+
+import jax  # noqa: E402  (after the environment above: jax reads it once, at import)
+
+# The test process itself reads the cache but never writes it (the CLI subprocesses it starts
+# write): XLA:CPU (jax 0.10.2) aborted the whole process serializing an executable into the cache
+# late in the full suite (three CI runs; the same compile alone serializes fine). jax reads the
+# minimum compile time at every write, so this holds for every compile of the session.
+jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
