@@ -1,7 +1,9 @@
 """Context parallelism (zaya_jax/parallel/context.py) on 8 simulated CPU devices: the halo against
-the unsplit left context, the model's loss, expert counts and every gradient on context meshes
-against one device (with padding and packed documents), 20 train steps, the halo's
-collective-permute in the compiled program, and checkpoints moving between context sizes."""
+the unsplit left context, the model's loss, logits, expert counts and every gradient on context
+meshes against one device (with padding and packed documents), 20 train steps, the halo's
+collective-permute in the compiled program, and checkpoints moving between context sizes; all of it
+for both layouts (mesh.context_layout), plus the zigzag layout's permutation and its balance of the
+blockwise attention's work over ranks."""
 
 from __future__ import annotations
 
@@ -19,21 +21,29 @@ from test_train import run_train, train_losses
 from zaya_jax import balancing as bal
 from zaya_jax.checkpoint import Checkpointer
 from zaya_jax.config import base_config, validate
+from zaya_jax.kernels.blockwise_attention import visited_blocks
 from zaya_jax.loss import token_cross_entropy
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
 from zaya_jax.parallel import make_mesh
 from zaya_jax.parallel.context import (
+    CONTIGUOUS,
+    LAYOUTS,
+    ZIGZAG,
     check_local_length,
+    chunk_order,
     flatten_tokens,
     fold_sequences,
+    from_layout,
+    layout_permutation,
+    to_layout,
     unflatten_tokens,
     unfold_sequences,
     with_left_context,
 )
 from zaya_jax.parallel.mesh import MESH_AXES
 from zaya_jax.parallel.sharding import batch_sharding
-from zaya_jax.train_state import create_train_state, make_train_step, state_shardings
+from zaya_jax.train_state import create_train_state, layout_batch, make_train_step, state_shardings
 
 # Block 1 has a sliding window (8) shorter than a context rank's chunk: its mask is on global positions.
 CFG = ZayaConfig.tiny(
@@ -56,19 +66,67 @@ MESHES = {
 B, S = 8, 32
 
 
-def test_left_context_is_the_unsplit_one():
-    """Rank r's left context is the last rows of rank r-1's chunk; rank 0's the given state."""
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 16, 3)), jnp.float32)
-    left = jnp.full((4, 3, 3), 7.0)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_left_context_is_the_unsplit_one(layout):
+    """Each stored chunk's left context is the last rows of the chunk before it in the sequence
+    (another rank's, or for zigzag's c_R its own rank's first), the first chunk's the given state."""
+    x = np.random.default_rng(0).normal(size=(4, 32, 3)).astype(np.float32)
+    left = np.full((4, 3, 3), 7.0, np.float32)
     mesh = make_mesh(2, 1, 1, 4)
-    xs = jax.device_put(x, batch_sharding(mesh))
+    stored = jax.device_put(to_layout(jnp.asarray(x), layout, 4), batch_sharding(mesh))
+    order = chunk_order(layout, 4)
+    n = 32 // len(order)
     for state in (None, left):
-        got = jax.jit(lambda x, s: with_left_context(x, s, 3, mesh))(xs, state)
-        full = jnp.concatenate([jnp.zeros((4, 3, 3)) if state is None else left, x], axis=1)
-        want = jnp.stack([full[:, 4 * r : 4 * r + 7] for r in range(4)], axis=1)  # [B, R, 3 + 4, C]
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        got = jax.jit(lambda x, s: with_left_context(x, s, 3, mesh, layout))(stored, state)
+        full = np.concatenate([np.zeros((4, 3, 3)) if state is None else left, x], axis=1)
+        want = np.stack([full[:, n * c : n * c + 3 + n] for c in order], axis=1)  # [B, K*R, 3 + n, C]
+        np.testing.assert_array_equal(np.asarray(got), want)
     with pytest.raises(ValueError, match=r"mesh.context=8: sequence length 8 .* at least 2 positions"):
         check_local_length(8, 8, 2)
+    with pytest.raises(ValueError, match=r"multiple of 8 \(the zigzag layout's chunks\) .* per chunk"):
+        check_local_length(12, 4, 2, ZIGZAG)
+    check_local_length(16, 4, 2, ZIGZAG)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_zigzag_permutation(ranks):
+    """Rank r holds chunks c_r and c_{2R-1-r}; `from_layout` inverts `to_layout`."""
+    perm = layout_permutation(16, ZIGZAG, ranks)
+    chunks = perm.reshape(ranks, 2, -1) if ranks > 1 else perm.reshape(1, 1, -1)
+    n = 16 // (2 * ranks)
+    for r in range(ranks if ranks > 1 else 0):
+        np.testing.assert_array_equal(chunks[r, 0], np.arange(r * n, (r + 1) * n))
+        np.testing.assert_array_equal(chunks[r, 1], np.arange((2 * ranks - 1 - r) * n, (2 * ranks - r) * n))
+    assert sorted(perm) == list(range(16))
+    x = jnp.arange(2 * 16 * 3).reshape(2, 16, 3)
+    np.testing.assert_array_equal(from_layout(to_layout(x, ZIGZAG, ranks), ZIGZAG, ranks), x)
+    np.testing.assert_array_equal(to_layout(x, ZIGZAG, ranks)[0, :, 0], 3 * perm)
+    np.testing.assert_array_equal(layout_permutation(16, CONTIGUOUS, ranks), np.arange(16))
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_zigzag_balances_blockwise_attention(ranks):
+    """Key blocks the blockwise attention visits per rank (its queries against the gathered keys):
+    contiguous leaves rank R-1 (2R-1)/R times the mean, zigzag gives every rank the mean."""
+    s, block = 64, 4
+    q = jnp.ones((1, s, 1, 8), jnp.float32)
+
+    def visits(layout):
+        perm = jnp.asarray(layout_permutation(s, layout, ranks))[None]
+        local = s // ranks
+        return [
+            int(visited_blocks(
+                q[:, :local], q, q, q_pos_bs=perm[:, r * local : (r + 1) * local], kv_pos_bt=perm,
+                scale=1.0, block_q=block, block_k=block,
+            ))
+            for r in range(ranks)
+        ]
+
+    contiguous, zigzag = visits(CONTIGUOUS), visits(ZIGZAG)
+    assert sum(contiguous) == sum(zigzag)  # the same causal triangle
+    mean = sum(zigzag) / ranks
+    assert zigzag == [mean] * ranks
+    assert contiguous == sorted(contiguous) and contiguous[-1] / mean > (2 * ranks - 1) / ranks - 0.1
 
 
 def test_flat_tokens_stay_on_their_device():

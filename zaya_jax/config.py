@@ -37,6 +37,10 @@ overrides any key (`--config.train.steps=100`). Sections:
                             zaya_jax.parallel.mesh.MESH_AXES; one may be -1 = the remaining devices;
                             mesh.context splits every sequence over that many devices (context
                             parallelism, zaya_jax/parallel/context.py; default 1)
+  mesh.context_layout       which positions a context rank holds: "contiguous" (default; rank r the
+                            r-th of R chunks) or "zigzag" (S cut into 2R chunks, rank r holds c_r and
+                            c_{2R-1-r}: equal causal attention work per rank; train.seq_len must
+                            split into 2R chunks of at least the CCA halo; not with attention 'pallas')
   mesh.zero1                optimizer state split over the data axis (ZeRO-1)
   checkpoint.every_steps, checkpoint.every_minutes   periodic saves under WORKDIR/checkpoints (by
                             step count and/or wall time; 0 = off); the last step is always saved
@@ -88,6 +92,7 @@ from zaya_jax.data.tasks import parse_data_spec
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.optim.chain import default_optim_config
 from zaya_jax.optim.schedules import DECAY_SHAPES, SCHEDULE_NAMES
+from zaya_jax.parallel.context import CONTIGUOUS, LAYOUTS, ZIGZAG
 from zaya_jax.parallel.mesh import DEFAULT_SIZES, MESH_AXES, check_mesh_sizes
 from zaya_jax.parallel.zero1 import GRAD_REDUCE
 
@@ -160,6 +165,7 @@ def _balancing_section() -> ml_collections.ConfigDict:
 def _mesh_section() -> ml_collections.ConfigDict:
     section = Section({a: DEFAULT_SIZES.get(a, 1) for a in MESH_AXES})
     section.zero1 = True  # optimizer state split over the data axis
+    section.context_layout = CONTIGUOUS
     return section
 
 
@@ -214,6 +220,7 @@ _DTYPE = cli.OneOf("float32", "bfloat16")
 DECLARED_VALUES: dict[str, cli.FlagValue] = {
     "seed": cli.Int(min=0),
     "train.grad_reduce": cli.OneOf(*GRAD_REDUCE),
+    "mesh.context_layout": cli.OneOf(*LAYOUTS),
     "model.pad_token_id": cli.Int(min=0),
     "model.bos_token_id": cli.Int(min=0),
     "model.eos_token_id": cli.Int(min=0),
@@ -347,6 +354,11 @@ def _validate_mesh(c: ml_collections.ConfigDict) -> None:
         c.mesh.context == 1 or c.model.attention_impl != "pallas",
         "model.attention_impl",
         f"'pallas' does not support mesh.context={c.mesh.context}: use 'xla' or 'auto'",
+    )
+    _check(  # the kernel's query offset is one contiguous range; zigzag ranks hold two
+        c.mesh.context_layout != ZIGZAG or c.model.attention_impl != "pallas",
+        "model.attention_impl",
+        "'pallas' does not support mesh.context_layout='zigzag': use 'xla', 'blockwise' or 'auto'",
     )
 
 

@@ -193,7 +193,7 @@ class Trainer:
                 flush=True,
             )
         self.data = Lookahead(iter(train_ds))
-        self.eval_step = jax.jit(make_eval_step(self.cfg, self.mesh))
+        self.eval_step = jax.jit(make_eval_step(self.cfg, self.mesh, c.mesh.context_layout))
         self.downstream = downstream_tasks(c, self.cfg, tokenizer, self.mesh)
         self.ckpt = _checkpointer(c, workdir)
         self.config_json = json.loads(c.to_json_best_effort())

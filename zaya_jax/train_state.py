@@ -24,7 +24,17 @@ from zaya_jax import balancing as bal
 from zaya_jax.loss import chunked_cross_entropy
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
-from zaya_jax.parallel.context import CONTEXT, check_local_length, config_context, fold_sequences
+from zaya_jax.parallel.context import (
+    CONTEXT,
+    CONTIGUOUS,
+    check_local_length,
+    config_context,
+    context_size,
+    fold_sequences,
+    layout_is_identity,
+    layout_permutation,
+    to_layout,
+)
 from zaya_jax.parallel.mesh import make_mesh, mesh_platform
 from zaya_jax.parallel import zero1 as zero1_lib
 from zaya_jax.parallel.sharding import (
@@ -36,7 +46,8 @@ from zaya_jax.parallel.sharding import (
 )
 from zaya_jax.routing_telemetry import step_metrics as routing_step_metrics
 
-Batch = dict[str, jax.Array]  # input_ids / targets int32 [B, S], loss_mask fp32 [B, S]
+Batch = dict[str, jax.Array]  # input_ids / targets int32 [B, S], loss_mask fp32 [B, S]; positions
+# int32 [B, S] where the context layout permutes the sequence (`layout_batch`)
 OPTIMIZER_SCOPE = "optimizer_update"  # jax.named_scope of the optimizer's ops (in their HLO op_name)
 
 
@@ -112,7 +123,7 @@ def loss_and_counts(
 ) -> tuple[jax.Array, StepAux]:
     """(sum of token losses, StepAux of the batch)."""
     variables = {"params": params, BALANCING: balancing}
-    out = model.apply(variables, batch["input_ids"], return_logits=False)
+    out = model.apply(variables, batch["input_ids"], positions=batch.get("positions"), return_logits=False)
     head = lambda h: model.apply(variables, h, method=ZayaForCausalLM.logits_from_hidden)
     # With a context axis each rank chunks its own positions: the scan never crosses ranks.
     fold = lambda x: fold_sequences(x, model.mesh)
@@ -122,6 +133,21 @@ def loss_and_counts(
     return total, StepAux(
         weight, out.expert_counts, out.dropped_tokens, out.router_entropy, out.exchange_spills
     )
+
+
+def layout_batch(batch: Batch, layout: str, mesh: Mesh | None) -> Batch:
+    """The batch [B, S] (position order) in the storage order of the context layout (`to_layout`,
+    mesh.context_layout) plus its positions (the permuted arange): unchanged where that order is
+    the identity (contiguous, or no context axis). Inside jit, once per step: it moves only the
+    int / fp32 token inputs, negligible beside the activations, and everything per token (norms,
+    MoE, loss sums) is order-agnostic."""
+    r = context_size(mesh)
+    if layout_is_identity(layout, r):
+        return batch
+    b, s = batch["input_ids"].shape
+    out = {k: to_layout(x, layout, r) for k, x in batch.items()}
+    out["positions"] = jnp.broadcast_to(jnp.asarray(layout_permutation(s, layout, r)), (b, s))
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh)), out)
 
 
 def split_microbatches(x: jax.Array, grad_accum: int, mesh: Mesh | None) -> jax.Array:
@@ -166,7 +192,11 @@ def accumulated_grads(
 
 
 def step_gradients(
-    cfg: ZayaConfig, mesh: Mesh | None, zero1: bool = True, grad_reduce: str = "step"
+    cfg: ZayaConfig,
+    mesh: Mesh | None,
+    zero1: bool = True,
+    grad_reduce: str = "step",
+    context_layout: str = CONTIGUOUS,
 ) -> Callable:
     """grads(params, balancing, micro) -> (loss sum, (weight, counts, dropped, spills), gradients):
     sums over the whole global batch of `accumulated_grads`.
@@ -176,10 +206,11 @@ def step_gradients(
     with zero1 off all-reduced): with grad_reduce "step" the sum, unreduced, once after the loop (no
     data-parallel collective per microbatch); with "microbatch" each microbatch's gradients inside
     the loop, the sum kept as the rank's shard. The model runs inside on the data-manual mesh of
-    `zero1.step_meshes`. Where `zero1.loop_per_rank` says no (no data axis, or a mesh XLA cannot
+    `zero1.step_meshes`; microbatches come in the storage order of `context_layout` (`layout_batch`).
+    Where `zero1.loop_per_rank` says no (no data axis, or a mesh XLA cannot
     partition so), GSPMD reduces the gradients as it computes them, whatever grad_reduce."""
     per_rank = mesh is not None and zero1_lib.loop_per_rank(mesh)
-    model = ZayaForCausalLM(cfg, zero1_lib.step_meshes(mesh)[1] if per_rank else mesh)
+    model = ZayaForCausalLM(cfg, zero1_lib.step_meshes(mesh)[1] if per_rank else mesh, context_layout)
     grad_fn = jax.value_and_grad(lambda p, b, mb: loss_and_counts(model, p, b, mb), has_aux=True)
     if not per_rank:
         return lambda params, balancing, micro: accumulated_grads(grad_fn, params, balancing, micro)
@@ -267,14 +298,17 @@ def make_train_step(
     mesh: Mesh | None = None,
     zero1: bool = True,
     grad_reduce: str = "step",
+    context_layout: str = CONTIGUOUS,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """Returns train_step(state, batch) -> (state, metrics); batch leaves are [B, S] (global),
     split into `grad_accum` microbatches (split_microbatches). `zero1`: the optimizer state is laid
     out by ZeRO-1 (state_shardings' zero1), so the gradients are reduce-scattered into it, once per
-    step or every microbatch (`grad_reduce`, train.grad_reduce: step_gradients)."""
-    gradients = step_gradients(cfg, mesh, zero1, grad_reduce)
+    step or every microbatch (`grad_reduce`, train.grad_reduce: step_gradients). `context_layout`
+    (mesh.context_layout): which sequence chunks each context rank holds (`layout_batch`)."""
+    gradients = step_gradients(cfg, mesh, zero1, grad_reduce, context_layout)
 
     def train_step(state: TrainState, batch: Batch):
+        batch = layout_batch(batch, context_layout, mesh)
         micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum, mesh), batch)
         loss_sum, aux, grads = gradients(state.params, state.balancing, micro)
         weight, counts = aux.weight, aux.counts
@@ -376,7 +410,8 @@ def abstract_batch(batch_size: int, seq_len: int, mesh: Mesh) -> Batch:
 def check_batch_divides(c: ml_collections.ConfigDict, devices: int) -> None:
     """train.batch_size, and each of its grad_accum microbatches, divide over `devices` (ValueError
     naming the key otherwise): the trainer and the dry run check it before building the step.
-    With mesh.context = R, rows divide over devices / R and train.seq_len over R."""
+    With mesh.context = R, rows divide over devices / R and train.seq_len over R (2R chunks with
+    mesh.context_layout "zigzag")."""
     context = config_context(c.mesh, devices)
     rows = devices // context
     batch_size, micro = c.train.batch_size, c.train.batch_size // c.train.grad_accum
@@ -386,7 +421,8 @@ def check_batch_divides(c: ml_collections.ConfigDict, devices: int) -> None:
             f"{rows} devices" + (f" that split batch rows (mesh.context={context})" if context > 1 else "")
         )
     try:
-        check_local_length(c.train.seq_len, context, c.model.cca_time0 + c.model.cca_time1 - 2)
+        halo = c.model.cca_time0 + c.model.cca_time1 - 2
+        check_local_length(c.train.seq_len, context, halo, c.mesh.context_layout)
     except ValueError as e:
         raise ValueError(f"config.train.seq_len={c.train.seq_len}: {e}") from None
 
@@ -399,18 +435,29 @@ def train_program(c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh) -> 
     schedule = lr_schedule(c, total_steps=c.train.steps)
     train = c.train
     step = make_train_step(
-        cfg, layout.tx, layout.bal_cfg, schedule, train.grad_accum, mesh, c.mesh.zero1, train.grad_reduce
+        cfg,
+        layout.tx,
+        layout.bal_cfg,
+        schedule,
+        train.grad_accum,
+        mesh,
+        c.mesh.zero1,
+        train.grad_reduce,
+        c.mesh.context_layout,
     )
     shardings = layout.shardings
     jitted = jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
     return TrainProgram(mesh, layout.create, shardings, jitted, layout.abstract)
 
 
-def make_eval_step(cfg: ZayaConfig, mesh: Mesh | None = None) -> Callable[[Any, Batch], dict[str, jax.Array]]:
+def make_eval_step(
+    cfg: ZayaConfig, mesh: Mesh | None = None, context_layout: str = CONTIGUOUS
+) -> Callable[[Any, Batch], dict[str, jax.Array]]:
     """eval_step(variables, batch) -> {"loss_sum", "weight"} (sum over tokens; divide at the end)."""
-    model = ZayaForCausalLM(cfg, mesh)
+    model = ZayaForCausalLM(cfg, mesh, context_layout)
 
     def eval_step(variables, batch):
+        batch = layout_batch(batch, context_layout, mesh)
         loss_sum, aux = loss_and_counts(model, variables["params"], variables[BALANCING], batch)
         return {"loss_sum": loss_sum, "weight": aux.weight}
 

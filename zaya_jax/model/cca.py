@@ -33,7 +33,13 @@ from zaya_jax.model.attention import (
 )
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.model.rope import apply_rope, rope_cos_sin
-from zaya_jax.parallel.context import context_size, gather_sequence, with_left_context
+from zaya_jax.parallel.context import (
+    CONTIGUOUS,
+    context_size,
+    gather_sequence,
+    last_chunk,
+    with_left_context,
+)
 from zaya_jax.parallel.mesh import mesh_platform
 
 
@@ -201,6 +207,7 @@ class CCAttention(nn.Module):
 
     cfg: ZayaConfig
     mesh: Mesh | None = None  # the Pallas kernel runs per device (shard_map) on a mesh
+    context_layout: str = CONTIGUOUS  # mesh.context_layout: which chunks each context rank holds
 
     def setup(self):
         cfg = self.cfg
@@ -232,18 +239,20 @@ class CCAttention(nn.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array, CCAState]:
         """Pre-norm q [B,S,N,H], k [B,S,K,H], v [B,S,K,H] (all in the compute dtype).
 
-        state None = sequence start. On a "context" mesh the left context of every rank but the
-        first comes from the previous rank (`with_left_context`); `state` is rank 0's."""
+        state None = sequence start. On a "context" mesh the left context of every chunk but the
+        sequence's first comes from the rank holding the chunk before it (`with_left_context`, in
+        the order of `context_layout`); `state` is the first chunk's."""
         cfg = self.cfg
         b, s, _ = x_bsd.shape
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q0, k0 = self.q_proj(x_bsd), self.k_proj(x_bsd)
         mq, mk = qk_mean_skip(q0.reshape(b, s, nq, hd), k0.reshape(b, s, nkv, hd))
 
-        # u [B, R, P + S/R, C]: each context rank's chunk of the conv input after its left context.
+        # u [B, K*R, P + S/(K*R), C]: each stored chunk of the conv input after its left context.
         rows = cfg.conv_state_len
         conv_left = None if state is None else state.conv
-        u = with_left_context(jnp.concatenate([q0, k0], axis=-1), conv_left, rows, self.mesh)
+        left_context = partial(with_left_context, mesh=self.mesh, layout=self.context_layout)
+        u = left_context(jnp.concatenate([q0, k0], axis=-1), conv_left, rows)
         conv = self.conv_qk_grouped(self.conv_qk_depthwise(u)).reshape(b, s, -1)  # [B, S, C]
         q = conv[..., : nq * hd].reshape(b, s, nq, hd) + mq
         k = conv[..., nq * hd :].reshape(b, s, nkv, hd) + mk
@@ -253,10 +262,13 @@ class CCAttention(nn.Module):
         prev = None if state is None else state.v_delayed
         if prev is None:
             prev = self.v_proj_delayed(jnp.zeros((b, x_bsd.shape[-1]), x_bsd.dtype))
-        v_shifted = with_left_context(v_del, prev[:, None], 1, self.mesh)[:, :, :-1].reshape(b, s, -1)
+        v_shifted = left_context(v_del, prev[:, None], 1)[:, :, :-1].reshape(b, s, -1)
         v = jnp.concatenate([v_cur, v_shifted], axis=-1).reshape(b, s, nkv, hd)
 
-        new_state = CCAState(u[:, -1, u.shape[2] - rows :], v_del[:, -1])
+        # The sequence's end: the last stored chunk only in the contiguous layout.
+        end = last_chunk(self.context_layout, self.mesh)
+        v_del_chunks = v_del.reshape(*u.shape[:2], -1, v_del.shape[-1])  # [B, K*R, S/(K*R), D]
+        new_state = CCAState(u[:, end, u.shape[2] - rows :], v_del_chunks[:, end, -1])
         return q, k, v, new_state
 
     def __call__(

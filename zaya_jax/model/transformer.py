@@ -28,7 +28,7 @@ from zaya_jax.model.moe import ZayaExperts
 from zaya_jax.model.norm import RMSNorm
 from zaya_jax.model.residual import ResidualScaling
 from zaya_jax.model.router import BALANCING, ZayaRouter
-from zaya_jax.parallel.context import flatten_tokens, unflatten_tokens
+from zaya_jax.parallel.context import CONTIGUOUS, flatten_tokens, unflatten_tokens
 from zaya_jax.parallel.expert import EXCHANGE_NAMES
 from zaya_jax.parallel.mesh import mesh_platform
 
@@ -105,6 +105,7 @@ class ZayaBlock(nn.Module):
 
     cfg: ZayaConfig
     mesh: Mesh | None = None
+    context_layout: str = CONTIGUOUS
 
     @nn.compact
     def __call__(self, carry, layer_xs, positions_bs, padding_mask_bs, segment_ids_bs, kv_shared=None):
@@ -114,7 +115,7 @@ class ZayaBlock(nn.Module):
         kv_ctx = None if layer_cache is None else KVContext(layer_cache, *kv_shared)
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype, name=name)
 
-        a, new_layer_cache = CCAttention(cfg, self.mesh, name="self_attn")(
+        a, new_layer_cache = CCAttention(cfg, self.mesh, self.context_layout, name="self_attn")(
             norm("input_layernorm")(h),
             positions_bs=positions_bs,
             padding_mask_bs=padding_mask_bs,
@@ -187,6 +188,9 @@ class ZayaForCausalLM(nn.Module):
 
     cfg: ZayaConfig
     mesh: Mesh | None = None
+    # mesh.context_layout (zaya_jax/parallel/context.py): with "zigzag" the caller passes inputs in
+    # its storage order (`to_layout`) with explicit positions.
+    context_layout: str = CONTIGUOUS
 
     def setup(self):
         cfg = self.cfg
@@ -216,7 +220,7 @@ class ZayaForCausalLM(nn.Module):
             # Full unroll keeps the scan's variable layout ([l, ...] stacks, same names and init
             # RNG splits), so checkpoints, HF conversion and sharding do not see the difference.
             unroll=cfg.num_hidden_layers if unroll else 1,
-        )(cfg, self.mesh)
+        )(cfg, self.mesh, self.context_layout)
         self.norm = RMSNorm(cfg.rms_norm_eps, jnp.float32, cfg.params_dtype)
         self.lm_head = LMHead(cfg)
 

@@ -36,6 +36,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -43,6 +44,8 @@ from zaya_jax.parallel.mesh import MESH_AXES, resolve_mesh_sizes
 
 CONTEXT = "context"
 ROW_AXES = tuple(a for a in MESH_AXES if a != CONTEXT)  # the axes that split batch rows
+CONTIGUOUS, ZIGZAG = "contiguous", "zigzag"
+LAYOUTS = (CONTIGUOUS, ZIGZAG)  # mesh.context_layout
 
 
 def context_size(mesh: Mesh | None) -> int:
@@ -63,25 +66,85 @@ def config_context(mesh_cfg, devices: int) -> int:
     return resolve_mesh_sizes(sizes, devices)[CONTEXT]
 
 
-def check_local_length(seq_len: int, ranks: int, rows: int) -> None:
-    """ValueError unless S splits evenly into R chunks of at least `rows` (the halo) positions."""
-    if seq_len % ranks or seq_len // ranks < rows:
+def check_local_length(seq_len: int, ranks: int, rows: int, layout: str = CONTIGUOUS) -> None:
+    """ValueError unless S splits evenly into the layout's chunks (R, or 2R for zigzag) of at least
+    `rows` (the halo) positions each."""
+    chunks = ranks * chunks_per_rank(layout, ranks)
+    if seq_len % chunks or seq_len // chunks < rows:
+        split = "it" if chunks == ranks else f"{chunks} (the {layout} layout's chunks)"
+        per = "rank" if chunks == ranks else "chunk"
         raise ValueError(
-            f"mesh.context={ranks}: sequence length {seq_len} must be a multiple of it with at least "
-            f"{rows} positions per rank (the CCA convolution's left context)"
+            f"mesh.context={ranks}: sequence length {seq_len} must be a multiple of {split} with at "
+            f"least {rows} positions per {per} (the CCA convolution's left context)"
         )
 
 
-def left_halo(x_bsc: jax.Array, rows: int, mesh: Mesh) -> jax.Array:
-    """x [B, S, C] split over "context" -> [B, R, rows, C]: for each rank r the last `rows` rows
-    of rank r-1's chunk (zeros for r = 0), laid out with R over "context" (local to rank r)."""
+def chunks_per_rank(layout: str, ranks: int) -> int:
+    """K, the sequence chunks a context rank holds: 2 for zigzag with R > 1, else 1 (with one rank
+    both layouts are the identity)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"mesh.context_layout must be one of {LAYOUTS}, got {layout!r}")
+    return 2 if layout == ZIGZAG and ranks > 1 else 1
+
+
+def chunk_order(layout: str, ranks: int) -> tuple[int, ...]:
+    """The sequence's chunks (K*R of them) in storage order: rank r holds entries [r*K, (r+1)*K).
+    Contiguous: 0, 1, ..., R-1; zigzag: c_r then c_{2R-1-r} per rank (0, 2R-1, 1, 2R-2, ...)."""
+    if chunks_per_rank(layout, ranks) == 1:
+        return tuple(range(ranks))
+    return tuple(c for r in range(ranks) for c in (r, 2 * ranks - 1 - r))
+
+
+def layout_permutation(seq_len: int, layout: str, ranks: int) -> np.ndarray:
+    """int32 [S]: the position stored at each index along S (`to_layout` gathers by it); the
+    identity for the contiguous layout."""
+    positions = np.arange(seq_len, dtype=np.int32)
+    if layout_is_identity(layout, ranks):
+        return positions
+    order = chunk_order(layout, ranks)
+    return positions.reshape(len(order), -1)[list(order)].reshape(-1)
+
+
+def to_layout(x_bs: jax.Array, layout: str, ranks: int) -> jax.Array:
+    """[B, S, ...] in position order -> storage order of `layout` (a gather along S)."""
+    if layout_is_identity(layout, ranks):
+        return x_bs
+    return jnp.take(x_bs, layout_permutation(x_bs.shape[1], layout, ranks), axis=1)
+
+
+def from_layout(x_bs: jax.Array, layout: str, ranks: int) -> jax.Array:
+    """The inverse of `to_layout`: storage order -> position order."""
+    if layout_is_identity(layout, ranks):
+        return x_bs
+    return jnp.take(x_bs, np.argsort(layout_permutation(x_bs.shape[1], layout, ranks)), axis=1)
+
+
+def layout_is_identity(layout: str, ranks: int) -> bool:
+    """Whether storage order is position order (contiguous, or a single rank)."""
+    return chunks_per_rank(layout, ranks) == 1
+
+
+def left_halo(x_bsc: jax.Array, rows: int, mesh: Mesh, layout: str = CONTIGUOUS) -> jax.Array:
+    """x [B, S, C] split over "context", in `layout`'s storage order -> [B, K*R, rows, C]: for each
+    stored chunk (`chunk_order`) the last `rows` rows of the chunk before it in the sequence (zeros
+    for c_0), laid out with K*R over "context" (local to the chunk's rank).
+
+    Contiguous: rank r-1's last rows, one collective-permute forward. Zigzag: rank r's first chunk
+    c_r follows c_{r-1}, rank r-1's first; its second c_{2R-1-r} follows c_{2R-2-r}, rank r+1's
+    second (a permute backward), except on rank R-1, whose second chunk c_R follows its own first."""
     r = context_size(mesh)
-    check_local_length(x_bsc.shape[1], r, rows)
+    k = chunks_per_rank(layout, r)
+    check_local_length(x_bsc.shape[1], r, rows, layout)
 
     def per_device(x):
-        # ppermute leaves a rank that no pair sends to (rank 0) with zeros.
-        halo = jax.lax.ppermute(x[:, x.shape[1] - rows :], CONTEXT, [(i, i + 1) for i in range(r - 1)])
-        return halo[:, None]
+        chunks = x.reshape(x.shape[0], k, x.shape[1] // k, *x.shape[2:])
+        tails = chunks[:, :, chunks.shape[2] - rows :]  # [b, K, rows, C]
+        # ppermute leaves a rank that no pair sends to (rank 0 forward) with zeros.
+        halos = [jax.lax.ppermute(tails[:, 0], CONTEXT, [(i, i + 1) for i in range(r - 1)])]
+        if k == 2:
+            back = jax.lax.ppermute(tails[:, 1], CONTEXT, [(i + 1, i) for i in range(r - 1)])
+            halos.append(jnp.where(jax.lax.axis_index(CONTEXT) == r - 1, tails[:, 0], back))
+        return jnp.stack(halos, axis=1)
 
     return jax.shard_map(
         per_device,
@@ -93,20 +156,29 @@ def left_halo(x_bsc: jax.Array, rows: int, mesh: Mesh) -> jax.Array:
 
 
 def with_left_context(
-    x_bsc: jax.Array, left_btc: jax.Array | None, rows: int, mesh: Mesh | None
+    x_bsc: jax.Array, left_btc: jax.Array | None, rows: int, mesh: Mesh | None, layout: str = CONTIGUOUS
 ) -> jax.Array:
-    """x [B, S, C] -> [B, R, rows + S/R, C]: each rank's chunk preceded by its `rows` rows of left
-    context; rank 0's is `left_btc` [B, rows, C] (a decoding state; None = zeros). With R = 1 this
-    is just concat(left, x) with a unit R axis, so one code path serves both."""
+    """x [B, S, C] (storage order of `layout`) -> [B, K*R, rows + S/(K*R), C]: each stored chunk
+    preceded by its `rows` rows of left context (`left_halo`); the first chunk's (c_0, stored first)
+    is `left_btc` [B, rows, C] (a decoding state; None = zeros). With R = 1 this is just
+    concat(left, x) with a unit chunk axis, so one code path serves both."""
     b, s, c = x_bsc.shape
     r = context_size(mesh)
     if r == 1:
         left = jnp.zeros((b, rows, c), x_bsc.dtype) if left_btc is None else left_btc.astype(x_bsc.dtype)
         return jnp.concatenate([left, x_bsc], axis=1)[:, None]
-    halo = left_halo(x_bsc, rows, mesh)
+    n = r * chunks_per_rank(layout, r)
+    halo = left_halo(x_bsc, rows, mesh, layout)
     if left_btc is not None:
         halo = halo.at[:, 0].set(left_btc.astype(x_bsc.dtype))
-    return jnp.concatenate([halo, x_bsc.reshape(b, r, s // r, c)], axis=2)
+    return jnp.concatenate([halo, x_bsc.reshape(b, n, s // n, c)], axis=2)
+
+
+def last_chunk(layout: str, mesh: Mesh | None) -> int:
+    """Where the sequence's last chunk sits among `with_left_context`'s K*R chunks (its end is the
+    decoding state a forward leaves)."""
+    order = chunk_order(layout, context_size(mesh))
+    return order.index(len(order) - 1)
 
 
 def gather_sequence(x_bs: jax.Array, mesh: Mesh) -> jax.Array:
