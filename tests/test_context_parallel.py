@@ -7,6 +7,7 @@ blockwise attention's work over ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -32,6 +33,7 @@ from zaya_jax.parallel.context import (
     ZIGZAG,
     check_local_length,
     chunk_order,
+    context_size,
     flatten_tokens,
     fold_sequences,
     from_layout,
@@ -157,21 +159,26 @@ def _padded_batch():
     return {"input_ids": ids[:, :-1], "targets": ids[:, 1:], "attention_mask": mask, "segment_ids": segments}
 
 
-def _loss_grads(mesh):
-    """jit(value_and_grad) of the mean token loss (padding excluded) and the expert counts,
-    compiled for `mesh`; returns ((loss, counts), grads) and the compiled program's HLO."""
-    model = ZayaForCausalLM(CFG, mesh)
-    variables = init_variables(CFG, jax.random.key(1))
+def _loss_grads(mesh, layout=CONTIGUOUS, cfg=CFG):
+    """jit(value_and_grad) of the mean token loss (padding excluded), with the expert counts and
+    the logits (in position order), compiled for `mesh` with the batch in `layout`'s order
+    (`layout_batch`, as the train step does); returns ((loss, (counts, logits)), grads) and the
+    compiled program's HLO."""
+    model = ZayaForCausalLM(cfg, mesh, layout)
+    variables = init_variables(cfg, jax.random.key(1))
 
     def objective(params, batch):
+        batch = layout_batch(batch, layout, mesh)
         out = model.apply(
             {"params": params, BALANCING: variables[BALANCING]},
             batch["input_ids"],
             batch["attention_mask"],
+            positions=batch.get("positions"),
             segment_ids=batch["segment_ids"],
         )
         w = batch["attention_mask"].astype(jnp.float32)
-        return jnp.sum(token_cross_entropy(out.logits, batch["targets"]) * w) / jnp.sum(w), out.expert_counts
+        loss = jnp.sum(token_cross_entropy(out.logits, batch["targets"]) * w) / jnp.sum(w)
+        return loss, (out.expert_counts, from_layout(out.logits, layout, context_size(mesh)))
 
     batch = _padded_batch()
     if mesh is None:
@@ -189,18 +196,29 @@ def single_device_grads():
     return _loss_grads(None)[0]
 
 
+# The zigzag layout on two context sizes, with the XLA attention and the blockwise one.
+CASES = [(name, CONTIGUOUS, "xla") for name in MESHES] + [
+    ("context2_data4", ZIGZAG, "xla"),
+    ("context4_expert2", ZIGZAG, "xla"),
+    ("context4_fsdp2", ZIGZAG, "blockwise"),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(MESHES))
-def test_context_mesh_matches_single_device(name, single_device_grads):
-    (ref_loss, ref_counts), ref = single_device_grads
-    (loss, counts), got = (out := _loss_grads(make_mesh(*MESHES[name])))[0]
+@pytest.mark.parametrize("name,layout,impl", CASES)
+def test_context_mesh_matches_single_device(name, layout, impl, single_device_grads):
+    (ref_loss, (ref_counts, ref_logits)), ref = single_device_grads
+    cfg = dataclasses.replace(CFG, attention_impl=impl)
+    (loss, (counts, logits)), got = (out := _loss_grads(make_mesh(*MESHES[name]), layout, cfg))[0]
     hlo = out[1]
     assert "collective-permute" in hlo  # the CCA halo
     assert "all-gather" in hlo  # keys and values
-    if MESHES[name][2] == 1:  # without an expert axis no token ever changes device (no regrouping)
+    if MESHES[name][2] == 1 and layout == CONTIGUOUS:
+        # without an expert axis no token ever changes device (no regrouping)
         assert "all-to-all" not in hlo
     assert abs(float(loss) - float(ref_loss)) < 1e-5
     np.testing.assert_allclose(np.asarray(counts), np.asarray(ref_counts), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ref)[0], jax.tree.leaves(got)):
         np.testing.assert_allclose(
             np.asarray(b), np.asarray(a), atol=1e-5, err_msg=jax.tree_util.keystr(path)
