@@ -45,7 +45,13 @@ from zaya_jax.parallel.context import (
 )
 from zaya_jax.parallel.mesh import MESH_AXES
 from zaya_jax.parallel.sharding import batch_sharding
-from zaya_jax.train_state import create_train_state, layout_batch, make_train_step, state_shardings
+from zaya_jax.train_state import (
+    check_batch_divides,
+    create_train_state,
+    layout_batch,
+    make_train_step,
+    state_shardings,
+)
 
 # Block 1 has a sliding window (8) shorter than a context rank's chunk: its mask is on global positions.
 CFG = ZayaConfig.tiny(
@@ -225,14 +231,14 @@ def test_context_mesh_matches_single_device(name, layout, impl, single_device_gr
         )
 
 
-def _train(mesh, steps):
+def _train(mesh, steps, layout=CONTIGUOUS):
     """`steps` train steps of the real train step; (losses, grad norms, final state)."""
     c = base_config()
     c.optim.warmup_steps = 2
     tx = make_optimizer(c, total_steps=steps)
     bc = bal.BalancingConfig(lr=1e-2)
     create = lambda: create_train_state(CFG, tx, bc, jax.random.key(0))
-    step = make_train_step(CFG, tx, bc, lr_schedule(c, steps), mesh=mesh)
+    step = make_train_step(CFG, tx, bc, lr_schedule(c, steps), mesh=mesh, context_layout=layout)
     if mesh is None:
         state, step, put = create(), jax.jit(step), lambda x: jnp.asarray(x)
     else:
@@ -251,18 +257,40 @@ def _train(mesh, steps):
     return losses, norms, state
 
 
-@pytest.mark.slow
-def test_train_steps_track_single_device_and_checkpoints_move_between_context_sizes(tmp_path):
-    steps = 20
-    ref_losses, ref_norms, ref_state = _train(None, steps)
-    mesh = make_mesh(2, 1, 2, 2)
-    losses, norms, state = _train(mesh, steps)
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def single_device_run():
+    return _train(None, STEPS)
+
+
+def _check_tracks(run, ref):
+    """20 steps' losses within 1e-4 of one device's, the first loss and gradient norm within 1e-5,
+    the balancing biases within 1e-6."""
+    (losses, norms, state), (ref_losses, ref_norms, ref_state) = run, ref
     assert abs(losses[0] - ref_losses[0]) < 1e-5
     assert abs(norms[0] - ref_norms[0]) < 1e-5 * max(1.0, ref_norms[0])
     np.testing.assert_allclose(losses, ref_losses, atol=1e-4)
     np.testing.assert_allclose(
         bal.get_balancing_biases(state.variables), bal.get_balancing_biases(ref_state.variables), atol=1e-6
     )
+
+
+@pytest.mark.slow
+def test_zigzag_train_steps_track_single_device(single_device_run):
+    """The real train step with mesh.context_layout "zigzag" on data=2 x context=4 (the step
+    permutes the batch into the layout itself)."""
+    _check_tracks(_train(make_mesh(2, 1, 1, 4), STEPS, ZIGZAG), single_device_run)
+
+
+@pytest.mark.slow
+def test_train_steps_track_single_device_and_checkpoints_move_between_context_sizes(tmp_path, single_device_run):
+    steps = STEPS
+    mesh = make_mesh(2, 1, 2, 2)
+    run = _train(mesh, steps)
+    _check_tracks(run, single_device_run)
+    state = run[2]
 
     # Saved with context=2, restored with context=1 (data=8), saved again and restored with
     # context=2: every array comes back bit for bit (params are never split over context).
@@ -311,6 +339,25 @@ def test_cli_trains_one_sequence_per_data_rank(tmp_path):
     c2, c1 = train_losses(tmp_path / "c2"), train_losses(tmp_path / "c1")
     assert sorted(c2) == [1, 2, 3]
     np.testing.assert_allclose([c2[s] for s in c2], [c1[s] for s in c2], atol=1e-4)
+
+
+def test_context_layout_config_errors():
+    """A layout that is not one is an error naming the key; zigzag refuses the Pallas kernel (its
+    query offset is one contiguous range) even on one context rank."""
+    c = base_config()
+    c.mesh.context_layout = "striped"
+    with pytest.raises(ValueError, match=r"config.mesh.context_layout: must be one of contiguous, zigzag"):
+        validate(c)
+    c.mesh.context_layout = ZIGZAG
+    validate(c)
+    c.mesh.context, c.train.seq_len = 4, 36  # a multiple of R = 4, not of the 2R = 8 chunks
+    with pytest.raises(ValueError, match=r"config.train.seq_len=36: .* multiple of 8 \(the zigzag"):
+        check_batch_divides(c, 8)
+    c.mesh.context, c.model.attention_impl = 1, "pallas"
+    with pytest.raises(
+        ValueError, match=r"config.model.attention_impl: 'pallas' does not support mesh.context_layout='zigzag'"
+    ):
+        validate(c)
 
 
 def test_pallas_attention_is_refused_on_a_context_mesh():
