@@ -1,12 +1,14 @@
 """Context parallelism: every sequence split over the "context" mesh axis (docs/model.md §4: the 32k phase).
 
 Rank r of the R context ranks holds positions [r*S/R, (r+1)*S/R) of every sequence of its rows
-(batch [B, S] laid out P(ROW_AXES, "context")). Everything per token (projections, norms, RoPE,
+(batch [B, S] laid out P(ROW_AXES, "context")), or with the zigzag layout (below) two chunks of
+S/(2R) positions. Everything per token (projections, norms, RoPE,
 router, experts, loss) then runs locally; only two things in a block read other positions:
 
   * CCA's causal convolution and value shift need the last few rows before the rank's first
-    position: `left_halo` sends each rank's last rows to the next rank (one collective-permute);
-    rank 0 receives zeros, which is exactly the global left zero-padding. The halo carries conv
+    position: `left_halo` sends each rank's last rows to the next rank (one collective-permute;
+    the zigzag layout below adds one the other way); rank 0 receives zeros, which is exactly the
+    global left zero-padding. The halo carries conv
     INPUTS (the raw q0/k0 projections): the first conv's output inside the padding is its bias,
     not zero, so the conv must be recomputed over the halo rather than receive outputs;
   * attention reads every key: `gather_sequence` all-gathers keys and values (after conv, norm and
@@ -19,13 +21,21 @@ arrays, so they already include every context rank. Where tokens are regrouped (
 moves: "context" is the LAST mesh axis, so the flat tokens are exactly P(MESH_AXES), the layout of
 the expert all-to-all (zaya_jax/parallel/expert.py), and the loss scans each rank's own chunks.
 
-Layout: contiguous chunks (rank r owns the r-th chunk). The XLA attention computes each rank's
-[S/R, S] scores in full (masked ones too), so ranks do equal work; the blockwise attention
-(attention_impl='blockwise', or 'auto' from BLOCKWISE_AUTO_MIN_SEQ keys) skips the key blocks after
-a rank's chunk, which leaves rank R-1 about (2R-1)/R times the average, which a load-balanced
-("zig-zag") layout would fix; it is not built. The Pallas kernel places queries at the last Sq key
-positions, so model.attention_impl='pallas' is refused with context > 1 ('auto' uses the XLA or
-blockwise path there).
+Layouts (mesh.context_layout). "contiguous": rank r owns the r-th of R chunks. The XLA attention
+computes each rank's [S/R, S] scores in full (masked ones too), so ranks do equal work; the
+blockwise attention (attention_impl='blockwise', or 'auto' from BLOCKWISE_AUTO_MIN_SEQ keys) skips
+the key blocks after a rank's chunk, which leaves rank R-1 about (2R-1)/R times the average.
+"zigzag" (load-balanced, dual-chunk): S is cut into 2R chunks c_0..c_{2R-1} and rank r holds
+(c_r, c_{2R-1-r}), an early and a late chunk, so every rank's causal work is the same. Only the
+ORDER along S changes: the train / eval step gathers its token inputs into `to_layout`'s storage
+order once, with explicit positions (the permuted arange: zaya_jax/train_state.py layout_batch);
+the masks and RoPE read positions, the gathered keys come in storage order with their positions,
+and everything per token is order-agnostic. The halo follows the chunk order (`left_halo`: c_r's
+left context is the end of c_{r-1}, the previous rank's first chunk; c_{2R-1-r}'s the end of
+c_{2R-2-r}, the NEXT rank's second chunk, so a permute backward too; rank R-1's c_R follows its
+own c_{R-1}). With R = 1 both layouts are the identity. The Pallas kernel places queries at the
+last Sq key positions, so model.attention_impl='pallas' is refused with context > 1 and with
+zigzag ('auto' uses the XLA or blockwise path there).
 The backward of the halo is a permute the other way and that of the all-gather a reduce-scatter
 (jax derives both), so gradients need nothing extra.
 """
