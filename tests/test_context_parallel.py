@@ -318,14 +318,19 @@ def test_train_steps_track_single_device_and_checkpoints_move_between_context_si
 @pytest.mark.slow
 def test_cli_trains_with_a_context_axis(tmp_path):
     """`python -m zaya_jax.train --config.mesh.context=2` on 8 devices (data=4 x context=2) trains,
-    evaluates and checkpoints, with the losses of the same run on data=8."""
+    evaluates and checkpoints, with the losses of the same run on data=8; so does the zigzag layout
+    (data=2 x context=4)."""
     args = ["--config.train.steps=3", "--config.eval.every_steps=3"]
     run_train(tmp_path / "c2", *args, "--config.mesh.context=2", devices=8)
     run_train(tmp_path / "c1", *args, devices=8)
-    c2, c1 = train_losses(tmp_path / "c2"), train_losses(tmp_path / "c1")
-    assert sorted(c2) == [1, 2, 3]
-    np.testing.assert_allclose([c2[s] for s in c2], [c1[s] for s in c2], atol=1e-4)
-    assert os.path.isdir(tmp_path / "c2" / "checkpoints" / "3")
+    zigzag = ["--config.mesh.context=4", "--config.mesh.context_layout=zigzag"]
+    run_train(tmp_path / "zz", *args, *zigzag, devices=8)
+    c1 = train_losses(tmp_path / "c1")
+    for name in ("c2", "zz"):
+        losses = train_losses(tmp_path / name)
+        assert sorted(losses) == [1, 2, 3]
+        np.testing.assert_allclose([losses[s] for s in losses], [c1[s] for s in losses], atol=1e-4)
+        assert os.path.isdir(tmp_path / name / "checkpoints" / "3")
 
 
 @pytest.mark.slow
