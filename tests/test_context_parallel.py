@@ -119,16 +119,13 @@ def test_zigzag_balances_blockwise_attention(ranks):
     s, block = 64, 4
     q = jnp.ones((1, s, 1, 8), jnp.float32)
 
-    def visits(layout):
+    def visits(layout):  # per rank: its queries [S/R] against all keys, in storage order
         perm = jnp.asarray(layout_permutation(s, layout, ranks))[None]
         local = s // ranks
-        return [
-            int(visited_blocks(
-                q[:, :local], q, q, q_pos_bs=perm[:, r * local : (r + 1) * local], kv_pos_bt=perm,
-                scale=1.0, block_q=block, block_k=block,
-            ))
-            for r in range(ranks)
-        ]
+        count = lambda pos: int(  # noqa: E731
+            visited_blocks(q[:, :local], q, q, q_pos_bs=pos, kv_pos_bt=perm, scale=1.0, block_q=block, block_k=block)
+        )
+        return [count(perm[:, r * local : (r + 1) * local]) for r in range(ranks)]
 
     contiguous, zigzag = visits(CONTIGUOUS), visits(ZIGZAG)
     assert sum(contiguous) == sum(zigzag)  # the same causal triangle
