@@ -122,9 +122,8 @@ def test_zigzag_balances_blockwise_attention(ranks):
     def visits(layout):  # per rank: its queries [S/R] against all keys, in storage order
         perm = jnp.asarray(layout_permutation(s, layout, ranks))[None]
         local = s // ranks
-        count = lambda pos: int(  # noqa: E731
-            visited_blocks(q[:, :local], q, q, q_pos_bs=pos, kv_pos_bt=perm, scale=1.0, block_q=block, block_k=block)
-        )
+        blocks = {"scale": 1.0, "block_q": block, "block_k": block}
+        count = lambda pos: int(visited_blocks(q[:, :local], q, q, q_pos_bs=pos, kv_pos_bt=perm, **blocks))  # noqa: E731
         return [count(perm[:, r * local : (r + 1) * local]) for r in range(ranks)]
 
     contiguous, zigzag = visits(CONTIGUOUS), visits(ZIGZAG)
@@ -282,7 +281,9 @@ def test_zigzag_train_steps_track_single_device(single_device_run):
 
 
 @pytest.mark.slow
-def test_train_steps_track_single_device_and_checkpoints_move_between_context_sizes(tmp_path, single_device_run):
+def test_train_steps_track_single_device_and_checkpoints_move_between_context_sizes(
+    tmp_path, single_device_run
+):
     steps = STEPS
     mesh = make_mesh(2, 1, 2, 2)
     run = _train(mesh, steps)
@@ -357,7 +358,7 @@ def test_context_layout_config_errors():
         check_batch_divides(c, 8)
     c.mesh.context, c.model.attention_impl = 1, "pallas"
     with pytest.raises(
-        ValueError, match=r"config.model.attention_impl: 'pallas' does not support mesh.context_layout='zigzag'"
+        ValueError, match=r"model.attention_impl: 'pallas' does not support mesh.context_layout='zigzag'"
     ):
         validate(c)
 
