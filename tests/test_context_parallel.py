@@ -123,7 +123,9 @@ def test_zigzag_balances_blockwise_attention(ranks):
         perm = jnp.asarray(layout_permutation(s, layout, ranks))[None]
         local = s // ranks
         blocks = {"scale": 1.0, "block_q": block, "block_k": block}
-        count = lambda pos: int(visited_blocks(q[:, :local], q, q, q_pos_bs=pos, kv_pos_bt=perm, **blocks))  # noqa: E731
+        count = lambda pos: int(  # noqa: E731
+            visited_blocks(q[:, :local], q, q, q_pos_bs=pos, kv_pos_bt=perm, **blocks)
+        )
         return [count(perm[:, r * local : (r + 1) * local]) for r in range(ranks)]
 
     contiguous, zigzag = visits(CONTIGUOUS), visits(ZIGZAG)
