@@ -343,11 +343,6 @@ def _validate_mesh(c: ml_collections.ConfigDict) -> None:
         check_mesh_sizes({a: c.mesh[a] for a in MESH_AXES})
     except ValueError as e:
         raise ValueError(f"config.{e}") from None
-    _check(  # the kernel places queries at the last keys; a context rank's start elsewhere
-        c.mesh.context == 1 or c.model.attention_impl != "pallas",
-        "model.attention_impl",
-        f"'pallas' does not support mesh.context={c.mesh.context}: use 'xla' or 'auto'",
-    )
 
 
 def _validate_counts(c: ml_collections.ConfigDict) -> None:

@@ -23,9 +23,9 @@ Layout: contiguous chunks (rank r owns the r-th chunk). The XLA attention comput
 [S/R, S] scores in full (masked ones too), so ranks do equal work; the blockwise attention
 (attention_impl='blockwise', or 'auto' from BLOCKWISE_AUTO_MIN_SEQ keys) skips the key blocks after
 a rank's chunk, which leaves rank R-1 about (2R-1)/R times the average, which a load-balanced
-("zig-zag") layout would fix; it is not built. The Pallas kernel places queries at the last Sq key
-positions, so model.attention_impl='pallas' is refused with context > 1 ('auto' uses the XLA or
-blockwise path there).
+("zig-zag") layout would fix; it is not built. The Pallas kernel (attention_impl='pallas', 'auto'
+on GPUs) skips them too: it places rank r's queries at key positions from r*S/R on, an offset
+traced inside shard_map (flash_attention's q_offset).
 The backward of the halo is a permute the other way and that of the all-gather a reduce-scatter
 (jax derives both), so gradients need nothing extra.
 """
