@@ -62,9 +62,9 @@ def get_config(arg: str = "phase1"):
             pad_token_id=0,
             bos_token_id=2,
             eos_token_id=1,
-            # Pallas flash attention on GPUs; blockwise from 1024 keys where it cannot run (under
-            # the 32k phase's context axis) and on CPUs: the dense XLA scores of a 32k step do not
-            # fit (kernels.attention_choice, docs/conventions.md).
+            # Pallas flash attention on GPUs (the 32k phase's context ranks too), blockwise from
+            # 1024 keys on CPUs: the dense XLA scores of a 32k step do not fit
+            # (kernels.attention_choice, docs/conventions.md).
             attention_impl="auto",
         ),
     )

@@ -36,7 +36,12 @@ SEQ, DEVICES = 512, 8
 
 
 def small_config(
-    experts: int = 8, impl: str = "auto", data: int = 8, expert_axis: int = 1, remat: str = "none"
+    experts: int = 8,
+    impl: str = "auto",
+    data: int = 8,
+    expert_axis: int = 1,
+    remat: str = "none",
+    context: int = 1,
 ):
     """One block of width 64 (bf16 compute), 8 x 512 tokens; `impl` for attention, experts and
     Newton-Schulz ('auto' resolves on the target's platform)."""
@@ -44,7 +49,7 @@ def small_config(
     model = dict(hidden_size=64, num_hidden_layers=1, num_experts=experts, moe_intermediate_size=64)
     set_model(c, ZayaConfig.tiny(**model, vocab_size=128, head_dim=16, dtype="bfloat16", remat=remat))
     c.train.batch_size, c.train.seq_len = 8, SEQ
-    c.mesh.data, c.mesh.expert = data, expert_axis
+    c.mesh.data, c.mesh.expert, c.mesh.context = data, expert_axis, context
     c.model.attention_impl = c.optim.muon.ns_impl = "pallas" if impl == "pallas" else "auto"
     c.model.moe_impl = impl
     return c
@@ -61,11 +66,12 @@ def rocm(tmp_path_factory):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(target: str, experts: int, impl: str, data: int = 8, expert_axis: int = 1, remat: str = "none"):
+def compiled(target: str, experts: int, impl: str, data: int = 8, expert_axis: int = 1, remat: str = "none",
+             context: int = 1):  # fmt: skip
     """(GpuTarget, CompiledStep) of the small step for 8 devices of `target`; shared by the tests."""
     gpu = gpu_target.load_target(target)
     gpu_target.prepare_process()
-    c = small_config(experts, impl, data, expert_axis, remat)
+    c = small_config(experts, impl, data, expert_axis, remat, context)
     return gpu, c, dry_run.compile_step(c, gpu_target.target_devices(gpu, DEVICES))
 
 
@@ -117,14 +123,16 @@ def test_h100_pallas_step_has_our_triton_kernels_and_cubins():
 
 
 def test_mi300x_auto_step_is_triton_and_hsaco(rocm):
-    """auto on 8 x MI300X: our kernels (the platform is the mesh's, this process is CPU), compiled
-    to HSACO for gfx942."""
-    gpu, c, step = compiled("mi300x", 8, "auto")
-    assert {"zaya_gmm", "zaya_tgmm", "zaya_ns_matmul"} <= triton_kernels(step)
+    """auto on 8 x MI300X with a context axis (data 4 x context 2, phase 3's layout): every kernel
+    of ours (the platform is the mesh's, this process is CPU), flash attention with each rank's
+    traced query offset included, compiled to HSACO for gfx942."""
+    gpu, c, step = compiled("mi300x", 8, "auto", data=4, context=2)
+    assert triton_kernels(step) >= OURS
     code = gpu_target.device_code(step.compiled, gpu)
     assert code["hsaco"] >= 1 and code["cubin"] == 0 and code["arch"] >= 1, code
     summary = dry_run.impl_summary(c, ZayaConfig.from_dict(c.model.to_dict()), "rocm")
     assert "experts pallas (auto)" in summary and "Newton-Schulz pallas (auto)" in summary
+    assert "attention pallas (auto)" in summary
 
 
 @pytest.mark.slow
@@ -134,7 +142,7 @@ def test_expert_work_does_not_grow_with_the_expert_count(rocm):
     XLA:GPU expands densely, runs every expert on every token (>= 8x at 32 experts)."""
     works = {}
     for experts in (8, 32):
-        _, c, step = compiled("mi300x", experts, "auto")
+        _, c, step = compiled("mi300x", experts, "auto", data=4, context=2)
         works[experts] = expert_flops(step)
         routed = routed_with_padding(c, experts)
         assert 0 < works[experts] <= 1.25 * routed, (experts, works[experts], routed)

@@ -197,6 +197,33 @@ def test_shorter_queries_and_odd_head_dim():
     )
 
 
+def test_traced_query_offset_is_a_context_ranks_chunk_fp32():
+    """A traced q_offset (a context rank's query chunk against the gathered keys): one compile
+    serves ranks 0, 1 and 2 of three 16-row chunks of 48 keys, G = 2, segments, padding and a
+    window; each equals the reference with that offset, and that reference equals the rows of
+    whole-sequence attention the chunk holds (what the rank owns)."""
+    b, s, rows = 2, 48, 16
+    q_all, k, v, do_all = make_qkv(b, s, s, 4, 2, 16, jnp.float32, seed=8)
+    seg = segments(b, s, seed=8)
+    key_mask = jnp.ones((b, s), jnp.int32).at[1, :5].set(0)
+    kw = lambda qseg, seg, km, off: dict(  # noqa: E731
+        scale=0.25, q_segment_ids=qseg, kv_segment_ids=seg, key_mask=km, sliding_window=20, q_offset=off
+    )
+    whole = reference_attention(
+        q_all, k, v, scale=0.25, q_segment_ids=seg, kv_segment_ids=seg, key_mask=key_mask, sliding_window=20
+    )
+    both = None
+    for r in range(3):
+        chunk = slice(r * rows, (r + 1) * rows)
+        q, do = q_all[:, chunk], do_all[:, chunk]
+        masks = (seg[:, chunk], seg, key_mask, jnp.int32(r * rows))
+        if both is None:
+            _, both = compare(q, k, v, do, masks, kw, dtype=jnp.float32, kernel_kw=dict(block_q=16, block_k=16))
+        got, want = both(q, k, v, do, *masks)
+        assert max(rel_err(g, w) for g, w in zip(got, want)) < 1e-5, r
+        assert rel_err(want[0], whole[:, chunk]) < 1e-6, r
+
+
 # ------------------------------------------------------------------------------- no kernel runs
 def test_reference_mask_is_attention_allowed():
     """The reference's mask (causal) is the model's `attention_allowed` with arange positions."""
@@ -280,30 +307,30 @@ def test_rejects_bad_arguments():
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])
 def test_lowers_to_triton(monkeypatch, platform):
     """Forward + dq + dk/dv lower to Triton IR (power-of-two tiles, supported primitives) at ZAYA1
-    sizes (hd 128, 8 q / 2 kv heads) with a ragged sequence and every mask feature on."""
+    sizes (hd 128, 8 q / 2 kv heads) with a ragged sequence and every mask feature on, queries a
+    context rank's chunk of half the keys at a traced offset."""
     b, s = 2, 300
     sds = jax.ShapeDtypeStruct
-    q = sds((b, s, 8, 128), jnp.bfloat16)
+    q = sds((b, s // 2, 8, 128), jnp.bfloat16)
     kv = sds((b, s, 2, 128), jnp.bfloat16)
-    ids = sds((b, s), jnp.int32)
+    ids, q_ids, scalar = sds((b, s), jnp.int32), sds((b, s // 2), jnp.int32), sds((), jnp.int32)
 
-    def fn(q, k, v, seg, km, w):
-        f = lambda q, k, v: flash_attention(
+    def fn(q, k, v, qseg, seg, km, w, offset):
+        f = lambda q, k, v: flash_attention(  # noqa: E731
             q,
             k,
             v,
             scale=128**-0.5,
-            q_segment_ids=seg,  # noqa: E731
+            q_segment_ids=qseg,
             kv_segment_ids=seg,
             key_mask=km,
             sliding_window=w,
+            q_offset=offset,
         )
         out, vjp = jax.vjp(f, q, k, v)
         return out, vjp(out)
 
-    names = lowered_triton_kernels(
-        monkeypatch, fn, q, kv, kv, ids, ids, sds((), jnp.int32), platform=platform
-    )
+    names = lowered_triton_kernels(monkeypatch, fn, q, kv, kv, q_ids, ids, ids, scalar, scalar, platform=platform)
     assert sorted(names) == sorted(
         ["zaya_flash_attention_fwd", "zaya_flash_attention_dq", "zaya_flash_attention_dkv"]
     ), names

@@ -40,7 +40,7 @@ overrides any key (`--config.train.steps=100`). Sections:
   mesh.context_layout       which positions a context rank holds: "contiguous" (default; rank r the
                             r-th of R chunks) or "zigzag" (S cut into 2R chunks, rank r holds c_r and
                             c_{2R-1-r}: equal causal attention work per rank; train.seq_len must
-                            split into 2R chunks of at least the CCA halo; not with attention 'pallas')
+                            split into 2R chunks of at least the CCA halo)
   mesh.zero1                optimizer state split over the data axis (ZeRO-1)
   checkpoint.every_steps, checkpoint.every_minutes   periodic saves under WORKDIR/checkpoints (by
                             step count and/or wall time; 0 = off); the last step is always saved
@@ -92,7 +92,7 @@ from zaya_jax.data.tasks import parse_data_spec
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.optim.chain import default_optim_config
 from zaya_jax.optim.schedules import DECAY_SHAPES, SCHEDULE_NAMES
-from zaya_jax.parallel.context import CONTIGUOUS, LAYOUTS, ZIGZAG
+from zaya_jax.parallel.context import CONTIGUOUS, LAYOUTS
 from zaya_jax.parallel.mesh import DEFAULT_SIZES, MESH_AXES, check_mesh_sizes
 from zaya_jax.parallel.zero1 import GRAD_REDUCE
 
@@ -350,16 +350,6 @@ def _validate_mesh(c: ml_collections.ConfigDict) -> None:
         check_mesh_sizes({a: c.mesh[a] for a in MESH_AXES})
     except ValueError as e:
         raise ValueError(f"config.{e}") from None
-    _check(  # the kernel places queries at the last keys; a context rank's start elsewhere
-        c.mesh.context == 1 or c.model.attention_impl != "pallas",
-        "model.attention_impl",
-        f"'pallas' does not support mesh.context={c.mesh.context}: use 'xla' or 'auto'",
-    )
-    _check(  # the kernel's query offset is one contiguous range; zigzag ranks hold two
-        c.mesh.context_layout != ZIGZAG or c.model.attention_impl != "pallas",
-        "model.attention_impl",
-        "'pallas' does not support mesh.context_layout='zigzag': use 'xla', 'blockwise' or 'auto'",
-    )
 
 
 def _validate_counts(c: ml_collections.ConfigDict) -> None:

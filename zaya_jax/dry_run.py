@@ -493,8 +493,7 @@ def refused(c: ml_collections.ConfigDict, devices: list, gpu: gpu_target.GpuTarg
 def impl_summary(c: ml_collections.ConfigDict, cfg: Any, platform: str) -> str:
     """The impls the step was built with on `platform` (each `auto` resolved, as the model does)."""
     pallas = lambda impl: "pallas" if use_pallas(impl, platform) else "xla"  # noqa: E731
-    # mesh.context -1 (the devices left) counts as a context axis: auto then avoids Pallas
-    attention = lambda impl: attention_choice(impl, platform, c.train.seq_len, c.mesh.context)  # noqa: E731
+    attention = lambda impl: attention_choice(impl, platform, c.train.seq_len)  # noqa: E731
     chosen = {
         "attention": (cfg.attention_impl, attention(cfg.attention_impl)),
         "experts": (cfg.moe_impl, resolve_moe_impl(cfg.moe_impl, platform)),

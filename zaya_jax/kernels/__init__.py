@@ -67,12 +67,12 @@ def use_pallas(impl: str, platform: str) -> bool:
     return impl == "pallas" or (impl == "auto" and platform in GPU_PLATFORMS)
 
 
-def attention_choice(impl: str, platform: str, seq_len: int, context: int = 1) -> str:
+def attention_choice(impl: str, platform: str, seq_len: int) -> str:
     """Resolves model.attention_impl for keys of `seq_len` positions to "pallas", "blockwise" or
-    "xla": "auto" is Pallas on a GPU platform without a context axis (the kernel's query offset is
-    static), else blockwise from BLOCKWISE_AUTO_MIN_SEQ keys on (measured on XLA:CPU,
+    "xla": "auto" is Pallas on a GPU platform (a context rank's chunk too: its query offset is a
+    kernel operand), else blockwise from BLOCKWISE_AUTO_MIN_SEQ keys on (measured on XLA:CPU,
     kernels/block_sizes.py) and the dense XLA softmax below it."""
-    if impl == "pallas" or (use_pallas(impl, platform) and context == 1):
+    if use_pallas(impl, platform):
         return "pallas"
     if impl == "blockwise" or (impl == "auto" and seq_len >= BLOCKWISE_AUTO_MIN_SEQ):
         return "blockwise"

@@ -1,15 +1,18 @@
 """Flash attention for the CCA attention core: Pallas (Triton lowering) forward and backward.
 
     flash_attention(q [B,Sq,Nq,hd], k [B,Sk,Nkv,hd], v [B,Sk,Nkv,hd], *, scale, causal=True,
-                    q_segment_ids=None, kv_segment_ids=None, key_mask=None, sliding_window=None)
+                    q_segment_ids=None, kv_segment_ids=None, key_mask=None, sliding_window=None,
+                    q_offset=None)
       -> [B, Sq, Nq, hd] in q's dtype
 
 Same semantics as `zaya_jax.kernels.xla_attention.xla_attention` with the mask of `attention_allowed`
 (see `reference_attention`, the pure-XLA version used by the tests):
 
-  * positions are `arange`: key t sits at position t, query s at position s + (Sk - Sq) (for
-    Sq == Sk, the training case, both are arange; Sq < Sk is the "queries are the last Sq
-    tokens" convention of a KV cache). The model's mask is built from its `positions`; the two
+  * positions are `arange`: key t sits at position t, query s at position s + q_offset, by default
+    q_offset = Sk - Sq (for Sq == Sk, the training case, both are arange; Sq < Sk is the "queries
+    are the last Sq tokens" convention of a KV cache). q_offset may be a traced int32 scalar: a
+    context rank's query chunk starts at rank * Sq inside the gathered keys (zaya_jax/parallel/
+    context.py), known only inside shard_map. The model's mask is built from its `positions`; the two
     agree whenever positions increase by 1 from token to token inside each segment: the default
     arange, and also positions that restart at every packed document when segment ids are given;
   * causal: key position <= query position;
@@ -33,7 +36,8 @@ Pallas path that exists on ROCm as well as CUDA; nothing Mosaic/TPU-specific):
 
   forward   grid (Sq/bq, B, Nq). Each program keeps a [bq, hd] query tile and loops over key
             blocks [lo, hi) with the online softmax; causal and sliding-window block skipping
-            set lo/hi per query block (the window may be a traced scalar: dynamic loop bounds);
+            set lo/hi per query block (the window and the query offset may be traced scalars:
+            dynamic loop bounds);
             writes o and the base-2 logsumexp (the residual for the backward).
   dq        grid (Sq/bq, B, Nq): recomputes P = exp2(s - lse) per key block,
             dS = P * (dP - delta), dq += dS k.
@@ -89,12 +93,13 @@ class _Cfg:
     has_segments: bool
     has_key_mask: bool
     has_window: bool
+    has_offset: bool  # q_offset a kernel operand (traced); else the static sk - sq
     num_warps: int
     num_stages: int | None
     interpret: bool
 
     @property
-    def offset(self) -> int:  # query row s sits at position s + offset
+    def static_offset(self) -> int:  # query row s at position s + offset when none is given
         return self.sk - self.sq
 
 
@@ -111,10 +116,10 @@ def _cdiv(a, b: int):
     return lax.div(a + (b - 1), b)
 
 
-def _allowed(cfg: _Cfg, q_rows, k_cols, qseg, kseg, kmask, window):
+def _allowed(cfg: _Cfg, q_rows, k_cols, qseg, kseg, kmask, window, offset):
     """bool [bq, bk]: the `attention_allowed` mask for one tile, plus the ragged-edge bounds."""
     ok = (q_rows[:, None] < cfg.sq) & (k_cols[None, :] < cfg.sk)
-    q_pos = q_rows[:, None] + cfg.offset
+    q_pos = q_rows[:, None] + offset
     if cfg.causal:
         ok &= k_cols[None, :] <= q_pos
     if cfg.has_segments:
@@ -127,7 +132,8 @@ def _allowed(cfg: _Cfg, q_rows, k_cols, qseg, kseg, kmask, window):
 
 
 def _split_refs(cfg: _Cfg, refs):
-    """(qseg, kseg, kmask, window) refs (None where absent), rest."""
+    """(qseg, kseg, kmask, window) refs (None where absent), the query offset (a scalar read from
+    its ref, or the static one), rest."""
     refs = list(refs)
     qseg = kseg = kmask = window = None
     if cfg.has_segments:
@@ -136,39 +142,39 @@ def _split_refs(cfg: _Cfg, refs):
         kmask = refs.pop(0)
     if cfg.has_window:
         window = refs.pop(0)
-    return (qseg, kseg, kmask, window), refs
+    offset = refs.pop(0)[0] if cfg.has_offset else cfg.static_offset
+    return (qseg, kseg, kmask, window), offset, refs
 
 
-def _q_block_bounds(cfg: _Cfg, q_start, bq: int, bk: int, window):
+def _q_block_bounds(cfg: _Cfg, q_start, bq: int, bk: int, window, offset):
     """Key-block loop bounds [lo, hi) for the query rows [q_start, q_start + bq)."""
     nk = pl.cdiv(cfg.sk, bk)
     hi = nk
     if cfg.causal:  # keys up to the last row's position
-        hi = jnp.minimum(nk, _cdiv(q_start + bq + cfg.offset, bk))
-        hi = jnp.maximum(hi, 0)
+        hi = jnp.minimum(nk, _cdiv(jnp.maximum(q_start + bq + offset, 0), bk))
     lo = 0
     if cfg.has_window:  # keys from the first row's position - w + 1
-        first = jnp.maximum(q_start + cfg.offset - window + 1, 0)
+        first = jnp.maximum(q_start + offset - window + 1, 0)
         lo = jnp.where(window > 0, lax.div(first, bk), 0)
     return lo, hi
 
 
-def _k_block_bounds(cfg: _Cfg, k_start, bk: int, bq: int, window):
+def _k_block_bounds(cfg: _Cfg, k_start, bk: int, bq: int, window, offset):
     """Query-block loop bounds [lo, hi) for the key rows [k_start, k_start + bk)."""
     nq = pl.cdiv(cfg.sq, bq)
     lo = 0
     if cfg.causal:  # query rows whose position >= k_start
-        lo = lax.div(jnp.maximum(k_start - cfg.offset, 0), bq)
+        lo = jnp.minimum(lax.div(jnp.maximum(k_start - offset, 0), bq), nq)
     hi = nq
     if cfg.has_window:  # query rows with position <= last key + w - 1
-        end = jnp.maximum(k_start + bk - 1 + window - cfg.offset, 0)  # exclusive row bound
+        end = jnp.maximum(k_start + bk - 1 + window - offset, 0)  # exclusive row bound
         hi = jnp.where(window > 0, jnp.minimum(nq, _cdiv(end, bq)), nq)
     return lo, hi
 
 
 # ---------------------------------------------------------------------------------------- forward
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Cfg):
-    (qseg_ref, kseg_ref, kmask_ref, win_ref), (o_ref, lse_ref) = _split_refs(cfg, refs)
+    (qseg_ref, kseg_ref, kmask_ref, win_ref), offset, (o_ref, lse_ref) = _split_refs(cfg, refs)
     bq, bk = cfg.block_q, cfg.block_k
     hd = q_ref.shape[-1]
     q_start = pl.program_id(0) * bq
@@ -189,7 +195,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Cfg):
         kseg = plgpu.load(kseg_ref.at[pl.ds(k_start, bk)], mask=k_in, other=-2) if cfg.has_segments else None
         kmask = plgpu.load(kmask_ref.at[pl.ds(k_start, bk)], mask=k_in, other=0) if cfg.has_key_mask else None
         s = _dot(q, k, ((1,), (1,))) * qk_scale  # [bq, bk]
-        s = jnp.where(_allowed(cfg, q_rows, k_cols, qseg, kseg, kmask, window), s, _MASK)
+        s = jnp.where(_allowed(cfg, q_rows, k_cols, qseg, kseg, kmask, window, offset), s, _MASK)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
@@ -197,7 +203,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Cfg):
         acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
         return acc, m_new, l
 
-    lo, hi = _q_block_bounds(cfg, q_start, bq, bk, window)
+    lo, hi = _q_block_bounds(cfg, q_start, bq, bk, window, offset)
     acc = jnp.zeros((bq, hd), jnp.float32)
     m = jnp.full((bq,), _MASK, jnp.float32)
     l = jnp.zeros((bq,), jnp.float32)
@@ -210,7 +216,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Cfg):
     plgpu.store(lse_ref.at[pl.ds(q_start, bq)], lse, mask=q_in)
 
 
-def _aux_inputs_and_specs(cfg: _Cfg, qseg, kseg, kmask, window):
+def _aux_inputs_and_specs(cfg: _Cfg, qseg, kseg, kmask, window, offset):
     """The optional mask inputs (whole rows per batch) and their BlockSpecs for a 3-D grid whose
     batch index is program_id(1)."""
     args, specs = [], []
@@ -223,26 +229,27 @@ def _aux_inputs_and_specs(cfg: _Cfg, qseg, kseg, kmask, window):
     if cfg.has_key_mask:
         args.append(kmask)
         specs.append(pl.BlockSpec((None, cfg.sk), lambda i, b, h: (b, 0)))
-    if cfg.has_window:
-        args.append(window)
-        specs.append(pl.BlockSpec((1,), lambda i, b, h: (0,)))
+    scalars = [x for x, on in ((window, cfg.has_window), (offset, cfg.has_offset)) if on]
+    args += scalars
+    specs += [pl.BlockSpec((1,), lambda i, b, h: (0,)) for _ in scalars]
     return args, specs
 
 
 def _flops(cfg: _Cfg, heads_x_hd: int, dots: int, bq: int, bk: int) -> int:
     """Dot FLOPs of one kernel call: `dots` [bq, hd] x [hd, bk]-sized products per visited block
-    (kernels/flops.py), over batch x query heads."""
-    return 2 * dots * heads_x_hd * causal_pairs(cfg.sq, cfg.sk, bq, bk, cfg.offset, cfg.causal)
+    (kernels/flops.py), over batch x query heads. A traced query offset is counted as the largest
+    one, Sk - Sq (the last context rank's chunk): an upper bound, as every tag is."""
+    return 2 * dots * heads_x_hd * causal_pairs(cfg.sq, cfg.sk, bq, bk, cfg.static_offset, cfg.causal)
 
 
 def _params(cfg: _Cfg):
     return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _fwd_call(cfg: _Cfg, q, k, v, qseg, kseg, kmask, window):
+def _fwd_call(cfg: _Cfg, q, k, v, qseg, kseg, kmask, window, offset):
     b, sq, nq, hd = q.shape
     g = cfg.groups
-    aux, aux_specs = _aux_inputs_and_specs(cfg, qseg, kseg, kmask, window)
+    aux, aux_specs = _aux_inputs_and_specs(cfg, qseg, kseg, kmask, window, offset)
     q_spec = pl.BlockSpec((None, sq, None, hd), lambda i, bb, h: (bb, 0, h, 0))
     kv_spec = pl.BlockSpec((None, cfg.sk, None, hd), lambda i, bb, h: (bb, 0, lax.div(h, g), 0))
     o, lse = pl.pallas_call(
@@ -273,7 +280,7 @@ def _fix_dead_rows(cfg: _Cfg, o, lse, v):
 
 # --------------------------------------------------------------------------------------- backward
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Cfg):
-    (qseg_ref, kseg_ref, kmask_ref, win_ref), (dq_ref,) = _split_refs(cfg, refs)
+    (qseg_ref, kseg_ref, kmask_ref, win_ref), offset, (dq_ref,) = _split_refs(cfg, refs)
     bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
     hd = q_ref.shape[-1]
     q_start = pl.program_id(0) * bq
@@ -296,19 +303,19 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Cfg
         kseg = plgpu.load(kseg_ref.at[pl.ds(k_start, bk)], mask=k_in, other=-2) if cfg.has_segments else None
         kmask = plgpu.load(kmask_ref.at[pl.ds(k_start, bk)], mask=k_in, other=0) if cfg.has_key_mask else None
         s = _dot(q, k, ((1,), (1,))) * qk_scale
-        ok = _allowed(cfg, q_rows, k_cols, qseg, kseg, kmask, window)
+        ok = _allowed(cfg, q_rows, k_cols, qseg, kseg, kmask, window, offset)
         p = jnp.exp2(jnp.where(ok, s, _MASK) - lse[:, None])  # 0 where masked or dead row
         dp = _dot(do, v, ((1,), (1,)))  # [bq, bk]
         ds = p * (dp - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
 
-    lo, hi = _q_block_bounds(cfg, q_start, bq, bk, window)
+    lo, hi = _q_block_bounds(cfg, q_start, bq, bk, window, offset)
     dq = lax.fori_loop(lo, hi, body, jnp.zeros((bq, hd), jnp.float32))
     plgpu.store(dq_ref.at[pl.ds(q_start, bq), :], (dq * cfg.scale).astype(dq_ref.dtype), mask=q_in[:, None])
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Cfg):
-    (qseg_ref, kseg_ref, kmask_ref, win_ref), (dk_ref, dv_ref) = _split_refs(cfg, refs)
+    (qseg_ref, kseg_ref, kmask_ref, win_ref), offset, (dk_ref, dv_ref) = _split_refs(cfg, refs)
     bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
     hd = k_ref.shape[-1]
     k_start = pl.program_id(0) * bk
@@ -320,7 +327,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Cf
     kmask = plgpu.load(kmask_ref.at[pl.ds(k_start, bk)], mask=k_in, other=0) if cfg.has_key_mask else None
     window = win_ref[0] if cfg.has_window else None
     qk_scale = cfg.scale * _LOG2E
-    lo, hi = _k_block_bounds(cfg, k_start, bk, bq, window)
+    lo, hi = _k_block_bounds(cfg, k_start, bk, bq, window, offset)
 
     def head_body(g, carry):  # the G query heads that read this kv head
         def q_body(i, carry):
@@ -336,7 +343,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Cf
                 plgpu.load(qseg_ref.at[pl.ds(q_start, bq)], mask=q_in, other=-1) if cfg.has_segments else None
             )
             s = _dot(q, k, ((1,), (1,))) * qk_scale  # [bq, bk]
-            ok = _allowed(cfg, q_rows, k_cols, qseg, kseg, kmask, window)
+            ok = _allowed(cfg, q_rows, k_cols, qseg, kseg, kmask, window, offset)
             p = jnp.exp2(jnp.where(ok, s, _MASK) - lse[:, None])  # 0 where masked or dead row
             dv = dv + _dot(p.astype(do.dtype), do, ((0,), (0,)))  # P^T dO  [bk, hd]
             dp = _dot(do, v, ((1,), (1,)))
@@ -352,11 +359,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Cf
     plgpu.store(dv_ref.at[pl.ds(k_start, bk), :], dv.astype(dv_ref.dtype), mask=k_in[:, None])
 
 
-def _bwd_calls(cfg: _Cfg, q, k, v, qseg, kseg, kmask, window, do, lse, delta):
+def _bwd_calls(cfg: _Cfg, q, k, v, qseg, kseg, kmask, window, offset, do, lse, delta):
     b, sq, nq, hd = q.shape
     nkv = k.shape[2]
     g = cfg.groups
-    aux, aux_specs = _aux_inputs_and_specs(cfg, qseg, kseg, kmask, window)
+    aux, aux_specs = _aux_inputs_and_specs(cfg, qseg, kseg, kmask, window, offset)
     params = _params(cfg)
     bwd_flops = lambda dots: _flops(cfg, b * nq * hd, dots, cfg.block_q_bwd, cfg.block_k_bwd)  # noqa: E731
 
@@ -395,31 +402,31 @@ def _bwd_calls(cfg: _Cfg, q, k, v, qseg, kseg, kmask, window, do, lse, delta):
 
 # ------------------------------------------------------------------------------------ custom_vjp
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg: _Cfg, q, k, v, qseg, kseg, kmask, window):
-    o, lse = _fwd_call(cfg, q, k, v, qseg, kseg, kmask, window)
+def _flash(cfg: _Cfg, q, k, v, qseg, kseg, kmask, window, offset):
+    o, lse = _fwd_call(cfg, q, k, v, qseg, kseg, kmask, window, offset)
     return _fix_dead_rows(cfg, o, lse, v)
 
 
-def _flash_fwd(cfg: _Cfg, q, k, v, qseg, kseg, kmask, window):
-    o, lse = _fwd_call(cfg, q, k, v, qseg, kseg, kmask, window)
+def _flash_fwd(cfg: _Cfg, q, k, v, qseg, kseg, kmask, window, offset):
+    o, lse = _fwd_call(cfg, q, k, v, qseg, kseg, kmask, window, offset)
     o = _fix_dead_rows(cfg, o, lse, v)
-    return o, (q, k, v, qseg, kseg, kmask, window, o, lse)
+    return o, (q, k, v, qseg, kseg, kmask, window, offset, o, lse)
 
 
 def _flash_bwd(cfg: _Cfg, res, do):
-    q, k, v, qseg, kseg, kmask, window, o, lse = res
+    q, k, v, qseg, kseg, kmask, window, offset, o, lse = res
     do = do.astype(q.dtype)
     # delta_s = sum_d o * do (= rowsum(P * dP)); zero on dead rows, whose P is 0 in the kernels.
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
     delta = jnp.swapaxes(delta, 1, 2)  # [B, Nq, Sq]
-    dq, dk, dv = _bwd_calls(cfg, q, k, v, qseg, kseg, kmask, window, do, lse, delta)
+    dq, dk, dv = _bwd_calls(cfg, q, k, v, qseg, kseg, kmask, window, offset, do, lse, delta)
     # Dead rows output mean_t v[t]: dv[t] += sum over dead (s, head in group) of do / Sk.
     b, sq, nq, hd = q.shape
     dead = _dead_rows(lse)[..., None].astype(jnp.float32)  # [B, Sq, Nq, 1]
     extra = jnp.sum(dead * do.astype(jnp.float32), axis=1)  # [B, Nq, hd]
     extra = extra.reshape(b, nq // cfg.groups, cfg.groups, hd).sum(axis=2) / cfg.sk
     dv = (dv.astype(jnp.float32) + extra[:, None]).astype(v.dtype)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -437,6 +444,7 @@ def flash_attention(
     kv_segment_ids: jax.Array | None = None,
     key_mask: jax.Array | None = None,
     sliding_window: jax.Array | int | None = None,
+    q_offset: jax.Array | int | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
     block_q_bwd: int | None = None,
@@ -483,6 +491,7 @@ def flash_attention(
         has_segments=q_segment_ids is not None,
         has_key_mask=key_mask is not None,
         has_window=sliding_window is not None,
+        has_offset=q_offset is not None,
         num_warps=picked["num_warps"] if num_warps is None else num_warps,
         num_stages=picked["num_stages"] if num_stages is None else num_stages,
         interpret=bool(interpret),
@@ -497,11 +506,12 @@ def flash_attention(
         kmask = jnp.asarray(key_mask).astype(jnp.int32).reshape(b, sk)
     if cfg.has_window:
         window = jnp.asarray(sliding_window, jnp.int32).reshape(1)
+    offset = None if q_offset is None else jnp.asarray(q_offset, jnp.int32).reshape(1)
     hd_p = max(16, pl.next_power_of_2(hd))
     if hd_p != hd:  # Triton tiles are powers of two: zero-pad the head dim (exact).
         pad = [(0, 0), (0, 0), (0, 0), (0, hd_p - hd)]
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
-    out = _flash(cfg, q, k, v, qseg, kseg, kmask, window)
+    out = _flash(cfg, q, k, v, qseg, kseg, kmask, window, offset)
     return out[..., :hd] if hd_p != hd else out
 
 
@@ -515,10 +525,12 @@ def reference_mask(
     kv_segment_ids: jax.Array | None = None,
     key_mask: jax.Array | None = None,
     sliding_window: jax.Array | int | None = None,
+    q_offset: jax.Array | int | None = None,
 ) -> jax.Array:
-    """bool [B, Sq, Sk]: `attention_allowed` with positions arange (queries offset by Sk - Sq);
-    causal=False drops only the causal term."""
-    q_pos = jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32) + (sk - sq), (batch, sq))
+    """bool [B, Sq, Sk]: `attention_allowed` with positions arange (queries offset by q_offset,
+    default Sk - Sq); causal=False drops only the causal term."""
+    offset = sk - sq if q_offset is None else jnp.asarray(q_offset, jnp.int32)
+    q_pos = jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32) + offset, (batch, sq))
     kv_pos = jnp.broadcast_to(jnp.arange(sk, dtype=jnp.int32), (batch, sk))
     allowed = jnp.ones((batch, sq, sk), bool)
     if causal:
@@ -544,6 +556,7 @@ def reference_attention(
     kv_segment_ids: jax.Array | None = None,
     key_mask: jax.Array | None = None,
     sliding_window: jax.Array | int | None = None,
+    q_offset: jax.Array | int | None = None,
     **unused,
 ) -> jax.Array:
     """Pure-XLA flash_attention: the model's `xla_attention` with `reference_mask`."""
@@ -557,5 +570,6 @@ def reference_attention(
         kv_segment_ids=kv_segment_ids,
         key_mask=key_mask,
         sliding_window=sliding_window,
+        q_offset=q_offset,
     )
     return xla_attention(q, k, v, allowed, scale)

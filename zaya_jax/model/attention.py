@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from zaya_jax.kernels import blockwise_attention, flash_attention, kernel_options
 from zaya_jax.kernels.xla_attention import MASK_VALUE, attention_allowed, xla_attention
-from zaya_jax.parallel.context import CONTEXT, ROW_AXES, context_size
-from zaya_jax.parallel.mesh import MESH_AXES, mesh_platform
+from zaya_jax.parallel.context import CONTEXT, CONTIGUOUS, ROW_AXES, context_size, from_layout, rank_chunks
+from zaya_jax.parallel.mesh import mesh_platform
 
 __all__ = ["MASK_VALUE", "attention_allowed", "blockwise_self_attention", "pallas_attention", "xla_attention"]
 
@@ -33,35 +33,54 @@ def pallas_attention(
     key_mask: jax.Array | None,
     sliding_window: jax.Array | int | None,
     mesh: Mesh | None = None,
+    layout: str = CONTIGUOUS,
 ) -> jax.Array:
     """The Pallas flash-attention kernel with the semantics of `xla_attention` + `attention_allowed`
-    (positions = token order). On a mesh it runs per device on the batch shard: a pallas_call is
-    not partitioned by XLA. Triton for the mesh's GPUs, interpreted on CPU (`mesh_platform`)."""
+    (positions = token order). On a mesh it runs per device (a pallas_call is not partitioned by
+    XLA): rows over ROW_AXES, and with a context axis each chunk a rank stores (one, or two in the
+    zigzag `layout`) against the keys, values, mask and segments all-gathered over it and put in
+    position order, its queries at key positions from the chunk's first on (a traced offset,
+    `rank_chunks`). Triton for the mesh's GPUs, interpreted on CPU (`mesh_platform`)."""
     options = kernel_options(mesh_platform(mesh))
+    r = context_size(mesh)
 
     def run(q, k, v, seg, mask):
-        return flash_attention(
-            q,
-            k,
-            v,
-            scale=scale,
-            causal=True,
-            q_segment_ids=seg,
-            kv_segment_ids=seg,
-            key_mask=mask,
-            sliding_window=sliding_window,
-            **options,
-        )
+        def gather(x):  # [b, S/R, ...] -> [b, S, ...] in position order
+            if x is None or r == 1:
+                return x
+            return from_layout(jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True), layout, r)
+
+        kv = dict(kv_segment_ids=gather(seg), key_mask=gather(mask))
+        k, v = gather(k), gather(v)
+        chunks = [(0, None)] if r == 1 else rank_chunks(layout, r, q.shape[1])
+        n = q.shape[1] // len(chunks)
+        rows = lambda x, start: None if x is None else x[:, start : start + n]  # noqa: E731
+        out = [
+            flash_attention(
+                rows(q, start),
+                k,
+                v,
+                scale=scale,
+                causal=True,
+                q_segment_ids=rows(seg, start),
+                sliding_window=sliding_window,
+                q_offset=offset,
+                **kv,
+                **options,
+            )
+            for start, offset in chunks
+        ]
+        return jnp.concatenate(out, axis=1) if len(out) > 1 else out[0]
 
     if mesh is None:
         return run(q_bsnh, k_bskh, v_bskh, segment_ids, key_mask)
-    rows = P(MESH_AXES)
-    spec = lambda x: None if x is None else rows
+    spec = P(ROW_AXES, CONTEXT)
+    opt = lambda x: None if x is None else spec  # noqa: E731
     return jax.shard_map(
         run,
         mesh=mesh,
-        in_specs=(rows, rows, rows, spec(segment_ids), spec(key_mask)),
-        out_specs=rows,
+        in_specs=(spec, spec, spec, opt(segment_ids), opt(key_mask)),
+        out_specs=spec,
         check_vma=False,
     )(q_bsnh, k_bskh, v_bskh, segment_ids, key_mask)
 

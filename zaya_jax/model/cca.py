@@ -309,12 +309,9 @@ class CCAttention(nn.Module):
                 scale=cfg.head_dim**-0.5,
                 mesh=self.mesh,
             )
-        elif context_size(self.mesh) > 1:
-            o = self._context_attention(
-                q, k, v, positions_bs, padding_mask_bs, segment_ids_bs, sliding_window
-            )
         elif impl == "pallas":
-            # The kernel masks by token order: positions are the default arange (training, prefill).
+            # The kernel masks by token order: positions are the default arange (training, prefill),
+            # a context rank's chunk at its offset.
             o = pallas_attention(
                 q,
                 k,
@@ -324,6 +321,11 @@ class CCAttention(nn.Module):
                 key_mask=padding_mask_bs,
                 sliding_window=sliding_window,
                 mesh=self.mesh,
+                layout=self.context_layout,
+            )
+        elif context_size(self.mesh) > 1:
+            o = self._context_attention(
+                q, k, v, positions_bs, padding_mask_bs, segment_ids_bs, sliding_window
             )
         else:
             allowed = attention_allowed(
@@ -339,17 +341,12 @@ class CCAttention(nn.Module):
         return self.o_proj(o.reshape(b, s, -1)), new_state
 
     def _impl(self, seq_len: int) -> str:
-        """model.attention_impl resolved for `seq_len` keys on the mesh's platform and context axis."""
-        return attention_choice(
-            self.cfg.attention_impl, mesh_platform(self.mesh), seq_len, context_size(self.mesh)
-        )
+        """model.attention_impl resolved for `seq_len` keys on the mesh's platform."""
+        return attention_choice(self.cfg.attention_impl, mesh_platform(self.mesh), seq_len)
 
     def _context_attention(self, q, k, v, positions_bs, padding_mask_bs, segment_ids_bs, sliding_window):
         """Attention of this rank's queries over the whole sequence: keys, values and their
         positions / mask / segments all-gathered over "context"; the mask is on global positions."""
-        if self.cfg.attention_impl == "pallas":
-            # The kernel places queries at the last Sq key positions; rank r's start at r*S/R.
-            raise ValueError("model.attention_impl='pallas' does not support mesh.context > 1: use 'xla'")
         gather = lambda x: None if x is None else gather_sequence(x, self.mesh)
         allowed = attention_allowed(
             positions_bs,

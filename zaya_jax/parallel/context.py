@@ -33,9 +33,10 @@ the masks and RoPE read positions, the gathered keys come in storage order with 
 and everything per token is order-agnostic. The halo follows the chunk order (`left_halo`: c_r's
 left context is the end of c_{r-1}, the previous rank's first chunk; c_{2R-1-r}'s the end of
 c_{2R-2-r}, the NEXT rank's second chunk, so a permute backward too; rank R-1's c_R follows its
-own c_{R-1}). With R = 1 both layouts are the identity. The Pallas kernel places queries at the
-last Sq key positions, so model.attention_impl='pallas' is refused with context > 1 and with
-zigzag ('auto' uses the XLA or blockwise path there).
+own c_{R-1}). With R = 1 both layouts are the identity. The Pallas kernel masks by token order:
+`rank_chunks` gives each of a rank's stored chunks its first position, a query offset traced
+inside shard_map (flash_attention's q_offset), and the gathered keys are put back in position order
+(`from_layout`) before it runs, once per chunk.
 The backward of the halo is a permute the other way and that of the all-gather a reduce-scatter
 (jax derives both), so gradients need nothing extra.
 """
@@ -189,6 +190,17 @@ def last_chunk(layout: str, mesh: Mesh | None) -> int:
     decoding state a forward leaves)."""
     order = chunk_order(layout, context_size(mesh))
     return order.index(len(order) - 1)
+
+
+def rank_chunks(layout: str, ranks: int, local_len: int) -> list[tuple[int, jax.Array]]:
+    """Inside shard_map over "context": (first local row, first position) of each chunk this rank
+    stores, its local [S/R] rows being K chunks of S/(K*R); the position is traced (the rank's
+    axis index). Contiguous: [(0, r*S/R)]; zigzag: [(0, r*L), (L, (2R-1-r)*L)] with L = S/(2R)."""
+    k = chunks_per_rank(layout, ranks)
+    n = local_len // k
+    first = jnp.asarray(chunk_order(layout, ranks), jnp.int32) * n
+    rank = jax.lax.axis_index(CONTEXT)
+    return [(j * n, first[rank * k + j]) for j in range(k)]
 
 
 def gather_sequence(x_bs: jax.Array, mesh: Mesh) -> jax.Array:
