@@ -275,3 +275,29 @@ def test_sizing_cli_zaya1_base(tmp_path, extra):
     step_flops = 4096 * 4096 * data["flops_per_token"]["training"]["total"]
     assert float(m.group(2)) == pytest.approx(100 * ns / step_flops, abs=0.01)
     assert data["memory_per_device_bytes"]["mesh"] == {"data": 8, "fsdp": 1, "expert": 1, "context": 1}
+
+
+def test_attention_scores_follow_the_resolved_attention_impl():
+    """The dense XLA softmax keeps [Nq, S] scores per token (2f + b + 1 bytes each); the flash
+    kernels keep the fp32 log-sum-exp, blockwise plus one [Nq, 512, 512] tile per sequence. Phase 3
+    (32k tokens over context 2) is sized with the impl its platform resolves 'auto' to."""
+    from test_config import load
+
+    from zaya_jax.config import model_config
+
+    c, s = load("zaya1_base", "phase3"), 32768
+    cfg3 = model_config(c)
+    nq, score = cfg3.num_attention_heads, 2 * 4 + {"bfloat16": 2, "float32": 4}[cfg3.dtype] + 1
+    impls = ("xla", "blockwise", "pallas")
+    terms = {a: sizing.activation_terms(cfg3, s, a)["attention_scores"] for a in impls}
+    tile = nq * 512 * 512 * score / s  # blockwise's one tile of scores, per token of the sequence
+    assert terms == {"xla": nq * s * score, "blockwise": 4 * nq + tile, "pallas": 4 * nq}
+    mesh = {"data": 4, "fsdp": 1, "expert": 1, "context": 2}
+    est = {p: sizing.config_memory_per_device(c, cfg3, mesh, p) for p in ("cpu", "rocm")}
+    m = est["cpu"].micro_batch
+    dense = sizing.memory_per_device(cfg3, seq_len=s, micro_batch=m, mesh=mesh, remat="full", attention="xla")
+    # remat full: one block's scores at a time, for the S/2 tokens of each sequence a device holds
+    assert dense.activations - est["cpu"].activations == pytest.approx(
+        m * s // 2 * (terms["xla"] - terms["blockwise"])
+    )
+    assert est["rocm"].activations < est["cpu"].activations < dense.activations

@@ -135,7 +135,7 @@ def test_grad_reduce_microbatch_bytes_are_its_formula_and_memory_falls():
     temp = {s.grad_reduce: s.compiled.memory_analysis().temp_size_in_bytes for s in (step, micro)}
     shape = {a: int(s) for a, s in micro.mesh.shape.items()}
     est = {
-        mode: sizing.config_memory_per_device(_config(dict(data8), GRAD_ACCUM, mode), CFG, shape)
+        mode: sizing.config_memory_per_device(_config(dict(data8), GRAD_ACCUM, mode), CFG, shape, "cpu")
         for mode in ("step", "microbatch")
     }
     assert est["microbatch"].sharded_sum and est["step"].grad_buffers == 2

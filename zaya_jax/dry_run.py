@@ -77,7 +77,7 @@ from zaya_jax.model.moe import resolve_moe_impl
 from zaya_jax.model.transformer import resolve_scan_layers
 from zaya_jax.parallel.context import config_context
 from zaya_jax.parallel import zero1
-from zaya_jax.parallel.mesh import MESH_AXES, device_platform, mesh_from_config
+from zaya_jax.parallel.mesh import MESH_AXES, device_platform, mesh_from_config, mesh_platform
 from zaya_jax.train_state import OPTIMIZER_SCOPE, abstract_batch, check_batch_divides, train_program
 
 DEFAULT_DEVICES = 8  # a -1 mesh axis: one node, as `python -m zaya_jax.sizing` assumes
@@ -435,7 +435,7 @@ def dry_run(
         return refused(c, devices, gpu, name, fit, e)
     compiled, mesh, cfg = step.compiled, step.mesh, step.cfg
     shape = {a: int(mesh.shape[a]) for a in MESH_AXES}
-    est = sizing.config_memory_per_device(c, cfg, shape)
+    est = sizing.config_memory_per_device(c, cfg, shape, mesh_platform(mesh))
     stats, hlo = compiled.memory_analysis(), compiled.as_text()
     lines = [
         *_header(c, cfg, shape, gpu, n, name),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+from zaya_jax.kernels import attention_choice
 from zaya_jax.parallel.mesh import MESH_AXES
 from zaya_jax.sizing.memory import (
     _DTYPE_BYTES,
@@ -52,6 +53,13 @@ def _define_flags(fv=None):
         cli.Float(min=0, min_open=True),
         fv,
     )
+    flags.DEFINE_enum(
+        "platform",
+        "rocm",
+        ["cpu", "cuda", "rocm"],
+        "The devices' platform, which resolves model.attention_impl='auto' (default MI300X's).",
+        flag_values=fv,
+    )
     flags.DEFINE_bool("zero1", True, "Shard the optimizer state over the data axis (ZeRO-1).", flag_values=fv)
     flags.DEFINE_string("json", None, "Also write the numbers as JSON to this path.", flag_values=fv)
 
@@ -93,6 +101,7 @@ def main(argv) -> None:
         ns_steps=c.optim.muon.ns_steps,
         accumulate=c.train.batch_size > micro_batch * devices // mesh["context"],
         grad_reduce=c.train.grad_reduce,
+        attention=attention_choice(cfg.attention_impl, f.platform, seq_len),
     )
     if c.train.batch_size % (c.train.grad_accum * devices) and not f.micro_batch:
         text += (

@@ -23,6 +23,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from zaya_jax.kernels import attention_choice, pick_blocks
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.parallel.context import config_context
 from zaya_jax.parallel.expert import remat_saved_bytes
@@ -159,8 +160,9 @@ def state_bytes_per_device(
 REMAT_CHOICES = ("none", "dots_saveable", "full")
 
 
-def activation_terms(cfg: ZayaConfig, seq_len: int) -> dict[str, float]:
-    """Bytes per token that one block keeps for the backward pass without rematerialisation.
+def activation_terms(cfg: ZayaConfig, seq_len: int, attention: str = "xla") -> dict[str, float]:
+    """Bytes per token that one block keeps for the backward pass without rematerialisation, with
+    `attention` the resolved model.attention_impl ("xla", "blockwise" or "pallas").
 
     Counted from the residuals `jax.ad_checkpoint.print_saved_residuals` lists for a ZayaBlock
     (compute dtype b bytes, fp32 f = 4 bytes; C = (Nq+Nkv)*hd conv channels, S keys):
@@ -170,7 +172,10 @@ def activation_terms(cfg: ZayaConfig, seq_len: int) -> dict[str, float]:
                         k and v [Nkv*hd] each
       qk_norm_rope      fp32 q, k and tempered k, RoPE cos/sin, per-head norms
       attention_scores  the XLA path materialises [Nq, S] scores per token: fp32 logits, fp32 softmax,
-                        probs in the compute dtype and the broadcast bool mask (2f + b + 1 per score)
+                        probs in the compute dtype and the broadcast bool mask (2f + b + 1 per score);
+                        the flash kernels keep the fp32 log-sum-exp [Nq] and recompute the scores
+                        block by block: blockwise holds one [Nq, block_q, block_k] tile of them per
+                        sequence (here spread over its S tokens), Pallas keeps them on chip
       router            fp32: 13 x [R] (down, EDA sum, norm, fc1/fc2 and their GELUs) + logits [E+1]
       experts           fp32 5 x [I] (gate, up, silu and its inputs), product [I] in the compute dtype
     XLA's own working buffers of the backward pass come on top (on XLA:CPU the compiled temp size of a
@@ -184,10 +189,22 @@ def activation_terms(cfg: ZayaConfig, seq_len: int) -> dict[str, float]:
         "d_wide": (14 * f + 3 * b) * d,
         "cca_conv_proj": b * (4 * c + nq * hd + 2 * nkv * hd),
         "qk_norm_rope": f * (nq + 2 * nkv) * hd + f * 2 * cfg.rotary_dim + f * 4 * (nq + nkv),
-        "attention_scores": nq * seq_len * (2 * f + b + 1),
+        "attention_scores": _attention_bytes(cfg, seq_len, attention),
         "router": f * (13 * r + e),
         "experts": f * 5 * i + b * i,
     }
+
+
+def _attention_bytes(cfg: ZayaConfig, seq_len: int, attention: str) -> float:
+    """The attention_scores term of `activation_terms` (bytes per token)."""
+    nq, score = cfg.num_attention_heads, 2 * 4 + _DTYPE_BYTES[cfg.dtype] + 1
+    if attention == "xla":
+        return nq * seq_len * score
+    lse = 4 * nq
+    if attention == "pallas":
+        return lse
+    blocks = pick_blocks("blockwise_attention", {"seq_q": seq_len, "seq_k": seq_len}, cfg.compute_dtype)
+    return lse + nq * min(blocks["block_q"], seq_len) * min(blocks["block_k"], seq_len) * score / seq_len
 
 
 def _dots_saved_per_token(cfg: ZayaConfig, seq_len: int) -> float:
@@ -217,6 +234,7 @@ def activation_bytes(
     loss_chunk: int = 512,
     expert_axis: int = 1,
     context: int = 1,
+    attention: str = "xla",
 ) -> float:
     """Estimated activation bytes per device for one microbatch of `micro_batch` sequences (with
     mesh.context = R > 1: S/R positions of each, and the block's keys and values all-gathered to S).
@@ -239,7 +257,7 @@ def activation_bytes(
         raise ValueError(f"remat={remat!r}; expected one of {REMAT_CHOICES}")
     tokens = micro_batch * seq_len // context
     n = cfg.num_hidden_layers
-    block = sum(activation_terms(cfg, seq_len).values())  # attention still reads all S keys
+    block = sum(activation_terms(cfg, seq_len, attention).values())  # attention reads all S keys
     carry = 4 * (cfg.hidden_size + cfg.router_hidden_size)
     if remat == "none":
         per_token = n * block
@@ -297,12 +315,14 @@ def memory_per_device(
     leaves: list[tuple[str, tuple[int, ...], str]] | None = None,
     accumulate: bool = False,
     grad_reduce: str = "step",
+    attention: str = "xla",
 ) -> MemoryEstimate:
     """Memory of one device training `cfg` on `mesh` with `micro_batch` sequences of `seq_len` tokens
     per device per microbatch (see the module docstring for the layout). `leaves` defaults to
     `param_leaves(cfg)`. `accumulate`: the step sums several microbatches (train.grad_accum > 1):
     two whole gradient buffers, or with `grad_reduce` "microbatch" (where the loop runs per data
-    rank: zero1.reduces_per_microbatch) one and the rank's shard of the sum."""
+    rank: zero1.reduces_per_microbatch) one and the rank's shard of the sum. `attention`: the
+    resolved model.attention_impl (kernels.attention_choice), which sets the scores' memory."""
     mesh = parse_mesh(mesh) if not isinstance(mesh, dict) else parse_mesh(None, default=mesh)
     remat = remat or cfg.remat
     leaves = param_leaves(cfg) if leaves is None else leaves
@@ -322,6 +342,7 @@ def memory_per_device(
             remat=r,
             expert_axis=mesh["expert"],
             context=mesh["context"],
+            attention=attention,
         )
         for r in REMAT_CHOICES
     }
@@ -354,9 +375,12 @@ def config_micro_batch(c: Any, devices: int) -> int:
     return max(1, c.train.batch_size // c.train.grad_accum // (devices // config_context(c.mesh, devices)))
 
 
-def config_memory_per_device(c: Any, cfg: ZayaConfig, mesh: Mapping[str, int]) -> MemoryEstimate:
-    """`memory_per_device` of training config `c` (model `cfg`) on `mesh`: its micro-batch, remat,
-    ZeRO-1, gradient reduction and Muon momentum dtype, as `python -m zaya_jax.sizing` reports them."""
+def config_memory_per_device(
+    c: Any, cfg: ZayaConfig, mesh: Mapping[str, int], platform: str
+) -> MemoryEstimate:
+    """`memory_per_device` of training config `c` (model `cfg`) on `mesh` of `platform` devices: its
+    micro-batch, remat, ZeRO-1, gradient reduction, Muon momentum dtype and attention as resolved
+    there, as `python -m zaya_jax.sizing` reports them."""
     return memory_per_device(
         cfg,
         seq_len=c.train.seq_len,
@@ -367,4 +391,5 @@ def config_memory_per_device(c: Any, cfg: ZayaConfig, mesh: Mapping[str, int]) -
         muon_mu_bytes=_DTYPE_BYTES.get(c.optim.muon.mu_dtype, 4),
         accumulate=c.train.grad_accum > 1,
         grad_reduce=c.train.grad_reduce,
+        attention=attention_choice(cfg.attention_impl, platform, c.train.seq_len),
     )

@@ -40,11 +40,12 @@ def report(
     ns_steps: int = 5,
     accumulate: bool = False,
     grad_reduce: str = "step",
+    attention: str = "xla",
 ) -> tuple[str, dict[str, Any]]:
     """The sizing printout and the same numbers as a JSON-able dict. `step_tokens`: the global
     batch in tokens, to compare Muon's Newton-Schulz with the step's model FLOPs (with `ns_steps`
     iterations); `accumulate`, `grad_reduce`: a step of several microbatches, the gradients reduced
-    once per step or every microbatch (memory_per_device)."""
+    once per step or every microbatch; `attention` the resolved attention impl (memory_per_device)."""
     pc = param_counts(cfg)
     fb = flops_breakdown(cfg, seq_len)
     ns = newton_schulz_flops(cfg, ns_steps)
@@ -58,6 +59,7 @@ def report(
         muon_mu_bytes=muon_mu_bytes,
         accumulate=accumulate,
         grad_reduce=grad_reduce,
+        attention=attention,
     )
     devices = math.prod(mesh.values())
     tokens = micro_batch * seq_len // mesh["context"]
@@ -80,7 +82,7 @@ def report(
         f"micro-batch {micro_batch} sequences x {seq_len} tokens"
         + (f" / {mesh['context']} context ranks" if mesh["context"] > 1 else "")
         + f" = {tokens:,} tokens/device, "
-        f"remat {remat}, ZeRO-1 {'on' if zero1 else 'off'}"
+        f"remat {remat}, ZeRO-1 {'on' if zero1 else 'off'}, attention {attention}"
     )
     lines += _param_lines(pc)
     lines += _flops_lines(cfg, pc, fb, seq_len)
