@@ -3,7 +3,8 @@
   --config configs/zaya1_base.py:phase1   4k context, RoPE theta 10k, 8T tokens
   --config configs/zaya1_base.py:phase2   4k context, RoPE theta 10k, 4T tokens   (init_from phase 1)
   --config configs/zaya1_base.py:phase3   32k context, RoPE theta 1M, 1.2T tokens (init_from phase 2),
-                                          context parallel over 2 devices (mesh.context=2)
+                                          context parallel over 2 devices (mesh.context=2,
+                                          zigzag layout)
 
 Every phase keeps 4096 x 4096 = 16.8M tokens per optimizer step (the paper's global batch), so the
 32k phase runs 512 sequences per step. A phase after the first starts from the previous phase's
@@ -83,6 +84,9 @@ def get_config(arg: str = "phase1"):
     # The 32k phase splits every sequence over 2 devices, as Zyphra ran it (docs/model.md §4): keys and
     # values are all-gathered over the pair, CCA's conv takes its left rows from the neighbour.
     c.mesh.context = 2 if phase == "phase3" else 1
+    # Rank r holds chunks r and 3 - r of 4: causal attention skips as many key blocks on both ranks
+    # (contiguous halves would leave rank 1 with 3/4 of the work).
+    c.mesh.context_layout = "zigzag" if phase == "phase3" else "contiguous"
     c.checkpoint.every_steps = 1000
     c.eval.every_steps = 2000
     c.eval.batches = 50

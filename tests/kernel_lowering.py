@@ -6,9 +6,10 @@ import jax
 from zaya_jax.hlo import FLOPS_TAG
 
 
-def lowered_triton_kernels(monkeypatch, fn, *avals, platform):
+def lowered_triton_kernels(monkeypatch, fn, *avals, platform, flops=False):
     """Lower jit(fn) for a GPU platform without a GPU; names of the pallas_calls that went through
-    the Pallas Triton lowering, each Triton module checked by the MLIR verifier."""
+    the Pallas Triton lowering, each Triton module checked by the MLIR verifier (with `flops`:
+    (name, the dot FLOPs its tag declares) pairs)."""
     from jax._src.pallas.triton import pallas_call_registration as reg
 
     seen, lower = [], reg.lowering.lower_jaxpr_to_triton_module
@@ -16,7 +17,8 @@ def lowered_triton_kernels(monkeypatch, fn, *avals, platform):
     def spy(jaxpr, *args, **kwargs):
         result = lower(jaxpr, *args, **kwargs)
         assert result.module.operation.verify()
-        seen.append(jaxpr.debug_info.func_name.rpartition(FLOPS_TAG)[0])  # FLOPs declared after the tag
+        name, _, declared = jaxpr.debug_info.func_name.rpartition(FLOPS_TAG)  # FLOPs after the tag
+        seen.append((name, int(declared)) if flops else name)
         return result
 
     monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", spy)

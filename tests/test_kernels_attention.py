@@ -12,6 +12,7 @@ import pytest
 from kernel_lowering import lowered_triton_kernels
 
 from zaya_jax.kernels import flash_attention, reference_attention, reference_mask
+from zaya_jax.kernels.flops import causal_pairs
 from zaya_jax.model.attention import MASK_VALUE, attention_allowed, xla_attention
 
 # Interpret-mode programs are large while loops; XLA's optimisation passes only slow them down.
@@ -218,7 +219,8 @@ def test_traced_query_offset_is_a_context_ranks_chunk_fp32():
         q, do = q_all[:, chunk], do_all[:, chunk]
         masks = (seg[:, chunk], seg, key_mask, jnp.int32(r * rows))
         if both is None:
-            _, both = compare(q, k, v, do, masks, kw, dtype=jnp.float32, kernel_kw=dict(block_q=16, block_k=16))
+            blocks = dict(block_q=16, block_k=16)
+            _, both = compare(q, k, v, do, masks, kw, dtype=jnp.float32, kernel_kw=blocks)
         got, want = both(q, k, v, do, *masks)
         assert max(rel_err(g, w) for g, w in zip(got, want)) < 1e-5, r
         assert rel_err(want[0], whole[:, chunk]) < 1e-6, r
@@ -304,6 +306,29 @@ def test_rejects_bad_arguments():
         flash_attention(q, k, v, scale=1.0, q_segment_ids=jnp.zeros((1, 8), jnp.int32), interpret=True)
 
 
+def test_traced_offset_flops_are_counted_at_the_given_mean(monkeypatch):
+    """A traced q_offset's FLOP tags count the static `flops_offset` (the mean over the ranks that
+    run the call), or Sk - Sq, the largest, without one."""
+    sds = jax.ShapeDtypeStruct
+    q, kv = sds((1, 64, 2, 16), jnp.bfloat16), sds((1, 256, 2, 16), jnp.bfloat16)
+    blocks = dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+
+    def tags(flops_offset):
+        def fn(q, k, v, offset):
+            f = lambda q: flash_attention(  # noqa: E731
+                q, k, v, scale=0.25, q_offset=offset, flops_offset=flops_offset, platform="cuda", **blocks
+            )
+            return f(q)
+
+        scalar = sds((), jnp.int32)
+        found = lowered_triton_kernels(monkeypatch, fn, q, kv, kv, scalar, platform="cuda", flops=True)
+        return dict(found)["zaya_flash_attention_fwd"]
+
+    per_pair = 2 * 2 * 2 * 16  # two dots per visited block, batch 1 x 2 heads x head dim 16
+    assert tags(96) == per_pair * causal_pairs(64, 256, 16, 16, 96, True)
+    assert tags(None) == per_pair * causal_pairs(64, 256, 16, 16, 256 - 64, True) > tags(96)
+
+
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])
 def test_lowers_to_triton(monkeypatch, platform):
     """Forward + dq + dk/dv lower to Triton IR (power-of-two tiles, supported primitives) at ZAYA1
@@ -330,7 +355,8 @@ def test_lowers_to_triton(monkeypatch, platform):
         out, vjp = jax.vjp(f, q, k, v)
         return out, vjp(out)
 
-    names = lowered_triton_kernels(monkeypatch, fn, q, kv, kv, q_ids, ids, ids, scalar, scalar, platform=platform)
+    args = (q, kv, kv, q_ids, ids, ids, scalar, scalar)
+    names = lowered_triton_kernels(monkeypatch, fn, *args, platform=platform)
     assert sorted(names) == sorted(
         ["zaya_flash_attention_fwd", "zaya_flash_attention_dq", "zaya_flash_attention_dkv"]
     ), names

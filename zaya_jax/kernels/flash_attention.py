@@ -94,6 +94,7 @@ class _Cfg:
     has_key_mask: bool
     has_window: bool
     has_offset: bool  # q_offset a kernel operand (traced); else the static sk - sq
+    flops_offset: int  # the offset the FLOP tag counts with (kernels/flops.py)
     num_warps: int
     num_stages: int | None
     interpret: bool
@@ -237,9 +238,8 @@ def _aux_inputs_and_specs(cfg: _Cfg, qseg, kseg, kmask, window, offset):
 
 def _flops(cfg: _Cfg, heads_x_hd: int, dots: int, bq: int, bk: int) -> int:
     """Dot FLOPs of one kernel call: `dots` [bq, hd] x [hd, bk]-sized products per visited block
-    (kernels/flops.py), over batch x query heads. A traced query offset is counted as the largest
-    one, Sk - Sq (the last context rank's chunk): an upper bound, as every tag is."""
-    return 2 * dots * heads_x_hd * causal_pairs(cfg.sq, cfg.sk, bq, bk, cfg.static_offset, cfg.causal)
+    (kernels/flops.py), over batch x query heads, at the query offset `cfg.flops_offset`."""
+    return 2 * dots * heads_x_hd * causal_pairs(cfg.sq, cfg.sk, bq, bk, cfg.flops_offset, cfg.causal)
 
 
 def _params(cfg: _Cfg):
@@ -445,6 +445,7 @@ def flash_attention(
     key_mask: jax.Array | None = None,
     sliding_window: jax.Array | int | None = None,
     q_offset: jax.Array | int | None = None,
+    flops_offset: int | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
     block_q_bwd: int | None = None,
@@ -459,6 +460,8 @@ def flash_attention(
     q [B, Sq, Nq, hd], k/v [B, Sk, Nkv, hd] (Nq a multiple of Nkv) -> [B, Sq, Nq, hd] (q.dtype).
     Block sizes default to `pick_blocks("flash_attention", ..., platform)`; given ones must be powers
     of two >= 16 (they are clipped to the next power of two of the sequence lengths).
+    `flops_offset`: the static query offset the kernels' FLOP tags count a traced `q_offset` as (the
+    mean over the context ranks that run this call); default Sk - Sq, the largest: an upper bound.
     """
     b, sq, nq, hd = q.shape
     _, sk, nkv, hd_k = k.shape
@@ -492,6 +495,7 @@ def flash_attention(
         has_key_mask=key_mask is not None,
         has_window=sliding_window is not None,
         has_offset=q_offset is not None,
+        flops_offset=sk - sq if flops_offset is None or q_offset is None else int(flops_offset),
         num_warps=picked["num_warps"] if num_warps is None else num_warps,
         num_stages=picked["num_stages"] if num_stages is None else num_stages,
         interpret=bool(interpret),

@@ -52,7 +52,7 @@ def pallas_attention(
 
         kv = dict(kv_segment_ids=gather(seg), key_mask=gather(mask))
         k, v = gather(k), gather(v)
-        chunks = [(0, None)] if r == 1 else rank_chunks(layout, r, q.shape[1])
+        chunks = [(0, None, None)] if r == 1 else rank_chunks(layout, r, q.shape[1])
         n = q.shape[1] // len(chunks)
         rows = lambda x, start: None if x is None else x[:, start : start + n]  # noqa: E731
         out = [
@@ -65,10 +65,11 @@ def pallas_attention(
                 q_segment_ids=rows(seg, start),
                 sliding_window=sliding_window,
                 q_offset=offset,
+                flops_offset=mean_offset,
                 **kv,
                 **options,
             )
-            for start, offset in chunks
+            for start, offset, mean_offset in chunks
         ]
         return jnp.concatenate(out, axis=1) if len(out) > 1 else out[0]
 

@@ -192,15 +192,17 @@ def last_chunk(layout: str, mesh: Mesh | None) -> int:
     return order.index(len(order) - 1)
 
 
-def rank_chunks(layout: str, ranks: int, local_len: int) -> list[tuple[int, jax.Array]]:
-    """Inside shard_map over "context": (first local row, first position) of each chunk this rank
-    stores, its local [S/R] rows being K chunks of S/(K*R); the position is traced (the rank's
-    axis index). Contiguous: [(0, r*S/R)]; zigzag: [(0, r*L), (L, (2R-1-r)*L)] with L = S/(2R)."""
+def rank_chunks(layout: str, ranks: int, local_len: int) -> list[tuple[int, jax.Array, int]]:
+    """Inside shard_map over "context": (first local row, first position, its mean over the ranks)
+    of each chunk this rank stores, its local [S/R] rows being K chunks of S/(K*R); the position is
+    traced (the rank's axis index), the mean static (what a FLOP count per device can use).
+    Contiguous: [(0, r*S/R, ...)]; zigzag: [(0, r*L, ...), (L, (2R-1-r)*L, ...)] with L = S/(2R)."""
     k = chunks_per_rank(layout, ranks)
     n = local_len // k
-    first = jnp.asarray(chunk_order(layout, ranks), jnp.int32) * n
+    order = np.asarray(chunk_order(layout, ranks)).reshape(ranks, k)
+    first = jnp.asarray(order.reshape(-1), jnp.int32) * n
     rank = jax.lax.axis_index(CONTEXT)
-    return [(j * n, first[rank * k + j]) for j in range(k)]
+    return [(j * n, first[rank * k + j], int(order[:, j].mean() * n)) for j in range(k)]
 
 
 def gather_sequence(x_bs: jax.Array, mesh: Mesh) -> jax.Array:
