@@ -25,6 +25,7 @@ from zaya_jax.config import base_config, validate
 from zaya_jax.kernels import reference_attention
 from zaya_jax.kernels.blockwise_attention import visited_blocks
 from zaya_jax.loss import token_cross_entropy
+from zaya_jax.metrics import read_metrics
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
 from zaya_jax.model.attention import pallas_attention
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
@@ -398,13 +399,16 @@ def test_cli_trains_with_a_context_axis(tmp_path):
 def test_cli_trains_one_sequence_per_data_rank(tmp_path):
     """data=4 x context=2 with batch 4: one sequence per data rank, split over two context ranks.
     The batch ramp's check divided by all 8 devices and stopped this at start-up (issue 27 item 5);
+    eval.batch_size 2 is rounded up to the 4 row devices (the first evaluation failed to shard it);
     the losses are the same run's on 4 devices without a context axis."""
-    args = ["--config.train.steps=3", "--config.train.batch_size=4", "--config.eval.batch_size=4"]
+    args = ["--config.train.steps=3", "--config.train.batch_size=4", "--config.eval.batch_size=2"]
     run_train(tmp_path / "c2", *args, "--config.mesh.context=2", "--config.mesh.data=4", devices=8)
     run_train(tmp_path / "c1", *args, "--config.mesh.data=4", devices=4)
     c2, c1 = train_losses(tmp_path / "c2"), train_losses(tmp_path / "c1")
     assert sorted(c2) == [1, 2, 3]
     np.testing.assert_allclose([c2[s] for s in c2], [c1[s] for s in c2], atol=1e-4)
+    evals = [[r["eval_loss"] for r in read_metrics(str(tmp_path / w), split="eval")] for w in ("c2", "c1")]
+    assert len(evals[0]) == 1 and np.allclose(*evals, atol=1e-4), evals
 
 
 def test_context_layout_config_errors():

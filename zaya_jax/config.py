@@ -59,7 +59,8 @@ overrides any key (`--config.train.steps=100`). Sections:
   fault.inject_nan_at_steps, fault.inject_spike_at_steps   test hooks: poison the batch of those
                             steps (1-based) once (NaN loss / a large finite loss)
   eval.every_steps, eval.batches, eval.batch_size   held-out evaluation (0 batches = the whole split;
-                            with data.mixture, per source)
+                            with data.mixture, per source; the batch rounded up to a multiple of
+                            the devices that split rows: zaya_jax/train_eval.py eval_rows)
   eval.tasks                downstream tasks scored at every evaluation: data specs of
                             `python -m zaya_jax.evaluate` (multiple-choice JSONL, text files, token data)
   eval.task_limit, eval.task_max_len   examples/documents per task (0 = all); tokens per scored

@@ -17,6 +17,14 @@ from zaya_jax.parallel.distributed import barrier
 from zaya_jax.parallel.sharding import shard_batch
 
 
+def eval_rows(c: ml_collections.ConfigDict, mesh) -> int:
+    """eval.batch_size rounded up to a multiple of the devices that split batch rows (context ranks
+    hold chunks of the same rows): the rows of every evaluation batch. The held-out batches are
+    padded (loss mask 0) and the scorers fill their rows, so the extra rows change no result."""
+    rows = row_devices(mesh)
+    return -(-c.eval.batch_size // rows) * rows
+
+
 def evaluate(eval_step, variables, c: ml_collections.ConfigDict, mesh) -> dict[str, float]:
     """Held-out loss of data.path, or of each mixture source (`eval_loss/<name>`) and the mixture's
     `eval_loss` = the weight-averaged per-source loss (the expected loss of a held-out token drawn
@@ -37,7 +45,7 @@ def _held_out_loss(eval_step, variables, c: ml_collections.ConfigDict, mesh, pat
     ds = make_eval_dataset(
         path,
         seq_len=c.train.seq_len,
-        global_batch_size=c.eval.batch_size,
+        global_batch_size=eval_rows(c, mesh),
         process_index=jax.process_index(),
         process_count=jax.process_count(),
         num_threads=c.data.num_threads,
@@ -78,9 +86,7 @@ def downstream_tasks(c: ml_collections.ConfigDict, cfg, tokenizer, mesh) -> Call
         max_len,
         limit=c.eval.task_limit or None,
     )
-    rows = row_devices(mesh)
-    batch = -(-c.eval.batch_size // rows) * rows
-    scorer = Scorer(cfg, mesh=mesh, batch_size=batch, max_len=max_len, min_bucket=min(64, max_len))
+    scorer = Scorer(cfg, mesh=mesh, batch_size=eval_rows(c, mesh), max_len=max_len, min_bucket=min(64, max_len))
 
     def run(variables) -> dict:
         results, _ = suite.run(scorer, variables)
@@ -123,7 +129,7 @@ def harness_tasks(c: ml_collections.ConfigDict, cfg, tokenizer, mesh) -> Callabl
         prefix_id=resolve_prefix("none", tokenizer, trained_by_us=True),
         prefix_every_request=False,
         mesh=mesh,
-        batch_size=-(-c.eval.batch_size // row_devices(mesh)) * row_devices(mesh),
+        batch_size=eval_rows(c, mesh),
         max_length=c.eval.task_max_len or c.train.seq_len,
         progress=False,
     )
