@@ -31,8 +31,13 @@ $(TEST_STAMP): $(TRAIN_STAMP)
 train: $(TRAIN_STAMP)
 	$(PY) -m zaya_jax.train --config configs/tiny.py --workdir $(WORKDIR) $(ARGS)
 
+# tests/test_zero1.py in a process of its own: XLA:CPU (jax 0.10.2) aborted compiling its
+# data=4 x fsdp=2 step at the end of one long pytest process (four CI runs, in the compile or in
+# writing it to the compilation cache), while the same tests pass in a fresh process.
+ISOLATED := tests/test_zero1.py
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --ignore=$(ISOLATED) $(ARGS)
+	$(PY) -m pytest -q $(ISOLATED) $(ARGS)
 
 clean:
 	rm -rf $(VENV) workdirs
