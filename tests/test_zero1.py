@@ -208,7 +208,9 @@ def test_owned_newton_schulz_equals_newton_schulz_of_the_stack(shape, stored, im
     placed = jax.device_put(x, NamedSharding(mesh, stored))
     got = jax.jit(lambda y: owned_orthogonalize(kernel, y, stored, spec, mesh))(placed)
     assert got.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(orthogonalize(x)), rtol=1e-6, atol=1e-6)
+    # fp32 through 5 Newton-Schulz iterations, the kernel's tiled dots against XLA's: in a fresh
+    # process "aligned" differed by 1.55e-6 at 1 of 65,536 entries (|x| 0.35), over atol=rtol=1e-6.
+    np.testing.assert_allclose(np.asarray(got), np.asarray(orthogonalize(x)), rtol=1e-6, atol=2e-6)
 
 
 def test_owner_plan():
