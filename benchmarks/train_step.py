@@ -50,7 +50,9 @@ exceed torch's whole AdamW step (configs/mid.py on a CPU).
 
 `--host-memory reuse` (the default) sets glibc's malloc as `python -m zaya_jax.train` does
 (`train.reuse_host_memory`, zaya_jax/host_memory.py) in every side's process before its framework
-starts. `default` leaves the C library's settings, for comparison.
+starts: huge pages where the kernel has them (every side's process starts with the tunable), else
+the "reuse" settings; each record's `host_memory` says which. `default` leaves the C library's
+settings, for comparison.
 """
 
 from __future__ import annotations
@@ -369,14 +371,14 @@ def _serve_side(
     """The child process of an IsolatedSide: builds `factory(**kwargs)` and runs the parent's
     commands; at "stop" it answers with its own peak RSS."""
     set_env(env)  # before torch loads libgomp (it reads OMP_WAIT_POLICY then)
-    if reuse:
-        host_memory.reuse_freed_memory()
+    host_memory.configure(reuse, reexec=False)  # huge pages came with the environment (main)
     try:
         side = factory(**kwargs)
     except Exception as e:  # raised again in the parent
         conn.send(e)
         return
-    conn.send({key: str(getattr(side, key)) if key == "device" else getattr(side, key) for key in SIDE_INFO})
+    info = {key: str(getattr(side, key)) if key == "device" else getattr(side, key) for key in SIDE_INFO}
+    conn.send({**info, "host_memory": host_memory.mode()})
     while True:
         command, n = conn.recv()
         if command == "run":
@@ -410,7 +412,7 @@ class IsolatedSide:
         info = self._conn.recv()
         if isinstance(info, BaseException):
             raise info
-        for key in SIDE_INFO:
+        for key in (*SIDE_INFO, "host_memory"):
             setattr(self, key, info[key])
         self.peak_rss_bytes: int | None = None
         t0 = time.perf_counter()
@@ -468,9 +470,8 @@ def trainer_loop_alone(
 ) -> dict[str, Any]:
     """`run_trainer_loop` in this process (a fresh spawned one), as `python -m zaya_jax.train` runs:
     glibc's malloc set first when asked; with the process' own peak RSS."""
-    if reuse_host_memory:
-        host_memory.reuse_freed_memory()
-    return {**run_trainer_loop(c, loop_steps), "peak_rss_bytes": peak_rss_bytes()}
+    mode = host_memory.configure(reuse_host_memory, reexec=False)
+    return {**run_trainer_loop(c, loop_steps), "peak_rss_bytes": peak_rss_bytes(), "host_memory": mode}
 
 
 # --------------------------------------------------------------------------------------- benchmark
@@ -566,6 +567,7 @@ def run_headline(
         "tokens_per_s_repeats": [r["tokens_per_s"] for r in runs[LOOP]],
         "wall_s_repeats": [r["wall_s"] for r in runs[LOOP]],
         "peak_rss_bytes": max(r["peak_rss_bytes"] or 0 for r in runs[LOOP]) or None,
+        "host_memory": runs[LOOP][0]["host_memory"],
     }
     theirs = None
     if torch_muon is not None:
@@ -666,6 +668,7 @@ def side_results(
             "first_step_s": side.first_step_s,
             "final_loss": _finite_or_none(side.loss()),
             "precision": side.precision,
+            "host_memory": side.host_memory,
         }
     for side in sides:
         side.close()
@@ -695,6 +698,8 @@ def add_ratios(
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     c, cfg = build_config(args)
+    # every side's process starts with glibc's huge-page tunable, as the trainer re-executes with it
+    host_memory.huge_pages_for_children(args.host_memory == "reuse")
     load = os.getloadavg()
     device = device_report(cfg)
     ids = random_tokens(cfg.vocab_size, c.train.batch_size, c.train.seq_len, args.seed)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from zaya_jax import host_memory
+
 ROOT = Path(__file__).resolve().parents[1]
 TOY = [
     "--set",
@@ -45,6 +47,7 @@ SIDE_KEYS = {
     "final_loss",
     "precision",
     "peak_rss_bytes",
+    "host_memory",
 }
 
 
@@ -124,7 +127,10 @@ def test_train_step_benchmark_writes_report(tmp_path):
     assert cfg["moe_impl"] == "auto" and cfg["moe_impl_resolved"] == "tiled"
     assert cfg["scan_layers"] == "auto" and cfg["scan_layers_resolved"] == "unroll"
     assert cfg["optimizer"] == "both"
-    assert cfg["host_memory"] == "reuse"  # glibc malloc set as the trainer sets it
+    assert cfg["host_memory"] == "reuse"  # glibc malloc set as the trainer sets it, in every process
+    trainer_sets = "huge_pages" if host_memory.huge_pages_possible() else "reuse"
+    assert {r["host_memory"] for r in res.values()} == {trainer_sets}
+    assert report["headline"]["ours"]["host_memory"] == trainer_sets
     # each side's own process and its own peak RSS (not a high-water mark inherited from the parent)
     assert all(_positive_finite(r["peak_rss_bytes"]) for r in res.values())
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from zaya_jax import host_memory
+
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 
@@ -63,3 +65,85 @@ def test_freed_temporaries_stay_in_the_heap_for_the_next_run():
     # freed temporary waits in the heap
     assert reuse["mapped"] < 64 * MIB, reuse
     assert reuse["free_in_heap"] >= 64 * MIB, reuse
+
+
+def test_huge_pages_env_adds_the_tunable_once(monkeypatch):
+    tunable = host_memory.HUGE_PAGES_TUNABLE
+    monkeypatch.setattr(host_memory, "huge_pages_possible", lambda: True)
+    assert host_memory.huge_pages_env({"PATH": "/bin"}) == {"PATH": "/bin", "GLIBC_TUNABLES": tunable}
+    kept = host_memory.huge_pages_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert kept == {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{tunable}"}
+    # the re-executed process: nothing more to do (no second re-execution)
+    assert host_memory.huge_pages_env({"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{tunable}"}) is None
+    monkeypatch.setattr(host_memory, "huge_pages_possible", lambda: False)
+    assert host_memory.huge_pages_env({}) is None
+
+
+def test_kernel_has_huge_pages_reads_the_selected_mode(tmp_path):
+    modes = tmp_path / "enabled"
+    for text, on in (("always [madvise] never\n", True), ("[always] madvise never\n", True),
+                     ("always madvise [never]\n", False)):
+        modes.write_text(text)
+        assert host_memory.kernel_has_huge_pages(modes) is on
+    assert host_memory.kernel_has_huge_pages(tmp_path / "missing") is False
+
+
+# The 64 MiB temporary's page faults per run, under the default settings or with the tunable.
+FAULTS = """
+import json, resource
+import jax, jax.numpy as jnp
+from zaya_jax import host_memory
+f = jax.jit(lambda a, b: jnp.sum((a @ b) * (a @ b)[::-1]))
+a, b = jnp.full((4096, 64), 1e-2), jnp.full((64, 4096), 1e-2)
+f(a, b).block_until_ready()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    f(a, b).block_until_ready()
+after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+print(json.dumps({"mode": host_memory.mode(), "faults": (after - before) / 5}))
+"""
+
+
+def _faults(tunables: str) -> dict:
+    env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "GLIBC_TUNABLES": tunables}
+    proc = subprocess.run([sys.executable, "-c", FAULTS], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not host_memory.huge_pages_possible(), reason="glibc >= 2.35 and a kernel with THP")
+def test_huge_pages_fault_a_temporary_in_2_mib_at_a_time():
+    default, huge = _faults(""), _faults(host_memory.HUGE_PAGES_TUNABLE)
+    assert default["mode"] == "default" and huge["mode"] == "huge_pages"
+    assert default["faults"] >= 64 * MIB / 4096 / 2, default  # 4 KiB pages: ~16k faults a run
+    assert huge["faults"] < default["faults"] / 8, (default, huge)
+
+
+TRIM = """
+import ctypes, json
+from zaya_jax import host_memory
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
+blocks = [libc.malloc(64 << 10) for _ in range(4096)]  # 256 MiB in 64 KiB blocks, below mmap's threshold
+for p in blocks:
+    ctypes.memset(p, 1, 64 << 10)
+for p in blocks[:-1]:  # the last one pins the heap's top: plain trimming cannot give the rest back
+    libc.free(p)
+held = rss()
+released = host_memory.release_freed_memory()
+print(json.dumps({"released": released, "held": held, "after": rss()}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc_trim")
+def test_release_freed_memory_hands_the_heap_back():
+    proc = subprocess.run([sys.executable, "-c", TRIM], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["released"] is True
+    assert out["held"] - out["after"] >= 200 * MIB, out

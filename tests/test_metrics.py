@@ -4,6 +4,8 @@ the console progress line."""
 import io
 import json
 import struct
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -144,6 +146,20 @@ def test_tensorboard_scalars(tmp_path):
     assert "train/expert_load_max_over_mean/layer_0" in tags
     assert tags["eval/loss"] == [(3, 0.25)] and "eval/perplexity" in tags
     assert not any("note" in t for t in tags)
+
+
+def test_tensorboard_writer_does_not_import_torch(tmp_path):
+    # tensorboardX imports torch whenever it is installed; the trainer never passes torch tensors,
+    # so a user's run should not pay for torch (~180 MB resident). A fresh process: pytest's has torch.
+    code = (
+        "import sys; from zaya_jax.metrics import MetricsLogger\n"
+        f"with MetricsLogger({str(tmp_path)!r}, console=False) as log: log.log_train(1, {{'loss': 1.0}})\n"
+        "print('torch' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "False"
+    assert _event_tags(tmp_path / "tensorboard")["train/loss"] == [(1, 1.0)]
 
 
 class _Tty(io.StringIO):

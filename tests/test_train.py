@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from eval_models import write_harness_tasks, write_task
+from zaya_jax import host_memory
 from zaya_jax.evaluate import evaluate
 from zaya_jax.export import export
 from zaya_jax.metrics import read_metrics
@@ -79,7 +80,9 @@ def tiny_config(*args):
 @pytest.mark.slow
 def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
     a = tmp_path / "a"
-    run_train(a, "--config.train.steps=6")
+    # without the tunable set, as a user starts it: the trainer re-executes itself with it
+    first = summary_of(run_train(a, "--config.train.steps=6", env={"GLIBC_TUNABLES": ""}))
+    assert first["host_memory"] == ("huge_pages" if host_memory.huge_pages_possible() else "reuse")
     records = read_metrics(str(a))
     train = [r for r in records if r["split"] == "train"]
     evals = [r for r in records if r["split"] == "eval"]

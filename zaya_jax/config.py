@@ -26,9 +26,10 @@ overrides any key (`--config.train.steps=100`). Sections:
   train.init_from           a checkpoint directory whose params start this run (phase chaining); unset = random
   train.sync_every_step     read each step's loss before the next step is dispatched (the host then
                             waits for the device every step); off = one step late (zaya_jax/train.py)
-  train.reuse_host_memory   set glibc's malloc so freed host buffers (XLA:CPU's per-step temporaries)
-                            are reused, not unmapped and faulted in again (zaya_jax/host_memory.py);
-                            applied by `python -m zaya_jax.train` before jax starts
+  train.reuse_host_memory   XLA:CPU's per-step temporaries without 4 KiB page faults: glibc's
+                            huge-page tunable (the CLI re-executes itself once with it) or, where the
+                            kernel has no huge pages, malloc settings that keep freed buffers in the
+                            heap (zaya_jax/host_memory.py); applied by `python -m zaya_jax.train`
   optim.*                   see zaya_jax.optim.chain (lr, schedule, warmup, muon.*, adamw.*, clipping)
   balancing.*               aux-loss-free router balancing: `enabled` plus one key per field of
                             zaya_jax.balancing.BalancingConfig (lr, b1, b2, eps, weight_decay,

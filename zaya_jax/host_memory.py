@@ -1,21 +1,35 @@
-"""Host memory that a long-running step loop reuses instead of faulting in again (glibc malloc).
+"""Host memory of a long-running step loop: glibc malloc's settings and releasing what compiling
+left behind.
 
-XLA:CPU allocates each run's temporary buffer (201 MiB for configs/tiny.py's train step, about
-1.6 GB for configs/mid.py's) from a worker thread. glibc gives worker threads their own arenas,
-whose heaps hold at most 64 MiB, so such a buffer is always a fresh `mmap`, unmapped when the run
-ends: the next step page-faults all of it back in, and the kernel zeroes every page on the way.
-Measured on the 2-core CPU: 52k minor faults and 0.11 s of kernel time per tiny step, 407k and
-0.76 s per mid step. One arena (the main one), no mmap and no trimming keep the freed buffer in the
-heap, and the next run reuses it: 0 faults per step (benchmarks/README.md, "Page faults").
+XLA:CPU allocates each run's temporary buffers (201 MiB for configs/tiny.py's train step, about
+1.6 GB for configs/mid.py's) from worker threads, and glibc serves buffers above its mmap threshold
+(32 MiB at most) with a fresh `mmap`, unmapped when the run ends: with 4 KiB pages the next step
+page-faults all of it back in. Measured on the 2-core CPU: 52k minor faults and 0.11 s of kernel
+time per tiny step, 407k and 0.76 s per mid step (benchmarks/README.md, "Page faults").
 
-The price is the usual one of these settings: memory freed by the process goes back to the heap,
-not to the system, so resident memory stays at its peak (what a training process reaches anyway
-after its first step).
+Two cures, best first (`mode()` says which one a process has):
+
+- "huge_pages": glibc's `glibc.malloc.hugetlb=1` tunable (glibc >= 2.35) asks the kernel for
+  transparent huge pages on everything malloc maps, so a step's buffers fault in 2 MiB at a time
+  (tiny: ~500 faults a step instead of 52k, the same step time as "reuse") while freed buffers still
+  go back to the system. glibc reads tunables only at start-up, so `python -m zaya_jax.train`
+  re-executes itself once with the tunable set (`reexec_with_huge_pages`); it needs a kernel with
+  THP in "always" or "madvise" mode.
+- "reuse" (kernels without THP): one arena, no mmap, no trimming, so freed temporaries stay in the
+  heap for the next run: no faults, but the heap fragments and resident memory grows by a few
+  temporaries' worth (tiny: 1.66 GB against 0.66 GB with huge pages).
+
+Either way compiling a step leaves ~400 MB of freed compiler memory in the heap (tiny);
+`release_freed_memory` (glibc's `malloc_trim`) hands it back after a new program is compiled.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
 
 # mallopt parameters, glibc's <malloc.h>
 M_TRIM_THRESHOLD = -1
@@ -25,14 +39,118 @@ NEVER = -1  # M_TRIM_THRESHOLD -1: never trim (mallopt takes a C int; glibc read
 
 SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER))
 
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+THP_MODES = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+# The tunables this process started with (glibc read them then; later changes to os.environ only
+# reach processes started afterwards).
+_START_TUNABLES = os.environ.get("GLIBC_TUNABLES", "")
+# Whether this process applied SETTINGS: the C library's malloc state is process-wide and cannot be
+# read back, so it is mirrored here (set once, by reuse_freed_memory).
+_APPLIED: dict[str, bool] = {"reuse": False}
+
+
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(None)
+        lib.mallopt, lib.malloc_trim  # noqa: B018 (glibc's, absent from musl / macOS)
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+def glibc_version() -> tuple[int, int] | None:
+    """(2, 36) under glibc 2.36; None under another C library."""
+    try:
+        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
+    except (AttributeError, ValueError, OSError):
+        return None
+    major, minor = version.split(".")[:2]
+    return (int(major), int(minor)) if name == "glibc" else None
+
+
+def kernel_has_huge_pages(modes: Path | None = None) -> bool:
+    """True when transparent huge pages are on for memory that asks (mode [always] or [madvise])."""
+    try:
+        text = (modes or THP_MODES).read_text()
+    except OSError:
+        return False
+    return "[always]" in text or "[madvise]" in text
+
+
+def huge_pages_possible() -> bool:
+    """glibc >= 2.35 (the hugetlb tunable) on a kernel with transparent huge pages."""
+    version = glibc_version()
+    return version is not None and version >= (2, 35) and kernel_has_huge_pages()
+
+
+def huge_pages_env(env: Mapping[str, str]) -> dict[str, str] | None:
+    """`env` with the huge-page tunable added to GLIBC_TUNABLES, or None when there is nothing to
+    re-execute for: the tunable is already there (this is the re-executed process), glibc is older
+    than 2.35 or absent, or the kernel has no transparent huge pages."""
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if HUGE_PAGES_TUNABLE in tunables.split(":"):
+        return None
+    if not huge_pages_possible():
+        return None
+    return {**env, "GLIBC_TUNABLES": f"{tunables}:{HUGE_PAGES_TUNABLE}" if tunables else HUGE_PAGES_TUNABLE}
+
+
+def reexec_with_huge_pages() -> None:
+    """Replaces this process by the same command line with the huge-page tunable set (returns only
+    when `huge_pages_env` says there is nothing to do). Call it first thing in a command's main:
+    the process is started again, as the user started it (sys.orig_argv), same pid."""
+    env = huge_pages_env(os.environ)
+    if env is not None:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.execve(sys.executable, sys.orig_argv, env)
+
 
 def reuse_freed_memory() -> bool:
     """Applies SETTINGS with glibc's `mallopt`; True if the C library took them all, False where
     it has no `mallopt` (musl, macOS: nothing changes). Call it before jax creates its thread pool
     (the first device query): a thread keeps the arena it first allocated from."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    lib = _glibc()
+    if lib is None:
         return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return all(mallopt(param, value) == 1 for param, value in SETTINGS)
+    lib.mallopt.argtypes, lib.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    applied = all(lib.mallopt(param, value) == 1 for param, value in SETTINGS)
+    _APPLIED["reuse"] = _APPLIED["reuse"] or applied
+    return applied
+
+
+def configure(reuse: bool, reexec: bool = True) -> str:
+    """What `python -m zaya_jax.train` does with `train.reuse_host_memory`: huge pages where the
+    kernel and glibc have them (re-executing the process unless `reexec` is False), else the
+    "reuse" settings; nothing when `reuse` is False. Returns mode()."""
+    if reuse:
+        if reexec:
+            reexec_with_huge_pages()
+        if mode() != "huge_pages":
+            reuse_freed_memory()
+    return mode()
+
+
+def huge_pages_for_children(on: bool = True) -> None:
+    """Adds the tunable to os.environ (`on`, where possible) or takes it out, for the processes
+    started from now on; this one keeps what it started with (glibc has read its tunables)."""
+    env = huge_pages_env(os.environ) if on else None
+    if env is not None:
+        os.environ["GLIBC_TUNABLES"] = env["GLIBC_TUNABLES"]
+    elif not on and "GLIBC_TUNABLES" in os.environ:
+        kept = [t for t in os.environ["GLIBC_TUNABLES"].split(":") if t and t != HUGE_PAGES_TUNABLE]
+        os.environ["GLIBC_TUNABLES"] = ":".join(kept)
+
+
+def mode() -> str:
+    """"huge_pages", "reuse" or "default": how this process' malloc serves a step's buffers."""
+    if HUGE_PAGES_TUNABLE in _START_TUNABLES.split(":") and huge_pages_possible():
+        return "huge_pages"
+    return "reuse" if _APPLIED["reuse"] else "default"
+
+
+def release_freed_memory() -> bool:
+    """Returns the heap's free pages to the system (glibc `malloc_trim(0)`); False without glibc.
+    Worth a call after compiling a program: the compiler's freed memory is otherwise kept."""
+    lib = _glibc()
+    return lib is not None and bool(lib.malloc_trim(0))

@@ -235,6 +235,7 @@ class Trainer:
         self.summary["skipped_updates"] = self.faults.skipped_updates
         self.summary["final_step"] = int(self.state.step)
         self.summary["train_programs"] = self.program.train_step._cache_size()
+        self.summary["host_memory"] = host_memory.mode()
         return self.summary
 
     def _loop(self) -> None:
@@ -284,10 +285,13 @@ class Trainer:
         batch, self.ahead = self.ahead, None
         next(self.data)  # the peeked batch, now this step's
         seen = self.summary["batch_sizes"]
-        self.faults.watch(n, known_program=batch.global_batch in seen)
-        if batch.global_batch not in seen:
+        new_program = batch.global_batch not in seen
+        self.faults.watch(n, known_program=not new_program)
+        if new_program:
             seen.append(batch.global_batch)
         self.state, metrics = self.program.train_step(self.state, batch.batch)
+        if new_program:  # compiled just now: hand the compiler's freed memory back
+            host_memory.release_freed_memory()
         # Batches given out, this step's included: read now, as the log may come after the next step.
         drawn = int(self.data.get_state()["next_index"]) if self._log_due(n) else None
         if n < self.steps:
@@ -367,6 +371,7 @@ class Trainer:
             ev.update(self.harness(self.state.variables))
         self.logger.log_eval(step, ev)
         self.summary.update(ev)
+        host_memory.release_freed_memory()  # the first evaluation compiled its programs
         self.t_last = time.perf_counter()  # evaluation time is not training throughput
 
     def _save(self, step: int, reason: str) -> None:
@@ -564,7 +569,8 @@ def _define_flags(fv=None) -> None:
 
 def main(argv):
     if FLAGS.config is not None and FLAGS.config.train.reuse_host_memory is True:
-        host_memory.reuse_freed_memory()  # before jax starts its threads (zaya_jax/host_memory.py)
+        # before jax starts its threads; may re-execute this command once (zaya_jax/host_memory.py)
+        host_memory.configure(reuse=True)
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
