@@ -257,6 +257,7 @@ class JaxSide:
         t0 = time.perf_counter()
         self.step = step.lower(self.state, self.batch).compile()
         self.compile_s = time.perf_counter() - t0
+        host_memory.release_freed_memory()  # as the trainer does after a compile
         self.metrics: dict[str, Any] | None = None
         self.devices, self.device = self.mesh.size, jax.default_backend()
         self.precision = f"params {cfg.param_dtype}, matmuls {cfg.dtype}"

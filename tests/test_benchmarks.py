@@ -386,15 +386,27 @@ def test_generate_benchmark_bad_arguments(tmp_path):
 @pytest.mark.slow
 def test_long_context_benchmark_writes_report(tmp_path):
     """benchmarks/long_context.py: one process per (impl, length), a timed row and a compile-only one."""
-    out = tmp_path / "long.json"
-    proc = _run(["-m", "benchmarks.long_context", "--seq", "64", "--steps", "1", "--out", str(out)])
+    out, config = tmp_path / "long.json", tmp_path / "one_block.py"
+    # configs/tiny.py with one block: three processes each compile the model, a quarter as much
+    config.write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('tiny', {str(ROOT / 'configs/tiny.py')!r})\n"
+        "tiny = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(tiny)\n\n\n"
+        "def get_config():\n"
+        "    c = tiny.get_config()\n"
+        "    c.model.num_hidden_layers = 1\n"
+        "    return c\n"
+    )
+    args = ["-m", "benchmarks.long_context", "--config", str(config), "--seq", "64"]
+    proc = _run([*args, "--steps", "1", "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())
     assert [(r["impl"], r["seq"]) for r in rows] == [("xla", 64), ("blockwise", 64)]
     for r in rows:
         assert _positive_finite(r["step_s"]) and _positive_finite(r["temp_bytes"]), r
         assert _positive_finite(r["peak_rss_bytes"]), r
-    proc = _run(["-m", "benchmarks.long_context", "--seq", "64", "--impls", "xla", "--steps", "0"])
+    proc = _run([*args, "--impls", "xla", "--steps", "0"])
     assert proc.returncode == 0 and "(compiled only)" in proc.stdout, proc.stderr[-2000:]
 
 
