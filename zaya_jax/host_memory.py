@@ -42,9 +42,6 @@ SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER))
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 THP_MODES = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
-# The tunables this process started with (glibc read them then; later changes to os.environ only
-# reach processes started afterwards).
-_START_TUNABLES = os.environ.get("GLIBC_TUNABLES", "")
 # Whether this process applied SETTINGS: the C library's malloc state is process-wide and cannot be
 # read back, so it is mirrored here (set once, by reuse_freed_memory).
 _APPLIED: dict[str, bool] = {"reuse": False}
@@ -102,7 +99,8 @@ def reexec_with_huge_pages() -> None:
     the process is started again, as the user started it (sys.orig_argv), same pid."""
     env = huge_pages_env(os.environ)
     if env is not None:
-        sys.stdout.flush(), sys.stderr.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
         os.execve(sys.executable, sys.orig_argv, env)
 
 
@@ -142,9 +140,21 @@ def huge_pages_for_children(on: bool = True) -> None:
         os.environ["GLIBC_TUNABLES"] = ":".join(kept)
 
 
+def started_with_huge_pages() -> bool:
+    """Whether this process was started with the tunable: glibc read its tunables then, and a
+    later change to os.environ reaches only the processes started afterwards. Linux keeps the
+    environment a process started with in /proc/self/environ."""
+    try:
+        start = Path("/proc/self/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    tunables = next((v[len(b"GLIBC_TUNABLES=") :] for v in start if v.startswith(b"GLIBC_TUNABLES=")), b"")
+    return HUGE_PAGES_TUNABLE.encode() in tunables.split(b":")
+
+
 def mode() -> str:
     """"huge_pages", "reuse" or "default": how this process' malloc serves a step's buffers."""
-    if HUGE_PAGES_TUNABLE in _START_TUNABLES.split(":") and huge_pages_possible():
+    if started_with_huge_pages() and huge_pages_possible():
         return "huge_pages"
     return "reuse" if _APPLIED["reuse"] else "default"
 
