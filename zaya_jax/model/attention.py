@@ -8,6 +8,7 @@ Inputs are the post-QK-norm, post-RoPE queries and keys:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -17,7 +18,14 @@ from jax.sharding import PartitionSpec as P
 
 from zaya_jax.kernels import blockwise_attention, flash_attention, kernel_options
 from zaya_jax.kernels.xla_attention import MASK_VALUE, attention_allowed, xla_attention
-from zaya_jax.parallel.context import CONTEXT, CONTIGUOUS, ROW_AXES, context_size, from_layout, rank_chunks
+from zaya_jax.parallel.context import (
+    CONTEXT,
+    CONTIGUOUS,
+    ROW_AXES,
+    all_gather_context,
+    context_size,
+    rank_chunks,
+)
 from zaya_jax.parallel.mesh import mesh_platform
 
 __all__ = ["MASK_VALUE", "attention_allowed", "blockwise_self_attention", "pallas_attention", "xla_attention"]
@@ -45,11 +53,7 @@ def pallas_attention(
     r = context_size(mesh)
 
     def run(q, k, v, seg, mask):
-        def gather(x):  # [b, S/R, ...] -> [b, S, ...] in position order
-            if x is None or r == 1:
-                return x
-            return from_layout(jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True), layout, r)
-
+        gather = functools.partial(all_gather_context, ranks=r, layout=layout)  # in position order
         kv = dict(kv_segment_ids=gather(seg), key_mask=gather(mask))
         k, v = gather(k), gather(v)
         chunks = [(0, None, None)] if r == 1 else rank_chunks(layout, r, q.shape[1])
@@ -106,9 +110,7 @@ def blockwise_self_attention(
     r = context_size(mesh)
 
     def run(q, k, v, pos, mask, seg, window):
-        def gather(x):
-            return x if x is None or r == 1 else jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)
-
+        gather = functools.partial(all_gather_context, ranks=r)  # storage order, as `pos` says
         return blockwise_attention(
             q,
             gather(k),

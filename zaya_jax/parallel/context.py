@@ -205,12 +205,22 @@ def rank_chunks(layout: str, ranks: int, local_len: int) -> list[tuple[int, jax.
     return [(j * n, first[rank * k + j], int(order[:, j].mean() * n)) for j in range(k)]
 
 
+def all_gather_context(x_bs: jax.Array | None, ranks: int, layout: str | None = None) -> jax.Array | None:
+    """Inside shard_map over "context": this rank's [b, S/R, ...] -> the whole [b, S, ...] on every
+    rank (all-gather; a reduce-scatter in the backward), in storage order, or in position order
+    given the `layout`. None, and R = 1, pass through."""
+    if x_bs is None or ranks == 1:
+        return x_bs
+    whole = jax.lax.all_gather(x_bs, CONTEXT, axis=1, tiled=True)
+    return whole if layout is None else from_layout(whole, layout, ranks)
+
+
 def gather_sequence(x_bs: jax.Array, mesh: Mesh) -> jax.Array:
     """[B, S, ...] split over "context" -> the same array whole on every context rank (all-gather),
     rows still split over ROW_AXES."""
     rest = (None,) * (x_bs.ndim - 2)
     return jax.shard_map(
-        lambda x: jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True),
+        lambda x: all_gather_context(x, context_size(mesh)),
         mesh=mesh,
         in_specs=P(ROW_AXES, CONTEXT, *rest),
         out_specs=P(ROW_AXES, None, *rest),
