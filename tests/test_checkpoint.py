@@ -293,7 +293,7 @@ def test_checkpoint_io_benchmark_runs(tmp_path):
             "--set",
             "train.seq_len=32",
             "--set",
-            "model.num_hidden_layers=2",
+            "model.num_hidden_layers=1",
         ],
         cwd=ROOT,
         env=env,
