@@ -371,7 +371,7 @@ class Trainer:
             ev.update(self.harness(self.state.variables))
         self.logger.log_eval(step, ev)
         self.summary.update(ev)
-        host_memory.release_freed_memory()  # the first evaluation compiled its programs
+        host_memory.release_freed_memory()  # an evaluation may have compiled programs (the first does)
         self.t_last = time.perf_counter()  # evaluation time is not training throughput
 
     def _save(self, step: int, reason: str) -> None:
