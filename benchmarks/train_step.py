@@ -637,6 +637,7 @@ def method_report(args: argparse.Namespace, torch_side: IsolatedSide | None, loa
         f"{args.loop_steps + 1}..{2 * args.loop_steps} (compilation excluded)",
         "peak_rss": "VmHWM of each side's own process",
         "host_memory": args.host_memory,
+        "lean_cpu_compile": host_memory.compiles_lean(),
         "load_average_before": load,
         "load_average_after": os.getloadavg(),
     }
@@ -699,8 +700,10 @@ def add_ratios(
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     c, cfg = build_config(args)
-    # every side's process starts with glibc's huge-page tunable, as the trainer re-executes with it
+    # every side's process starts with glibc's huge-page tunable, as the trainer re-executes with it,
+    # and with XLA_FLAGS for the trainer's CPU compile (train.lean_cpu_compile)
     host_memory.huge_pages_for_children(args.host_memory == "reuse")
+    host_memory.lean_compile(c.train.lean_cpu_compile)
     load = os.getloadavg()
     device = device_report(cfg)
     ids = random_tokens(cfg.vocab_size, c.train.batch_size, c.train.seq_len, args.seed)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from xla_env import xla_flags
 from zaya_jax import host_memory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +58,7 @@ def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
         JAX_PLATFORMS="cpu",
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_VERBOSITY="error",
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        XLA_FLAGS=xla_flags(2),
     )  # a data=2 mesh, as a node would run
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
@@ -137,6 +138,7 @@ def test_train_step_benchmark_writes_report(tmp_path):
     # how it was measured: torch as a user runs it (its default threads, OMP_WAIT_POLICY unset)
     method = report["method"]
     assert method["omp_wait_policy"] == "default" and method["omp_wait_policy_env"] is None
+    assert method["lean_cpu_compile"] is False  # XLA_FLAGS names the flag (tests/xla_env.py): it stands
     assert method["torch_threads_set_by"] == "torch's default" and method["torch_threads"] >= 1
     assert "own spawned process" in method["processes"] and "flipped" in method["processes"]
     assert method["cores"] >= 1 and len(method["load_average_before"]) == 3

@@ -16,6 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 from test_train import ROOT, SMALL, run_train, tiny_config, train_losses
 
+from xla_env import xla_flags
 from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
 from zaya_jax.events import EventLog, read_events
 from zaya_jax.fault import StepWatchdog
@@ -161,7 +162,7 @@ def _cmd(workdir, *extra):
 
 
 def _env():
-    return {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    return {**os.environ, "XLA_FLAGS": xla_flags(1)}
 
 
 def _wait_for_step(proc, workdir, step, timeout=300):
@@ -274,7 +275,7 @@ def test_nan_is_skipped_and_a_spike_rolls_back(tmp_path):
 
 @pytest.mark.slow
 def test_checkpoint_io_benchmark_runs(tmp_path):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
     proc = subprocess.run(
         [
             sys.executable,

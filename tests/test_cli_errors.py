@@ -15,8 +15,10 @@ import pytest
 
 from test_train import ROOT, SMALL, run_train, train_losses
 
+from xla_env import xla_flags
+
 TINY = os.path.join(ROOT, "configs/tiny.py")
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+ENV = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
 ENV.pop("ZAYA_DEBUG", None)
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from xla_env import xla_flags
 from zaya_jax import model
 from zaya_jax.export import export, skip_bias_warning
 from zaya_jax.generate import main as generate_main
@@ -96,7 +97,7 @@ def test_export_fp32_and_bf16_load_in_transformers(trained, tmp_path):
         check=True,
         cwd=ROOT,
         capture_output=True,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+        env={**os.environ, "XLA_FLAGS": xla_flags(1)},
     )
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1

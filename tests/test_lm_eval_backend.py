@@ -17,6 +17,7 @@ from eval_models import orbax_from_hf, random_byte_model, write_harness_tasks
 from test_metrics import _event_tags
 from test_train import ROOT, SMALL
 
+from xla_env import xla_flags
 from zaya_jax import cli
 from zaya_jax.export import export
 from zaya_jax.metrics import read_metrics
@@ -238,7 +239,7 @@ def test_two_processes_match_one(model_dir, ours):
 def run_train(workdir, *extra, env_extra=None, check=True):
     cmd = [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, "configs/tiny.py"),
            "--workdir", str(workdir), *SMALL, *extra]  # fmt: skip
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
     r = subprocess.run(
         cmd, cwd=ROOT, env={**env, **(env_extra or {})}, capture_output=True, text=True, timeout=600
     )

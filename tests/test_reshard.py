@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from xla_env import xla_flags
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer
 from zaya_jax.metrics import read_metrics
@@ -67,7 +68,7 @@ def test_reshard_to_other_meshes(tmp_path):
 
     # One device: the CLI, then training resumed from the resharded checkpoint, in a subprocess.
     one = tmp_path / "one"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
     subprocess.run(
         [
             sys.executable,

@@ -15,11 +15,13 @@ import pytest
 
 from benchmarks import collectives, gemm, membw
 
+from xla_env import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(8))
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from eval_models import write_harness_tasks, write_task
+from xla_env import xla_flags
 from zaya_jax import host_memory
 from zaya_jax.evaluate import evaluate
 from zaya_jax.export import export
@@ -46,7 +47,7 @@ def run_train(workdir, *extra, check=True, devices=1, env=None):
         *SMALL,
         *extra,
     ]
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(devices), **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -80,9 +81,12 @@ def tiny_config(*args):
 @pytest.mark.slow
 def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
     a = tmp_path / "a"
-    # without the tunable set, as a user starts it: the trainer re-executes itself with it
-    first = summary_of(run_train(a, "--config.train.steps=6", env={"GLIBC_TUNABLES": ""}))
+    # as a user starts it, without the tunable (the trainer re-executes itself with it) and with
+    # XLA_FLAGS silent on the fusion emitters (the trainer turns them off: train.lean_cpu_compile)
+    user_env = {"GLIBC_TUNABLES": "", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    first = summary_of(run_train(a, "--config.train.steps=6", env=user_env))
     assert first["host_memory"] == ("huge_pages" if host_memory.huge_pages_possible() else "reuse")
+    assert first["lean_cpu_compile"] is True
     records = read_metrics(str(a))
     train = [r for r in records if r["split"] == "train"]
     evals = [r for r in records if r["split"] == "eval"]
@@ -97,6 +101,7 @@ def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
     out = run_train(a, "--config.train.steps=8")
     summary = summary_of(out)
     assert summary["start_step"] == 6 and summary["final_step"] == 8
+    assert summary["lean_cpu_compile"] is False  # XLA_FLAGS names the flag (tests/xla_env.py): it stands
     assert sorted(train_losses(a)) == list(range(1, 9))
 
 
@@ -178,7 +183,7 @@ def _two_processes(cmd, port, logs):
             text=True,
             env={
                 **os.environ,
-                "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+                "XLA_FLAGS": xla_flags(4),
                 "ZAYA_COORDINATOR": f"127.0.0.1:{port}",
                 "ZAYA_NUM_PROCESSES": "2",
                 "ZAYA_PROCESS_ID": str(i),

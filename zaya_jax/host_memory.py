@@ -21,6 +21,12 @@ Two cures, best first (`mode()` says which one a process has):
 
 Either way compiling a step leaves ~400 MB of freed compiler memory in the heap (tiny);
 `release_freed_memory` (glibc's `malloc_trim`) hands it back after a new program is compiled.
+
+Compiling is also the process' peak on a small model: XLA:CPU's MLIR fusion emitters (its default)
+took 880 MB above the set-up to compile tiny's train step, its older element-wise emitter 485 MB,
+for a ~20% longer compile and the same step time (benchmarks/README.md, "The compiler's peak").
+`lean_compile` asks for the latter through XLA_FLAGS (`--xla_cpu_use_fusion_emitters=false`), which
+XLA reads once, when jax creates its first backend; a flag the user set in XLA_FLAGS stands.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ NEVER = -1  # M_TRIM_THRESHOLD -1: never trim (mallopt takes a C int; glibc read
 SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER))
 
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+FUSION_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters"
 THP_MODES = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 # Whether this process applied SETTINGS: the C library's malloc state is process-wide and cannot be
@@ -120,10 +127,43 @@ def reuse_freed_memory() -> bool:
     return applied
 
 
-def configure(reuse: bool, reexec: bool = True) -> str:
-    """What `python -m zaya_jax.train` does with `train.reuse_host_memory`: huge pages where the
-    kernel and glibc have them (re-executing the process unless `reexec` is False), else the
+def _flag_value(xla_flags: str, name: str) -> str | None:
+    """The last value XLA_FLAGS gives `name` ("--name=value" or a bare "--name" = "true")."""
+    value = None
+    for token in xla_flags.split():
+        key, _, given = token.partition("=")
+        if key == name:
+            value = given or "true"
+    return value
+
+
+def lean_compile_flags(xla_flags: str) -> str:
+    """`xla_flags` with XLA:CPU's element-wise emitter for fusions, unless it names the flag already."""
+    if _flag_value(xla_flags, FUSION_EMITTERS_FLAG) is not None:
+        return xla_flags
+    return f"{xla_flags} {FUSION_EMITTERS_FLAG}=false".strip()
+
+
+def lean_compile(on: bool = True) -> bool:
+    """Sets os.environ's XLA_FLAGS for the leaner CPU compile (`on`): for this process if jax has not
+    created a backend yet, and for every process started from now on. Returns whether it is set."""
+    if on:
+        os.environ["XLA_FLAGS"] = lean_compile_flags(os.environ.get("XLA_FLAGS", ""))
+    return compiles_lean()
+
+
+def compiles_lean() -> bool:
+    """Whether XLA_FLAGS turns XLA:CPU's fusion emitters off (the run summary's `lean_cpu_compile`)."""
+    value = _flag_value(os.environ.get("XLA_FLAGS", ""), FUSION_EMITTERS_FLAG)
+    return value is not None and value.lower() in ("false", "0")
+
+
+def configure(reuse: bool, reexec: bool = True, lean: bool = False) -> str:
+    """What `python -m zaya_jax.train` does with `train.reuse_host_memory` and
+    `train.lean_cpu_compile` (`lean`, set first: a re-executed process inherits it): huge pages where
+    the kernel and glibc have them (re-executing the process unless `reexec` is False), else the
     "reuse" settings; nothing when `reuse` is False. Returns mode()."""
+    lean_compile(lean)
     if reuse:
         if reexec:
             reexec_with_huge_pages()

@@ -236,6 +236,7 @@ class Trainer:
         self.summary["final_step"] = int(self.state.step)
         self.summary["train_programs"] = self.program.train_step._cache_size()
         self.summary["host_memory"] = host_memory.mode()
+        self.summary["lean_cpu_compile"] = host_memory.compiles_lean()
         return self.summary
 
     def _loop(self) -> None:
@@ -568,9 +569,11 @@ def _define_flags(fv=None) -> None:
 
 
 def main(argv):
-    if FLAGS.config is not None and FLAGS.config.train.reuse_host_memory is True:
-        # before jax starts its threads; may re-execute this command once (zaya_jax/host_memory.py)
-        host_memory.configure(reuse=True)
+    if FLAGS.config is not None:
+        # before jax creates a backend (XLA reads XLA_FLAGS then) and starts its threads; may
+        # re-execute this command once (zaya_jax/host_memory.py). Checked as booleans later.
+        t = FLAGS.config.train
+        host_memory.configure(reuse=t.reuse_host_memory is True, lean=t.lean_cpu_compile is True)
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
