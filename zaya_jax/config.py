@@ -32,7 +32,7 @@ overrides any key (`--config.train.steps=100`). Sections:
                             heap (zaya_jax/host_memory.py); applied by `python -m zaya_jax.train`
   train.lean_cpu_compile    XLA:CPU compiles fusions with its element-wise emitter, not its MLIR
                             fusion emitters (--xla_cpu_use_fusion_emitters=false): tiny's compile
-                            peak 485 MB instead of 880 MB, ~20% longer compiles, the same steps;
+                            peak 485 MB instead of 880 MB, 20-45% longer compiles, the same steps;
                             XLA_FLAGS naming the flag wins; applied by `python -m zaya_jax.train`
   optim.*                   see zaya_jax.optim.chain (lr, schedule, warmup, muon.*, adamw.*, clipping)
   balancing.*               aux-loss-free router balancing: `enabled` plus one key per field of

@@ -24,7 +24,7 @@ Either way compiling a step leaves ~400 MB of freed compiler memory in the heap 
 
 Compiling is also the process' peak on a small model: XLA:CPU's MLIR fusion emitters (its default)
 took 880 MB above the set-up to compile tiny's train step, its older element-wise emitter 485 MB,
-for a ~20% longer compile and the same step time (benchmarks/README.md, "The compiler's peak").
+for a 20-45% longer compile and the same step time (benchmarks/README.md, "The compiler's peak").
 `lean_compile` asks for the latter through XLA_FLAGS (`--xla_cpu_use_fusion_emitters=false`), which
 XLA reads once, when jax creates its first backend; a flag the user set in XLA_FLAGS stands.
 """
