@@ -35,9 +35,13 @@ train: $(TRAIN_STAMP)
 # data=4 x fsdp=2 step at the end of one long pytest process (four CI runs, in the compile or in
 # writing it to the compilation cache), while the same tests pass in a fresh process.
 ISOLATED := tests/test_zero1.py
+# Two pytest workers (pytest-xdist) on CI's two cores: most of a test is one XLA compile on one
+# thread. Each test file stays in one worker (loadfile), where its shared compiled programs live;
+# the isolated file's tests, independent compiles, spread over both. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q --ignore=$(ISOLATED) $(ARGS)
-	$(PY) -m pytest -q $(ISOLATED) $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=$(ISOLATED) $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load $(ISOLATED) $(ARGS)
 
 clean:
 	rm -rf $(VENV) workdirs

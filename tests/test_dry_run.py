@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks.collectives import all_to_all_bytes
-from xla_env import DEFAULT_EMITTERS
+from xla_env import COMPILE_FLAGS
 from zaya_jax import dry_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,7 +24,7 @@ SECTIONS = ("dry run: ", "Memory per device", "Collectives per device", "Compile
 def run_dry(cwd, config, *extra):
     """The CLI in an empty directory, with no device count in XLA_FLAGS (the dry run must set it), with
     a compilation cache directory in it (the dry run must not write one)."""
-    env = {**os.environ, "XLA_FLAGS": DEFAULT_EMITTERS}
+    env = {**os.environ, "XLA_FLAGS": COMPILE_FLAGS}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(cwd, "xla_cache")
     cmd = [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, config), "--dry_run"]

@@ -49,6 +49,10 @@ SUPPORTED: dict[str, dict[str, str]] = {
 
 
 GPU_PLATFORMS = ("cuda", "rocm")  # the platforms with a Pallas Triton lowering
+# Where optim.muon.ns_impl="auto" is the Pallas kernel: on an H200 XLA's cuBLAS GEMMs ran Muon's
+# Newton-Schulz 1.1-1.3x faster than the kernel on every measured shape, fp32 and bf16
+# (benchmarks/README.md, "Measured on one H200"); ROCm is not measured yet.
+NS_AUTO_PALLAS = ("rocm",)
 
 
 def interpret_on(platform: str) -> bool:
@@ -62,9 +66,10 @@ def kernel_options(platform: str) -> dict[str, Any]:
     return {"interpret": interpret_on(platform), "platform": platform}
 
 
-def use_pallas(impl: str, platform: str) -> bool:
-    """Resolves a config's kernel choice: "pallas" -> True; "auto" -> True on a GPU platform."""
-    return impl == "pallas" or (impl == "auto" and platform in GPU_PLATFORMS)
+def use_pallas(impl: str, platform: str, auto_on: tuple[str, ...] = GPU_PLATFORMS) -> bool:
+    """Resolves a config's kernel choice: "pallas" -> True; "auto" -> True on the platforms
+    `auto_on` (every GPU platform unless the kernel's measurements say otherwise, NS_AUTO_PALLAS)."""
+    return impl == "pallas" or (impl == "auto" and platform in auto_on)
 
 
 def attention_choice(impl: str, platform: str, seq_len: int) -> str:
@@ -96,6 +101,7 @@ __all__ = [
     "blockwise_attention",
     "check_backend",
     "GPU_PLATFORMS",
+    "NS_AUTO_PALLAS",
     "interpret_on",
     "kernel_options",
     "use_pallas",

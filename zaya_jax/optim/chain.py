@@ -33,8 +33,9 @@ with an ``optim`` field or the optim ConfigDict itself)::
     optim.muon.ns_steps      Newton–Schulz iterations (5)
     optim.muon.ns_coeffs     quintic NS coefficients (3.4445, -4.7750, 2.0315)
     optim.muon.ns_dtype      "float32" | "bfloat16": dtype NS runs in
-    optim.muon.ns_impl       "xla" | "pallas" | "auto": who runs NS (auto = Pallas on GPU: the
-                             `platform` of make_optimizer, the devices the step is compiled for)
+    optim.muon.ns_impl       "xla" | "pallas" | "auto": who runs NS (auto = Pallas on ROCm, XLA's
+                             GEMMs elsewhere, kernels.NS_AUTO_PALLAS; on the `platform` of
+                             make_optimizer, the devices the step is compiled for)
     optim.muon.mu_dtype      momentum buffer dtype ("float32")
     optim.muon.eps           added to the Frobenius norm before NS
     optim.muon.consistent_rms  0.2: update RMS matched to AdamW (lr/wd transfer);
@@ -137,7 +138,7 @@ def default_optim_config() -> ml_collections.ConfigDict:
     cfg.muon.ns_steps = 5
     cfg.muon.ns_coeffs = DEFAULT_NS_COEFFS
     cfg.muon.ns_dtype = "float32"
-    cfg.muon.ns_impl = "xla"  # "xla" | "pallas" (zaya_jax.kernels.newton_schulz) | "auto" (pallas on GPU)
+    cfg.muon.ns_impl = "xla"  # "xla" | "pallas" (kernels.newton_schulz) | "auto" (kernels.NS_AUTO_PALLAS)
     cfg.muon.mu_dtype = "float32"
     cfg.muon.eps = 1e-8
     cfg.muon.consistent_rms = ml_collections.FieldReference(0.2, field_type=float)
@@ -178,7 +179,7 @@ def _orthogonalize_fn(ns_impl: str, platform: str | None):
     from zaya_jax.parallel.mesh import mesh_platform
 
     platform = platform or mesh_platform(None)
-    if not kernels.use_pallas(ns_impl, platform):
+    if not kernels.use_pallas(ns_impl, platform, auto_on=kernels.NS_AUTO_PALLAS):
         return None
     return functools.partial(kernels.newton_schulz, **kernels.kernel_options(platform))
 
