@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from zaya_jax import xla_flags
+
 COMPILE_EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -26,9 +28,7 @@ def simulate_cpu_devices(n: int | None) -> None:
     through its config, which it read from JAX_PLATFORMS at import."""
     if not n:
         return
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    xla_flags.set_flag(xla_flags.DEVICE_COUNT, n)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if "jax" in sys.modules:
         sys.modules["jax"].config.update("jax_platforms", os.environ["JAX_PLATFORMS"])

@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "zaya_jax.params",
             "zaya_jax.hlo",
             "zaya_jax.host_memory",
+            "zaya_jax.xla_flags",
             "zaya_jax.gpu_target",
             "zaya_jax.gpu_plugins",
         ),

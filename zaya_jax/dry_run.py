@@ -58,8 +58,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import re
 import time
 from typing import Any
 
@@ -71,6 +69,7 @@ from zaya_jax import config as config_lib
 from zaya_jax import gpu_target
 from zaya_jax import hlo as hlo_lib
 from zaya_jax import sizing
+from zaya_jax import xla_flags
 from zaya_jax.hlo import COLLECTIVES
 from zaya_jax.kernels import NS_AUTO_PALLAS, attention_choice, use_pallas
 from zaya_jax.model.moe import resolve_moe_impl
@@ -81,7 +80,6 @@ from zaya_jax.parallel.mesh import MESH_AXES, device_platform, mesh_from_config,
 from zaya_jax.train_state import OPTIMIZER_SCOPE, abstract_batch, check_batch_divides, train_program
 
 DEFAULT_DEVICES = 8  # a -1 mesh axis: one node, as `python -m zaya_jax.sizing` assumes
-_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def device_count(c: ml_collections.ConfigDict, requested: int | None = None) -> int:
@@ -102,14 +100,13 @@ def simulated_devices(n: int) -> list[jax.Device]:
     from jax._src import xla_bridge
 
     if not xla_bridge.backends_are_initialized():
-        flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
-        os.environ["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={n}"])
+        xla_flags.set_flag(xla_flags.DEVICE_COUNT, n, replace=True)
         jax.config.update("jax_platforms", "cpu")
     cpus = jax.devices("cpu")
     if len(cpus) < n:
         raise ValueError(
             f"--dry_run needs {n} CPU devices but jax already started with {len(cpus)}: run it in a "
-            f"fresh process, or with XLA_FLAGS={_DEVICE_COUNT_FLAG}={n}"
+            f"fresh process, or with XLA_FLAGS={xla_flags.DEVICE_COUNT}={n}"
         )
     return cpus[:n]
 

@@ -37,6 +37,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from zaya_jax import xla_flags
+
 # mallopt parameters, glibc's <malloc.h>
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
@@ -127,35 +129,19 @@ def reuse_freed_memory() -> bool:
     return applied
 
 
-def _flag_value(xla_flags: str, name: str) -> str | None:
-    """The last value XLA_FLAGS gives `name` ("--name=value" or a bare "--name" = "true")."""
-    value = None
-    for token in xla_flags.split():
-        key, _, given = token.partition("=")
-        if key == name:
-            value = given or "true"
-    return value
-
-
-def lean_compile_flags(xla_flags: str) -> str:
-    """`xla_flags` with XLA:CPU's element-wise emitter for fusions, unless it names the flag already."""
-    if _flag_value(xla_flags, FUSION_EMITTERS_FLAG) is not None:
-        return xla_flags
-    return f"{xla_flags} {FUSION_EMITTERS_FLAG}=false".strip()
-
-
 def lean_compile(on: bool = True) -> bool:
-    """Sets os.environ's XLA_FLAGS for the leaner CPU compile (`on`): for this process if jax has not
-    created a backend yet, and for every process started from now on. Returns whether it is set."""
+    """Sets os.environ's XLA_FLAGS for the leaner CPU compile (`on`; a value the user gave the flag
+    stands): for this process if jax has not created a backend yet, and for every process started
+    from now on. Returns whether it is set."""
     if on:
-        os.environ["XLA_FLAGS"] = lean_compile_flags(os.environ.get("XLA_FLAGS", ""))
+        xla_flags.set_flag(FUSION_EMITTERS_FLAG, "false")
     return compiles_lean()
 
 
 def compiles_lean() -> bool:
     """Whether XLA_FLAGS turns XLA:CPU's fusion emitters off (the run summary's `lean_cpu_compile`)."""
-    value = _flag_value(os.environ.get("XLA_FLAGS", ""), FUSION_EMITTERS_FLAG)
-    return value is not None and value.lower() in ("false", "0")
+    given = xla_flags.current(FUSION_EMITTERS_FLAG)
+    return given is not None and given.lower() in ("false", "0")
 
 
 def configure(reuse: bool, reexec: bool = True, lean: bool = False) -> str:
