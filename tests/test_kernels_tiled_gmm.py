@@ -261,3 +261,40 @@ def test_rejects_bad_shapes():
         tiled_grouped_matmul(x[None], jnp.zeros((2, 8, 4)), jnp.zeros((2,), jnp.int32))
     with pytest.raises(ValueError, match="group_sizes"):
         tiled_grouped_matmul(x, jnp.zeros((2, 8, 4)), jnp.zeros((3,), jnp.int32))
+
+
+def _constant_built(hlo: str, shape: tuple[int, ...]) -> list[str]:
+    """Instructions of the optimized HLO producing an f32 `shape` from constants alone (a zero fill
+    XLA may build anywhere: nothing it reads is computed)."""
+    dims = ",".join(map(str, shape))
+    rows = re.findall(rf"\n\s*(%\S+) = f32\[{dims}\]\{{[\d,]*\}} (?:fusion|broadcast)\(([^)]*)\)", hlo)
+    return [name for name, args in rows if all(a.strip().startswith("%constant") for a in args.split(","))]
+
+
+@pytest.mark.parametrize("kernel", ["swiglu", "grouped_matmul"])
+def test_backward_builds_its_weight_gradients_from_dy(kernel):
+    """Three unrolled layers on slices of one [L, G, ...] weight stack, as the trainer runs them on
+    CPU: the backward's [G, ...] gradient buffers are not constant zero fills. XLA built such fills
+    (and a copy per layer) during the forward pass and kept them to the backward: 288 MiB of
+    configs/mid.py's peak (tiled_grouped_matmul.py `_scan_groups`)."""
+    t, d, f, g, layers = 64, 16, 12, 4, 3
+    r = np.random.default_rng(5)
+    x = jnp.asarray(r.normal(size=(t, d)), jnp.float32)
+    gu = jnp.asarray(r.normal(size=(layers, g, d, 2 * f)) * 0.3, jnp.float32)
+    dn = jnp.asarray(r.normal(size=(layers, g, 2 * f, d)) * 0.3, jnp.float32)
+    gs = jnp.array([20, 0, 30, 14], jnp.int32)
+
+    def layer(h, gu_l, dn_l):
+        if kernel == "swiglu":
+            return h + tiled_swiglu(h, gu_l, dn_l[:, :f], gs, jax.nn.silu)
+        return h + tiled_grouped_matmul(jnp.tanh(tiled_grouped_matmul(h, gu_l, gs)), dn_l, gs)
+
+    def loss(gu, dn):
+        h = x
+        for i in range(layers):
+            h = layer(h, gu[i], dn[i])
+        return jnp.sum(h**2)
+
+    hlo = jax.jit(jax.grad(loss, (0, 1))).lower(gu, dn).compile().as_text()
+    for shape in [(g, d, 2 * f), (g, f, d) if kernel == "swiglu" else (g, 2 * f, d)]:
+        assert _constant_built(hlo, shape) == [], shape

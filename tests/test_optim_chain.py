@@ -231,6 +231,22 @@ def test_experts_orthogonalised_independently():
         assert np.max(np.abs(np.asarray(n[:, 1]) - np.asarray(b[:, 1]))) > 1e-4
 
 
+def test_newton_schulz_follows_the_platform():
+    """make_optimizer(platform=...) runs Muon's Newton-Schulz for the devices the update is compiled
+    for: slice by slice on CPU (a loop, kernels.NS_PER_SLICE: faster there), one batched chain for a
+    GPU (no loop); the same updates either way."""
+    params, grads = _params(), _params(seed=50, fn=lambda g: g + 0.5)
+    out = {}
+    for platform in ("cpu", "cuda"):
+        opt = make_optimizer(_cfg(1.0), total_steps=10, platform=platform)
+        state = opt.init(params)
+        update = jax.jit(opt.update).lower(grads, state, params).compile()
+        out[platform] = (update(grads, state, params)[0], "while" in update.as_text())
+    assert out["cpu"][1] and not out["cuda"][1]
+    close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+    jax.tree.map(close, out["cpu"][0], out["cuda"][0])
+
+
 def test_config_variants():
     cfg = _cfg(0.0)
     cfg.schedule = "wsd"

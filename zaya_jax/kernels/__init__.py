@@ -53,6 +53,11 @@ GPU_PLATFORMS = ("cuda", "rocm")  # the platforms with a Pallas Triton lowering
 # Newton-Schulz 1.1-1.3x faster than the kernel on every measured shape, fp32 and bf16
 # (benchmarks/README.md, "Measured on one H200"); ROCm is not measured yet.
 NS_AUTO_PALLAS = ("rocm",)
+# Where the XLA Newton-Schulz iterates a stack's slices one after the other (`orthogonalize`'s
+# per_slice): XLA:CPU ran 2-D matmul chains 1.4-2.1x faster than one batched chain on Muon's expert
+# stacks ([16, 512, 1024] 0.91 vs 1.28 s, [32, 128, 256] 57 vs 118 ms; benchmarks/README.md), and
+# holds one slice's temporaries instead of the stack's. GPUs keep the batched chain.
+NS_PER_SLICE = ("cpu",)
 
 
 def interpret_on(platform: str) -> bool:
@@ -102,6 +107,7 @@ __all__ = [
     "check_backend",
     "GPU_PLATFORMS",
     "NS_AUTO_PALLAS",
+    "NS_PER_SLICE",
     "interpret_on",
     "kernel_options",
     "use_pallas",

@@ -61,6 +61,7 @@ def orthogonalize(
     ns_steps: int = 5,
     ns_dtype: Any = jnp.float32,
     eps: float = 1e-8,
+    per_slice: bool = False,
 ) -> jax.Array:
     """Approximate ``U V^T`` of each [m, n] slice of x [..., m, n] with the quintic Newton-Schulz
     iteration ``X <- a X + (b A + c A^2) X``, ``A = X X^T`` (m <= n; for m > n the transposed form
@@ -70,11 +71,32 @@ def orthogonalize(
     Frobenius norm. Returns [..., m, n] in x.dtype. With the default coefficients the singular
     values land roughly in [0.7, 1.2] rather than exactly 1: the coefficients trade exactness for a
     steep slope at 0 so small singular values grow fast.
+
+    per_slice: iterate the slices one after the other (a loop of 2-D matmul chains) instead of as
+    one batched chain: on XLA:CPU 1.4-2.1x faster for Muon's expert stacks, and its temporaries are
+    one slice's, not the stack's (kernels.NS_PER_SLICE says where the optimizer asks for it).
     """
     if x.ndim < 2:
         raise ValueError(f"orthogonalize needs ndim >= 2 ([..., m, n]), got shape {x.shape}")
     a, b, c = validate_ns_coeffs(ns_coeffs)
-    ns_dtype = jnp.dtype(ns_dtype)
+    ns = functools.partial(
+        _orthogonalize_stack, coeffs=(a, b, c), ns_steps=ns_steps, ns_dtype=jnp.dtype(ns_dtype), eps=eps
+    )
+    if not per_slice or x.ndim == 2:
+        return ns(x)
+    # Each result overwrites its own slice of the stack (read just before): no second stack-sized
+    # buffer (lax.map's output would be one, zero-filled whenever XLA likes).
+    def one(i, x_bmn):
+        x_mn = lax.dynamic_index_in_dim(x_bmn, i, keepdims=False)
+        return lax.dynamic_update_index_in_dim(x_bmn, ns(x_mn), i, 0)
+
+    flat = x.reshape(-1, *x.shape[-2:])
+    return lax.fori_loop(0, flat.shape[0], one, flat).reshape(x.shape)
+
+
+def _orthogonalize_stack(x: jax.Array, *, coeffs, ns_steps: int, ns_dtype, eps: float) -> jax.Array:
+    """`orthogonalize` of x [..., m, n] in one batched chain (the temporaries are x-sized)."""
+    a, b, c = coeffs
     # Asking for float32 should mean float32: without HIGHEST, GPUs/TPUs may run fp32 matmuls in
     # TF32/bf16 passes and the iteration loses its accuracy.
     precision = lax.Precision.HIGHEST if ns_dtype == jnp.float32 else None

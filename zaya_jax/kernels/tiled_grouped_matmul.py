@@ -99,6 +99,33 @@ def _over_tiles(start_g, size_g, t: int, tm: int, tile_fn, carry):
     return jax.lax.fori_loop(0, (size_g + tm - 1) // tm, body, carry)
 
 
+def _scan_groups(group, dy, x, weights, per_group):
+    """The backwards' loop over groups: `group(dy, dx, per_group) -> (dx, (dw_g, ...))` for each
+    group g in turn, dx [T, ...] like x accumulated in the carry and each dw_g written at index g of
+    a [G, ...] gradient like its weight in `weights`. Returns (dx, (dw, ...)).
+
+    Why not lax.scan's stacked outputs: their zero-filled [G, ...] buffers are constants, so XLA
+    built them (and a copy per layer) during the forward pass, and mid's 6 unrolled layers held
+    288 MiB of expert-weight-sized zeros through the step's peak (its fwd/bwd boundary). Here they
+    are broadcast from a zero computed from dy: not a constant, so none of them is built before the
+    backward reaches the layer, nor shared (and copied) across layers. (An optimization_barrier
+    does not do it: XLA:CPU expands barriers before scheduling and the constant comes back.) Every
+    group writes its slice, so the zeros' value never reaches the result; only their timing matters."""
+    v = jax.tree.leaves(dy)[0].reshape(-1)[0].astype(jnp.float32)
+    zero = jnp.where(jnp.isfinite(v), v, 0.0) * 0.0  # 0, and not a constant (XLA keeps x * 0 of floats)
+    dws0 = tuple(jnp.broadcast_to(zero.astype(w.dtype), w.shape) for w in weights)
+    dx0 = jnp.zeros(x.shape, x.dtype)
+
+    def body(carry, xs):
+        (dx, dws), (g, per) = carry, xs
+        dx, dw_g = group(dy, dx, per)
+        put = lambda buf, d: jax.lax.dynamic_update_index_in_dim(buf, d.astype(buf.dtype), g, 0)
+        dws = tuple(map(put, dws, dw_g))
+        return (dx, dws), None
+
+    return jax.lax.scan(body, (dx0, dws0), (jnp.arange(per_group[0].shape[0]), per_group))[0]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _tiled(x_tk, w_gkm, starts_g, sizes_g, tm, out_dtype):
     t = x_tk.shape[0]
@@ -126,10 +153,10 @@ def _tiled_bwd(tm, out_dtype, res, dout_tm):
     t = x_tk.shape[0]
     cdt_x = _compute_dtype(dout_tm.dtype, w_gkm.dtype)  # dx = dout w^T
     cdt_w = _compute_dtype(x_tk.dtype, dout_tm.dtype)  # dw = x^T dout
-    dout_x, dout_w, x_w = dout_tm.astype(cdt_x), dout_tm.astype(cdt_w), x_tk.astype(cdt_w)
+    x_w = x_tk.astype(cdt_w)
 
-    def group(dx_tk, per_group):
-        w_km, start_g, size_g = per_group
+    def group(douts, dx_tk, per_group):
+        (dout_x, dout_w), (w_km, start_g, size_g) = douts, per_group
 
         def tile(start, keep, carry):
             dx, dw_km = carry
@@ -139,10 +166,11 @@ def _tiled_bwd(tm, out_dtype, res, dout_tm):
 
         dw0 = jnp.zeros(w_km.shape, jnp.float32)
         dx_tk, dw_km = _over_tiles(start_g, size_g, t, tm, tile, (dx_tk, dw0))
-        return dx_tk, dw_km.astype(w_gkm.dtype)
+        return dx_tk, (dw_km,)
 
-    dx0 = jnp.zeros(x_tk.shape, x_tk.dtype)
-    dx, dw = jax.lax.scan(group, dx0, (w_gkm.astype(cdt_x), starts_g, sizes_g))
+    douts = (dout_tm.astype(cdt_x), dout_tm.astype(cdt_w))
+    per_group = (w_gkm.astype(cdt_x), starts_g, sizes_g)
+    dx, (dw,) = _scan_groups(group, douts, x_tk, (w_gkm,), per_group)
     return dx, dw, None, None
 
 
@@ -219,9 +247,9 @@ def _swiglu_bwd(tm, act, res, dy_td):
     x_td, gu_gdf, dn_gfd, starts_g, sizes_g, h_tf = res
     t = x_td.shape[0]
     cdt = _compute_dtype(x_td.dtype, gu_gdf.dtype)
-    x_c, dy_c = x_td.astype(cdt), dy_td.astype(cdt)
+    x_c = x_td.astype(cdt)
 
-    def group(dx_td, per_group):
+    def group(dy_c, dx_td, per_group):
         gu_df, dn_fd, start_g, size_g = per_group
 
         def tile(start, keep, carry):
@@ -236,10 +264,10 @@ def _swiglu_bwd(tm, act, res, dy_td):
 
         zeros = (jnp.zeros(gu_df.shape, jnp.float32), jnp.zeros(dn_fd.shape, jnp.float32))
         dx_td, dgu_df, ddn_fd = _over_tiles(start_g, size_g, t, tm, tile, (dx_td, *zeros))
-        return dx_td, (dgu_df.astype(gu_gdf.dtype), ddn_fd.astype(dn_gfd.dtype))
+        return dx_td, (dgu_df, ddn_fd)
 
     per_group = (gu_gdf.astype(cdt), dn_gfd.astype(cdt), starts_g, sizes_g)
-    dx, (dgu, ddn) = jax.lax.scan(group, jnp.zeros(x_td.shape, x_td.dtype), per_group)
+    dx, (dgu, ddn) = _scan_groups(group, dy_td.astype(cdt), x_td, (gu_gdf, dn_gfd), per_group)
     return dx, dgu, ddn, None, None
 
 

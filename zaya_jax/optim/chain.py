@@ -57,7 +57,8 @@ import ml_collections
 import optax
 from jax.sharding import Mesh
 
-from zaya_jax.optim.muon import DEFAULT_NS_COEFFS, muon
+from zaya_jax import kernels
+from zaya_jax.optim.muon import DEFAULT_NS_COEFFS, muon, orthogonalize
 from zaya_jax.optim.schedules import make_schedule
 from zaya_jax.params import ADAMW, MUON, PARAMS, Rule, optimizer_rule, param_path
 
@@ -169,19 +170,17 @@ def lr_schedule(cfg: Any, total_steps: int) -> optax.Schedule:
 
 
 def _orthogonalize_fn(ns_impl: str, platform: str | None):
-    """None (the XLA default) or the Pallas Newton-Schulz kernel, by ``optim.muon.ns_impl``, for
-    devices of ``platform`` (None: the default device's, where a mesh-less step runs)."""
+    """Muon's Newton-Schulz by ``optim.muon.ns_impl`` for devices of ``platform`` (None: the
+    default device's, where a mesh-less step runs): the Pallas kernel, or the XLA `orthogonalize`
+    iterating slice by slice where kernels.NS_PER_SLICE says so (CPU), as one batched chain elsewhere."""
     if ns_impl not in ("xla", "pallas", "auto"):
         raise ValueError(f"optim.muon.ns_impl={ns_impl!r}; expected 'xla', 'pallas' or 'auto'")
-    if ns_impl == "xla":
-        return None
-    from zaya_jax import kernels  # the kernels package is only needed when selected
     from zaya_jax.parallel.mesh import mesh_platform
 
     platform = platform or mesh_platform(None)
-    if not kernels.use_pallas(ns_impl, platform, auto_on=kernels.NS_AUTO_PALLAS):
-        return None
-    return functools.partial(kernels.newton_schulz, **kernels.kernel_options(platform))
+    if kernels.use_pallas(ns_impl, platform, auto_on=kernels.NS_AUTO_PALLAS):
+        return functools.partial(kernels.newton_schulz, **kernels.kernel_options(platform))
+    return functools.partial(orthogonalize, per_slice=platform in kernels.NS_PER_SLICE)
 
 
 def owned_placement(mesh: Mesh, zero1: bool = True):
