@@ -8,7 +8,7 @@ import pytest
 
 from zaya_jax import balancing as bal
 from zaya_jax.config import base_config
-from zaya_jax.kernels import NS_AUTO_PALLAS, check_backend, use_pallas
+from zaya_jax.kernels import NS_AUTO_PALLAS, check_backend, ns_choice, use_pallas
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
 from zaya_jax.parallel import make_mesh
@@ -43,6 +43,10 @@ def test_impl_resolution_and_backend_check():
     # Newton-Schulz's auto follows its measurements: XLA on CUDA, the kernel on ROCm
     assert use_pallas("auto", "rocm", NS_AUTO_PALLAS) and not use_pallas("auto", "cuda", NS_AUTO_PALLAS)
     assert use_pallas("pallas", "cuda", NS_AUTO_PALLAS)
+    # ... and XLA's iteration goes slice by slice on CPU only (kernels.NS_PER_SLICE)
+    auto = [ns_choice("auto", p) for p in ("cpu", "cuda", "rocm", "tpu")]
+    assert auto == ["xla per slice", "xla", "pallas", "xla"]
+    assert ns_choice("pallas", "cpu") == "pallas" and ns_choice("xla", "rocm") == "xla"
     check_backend("cpu", "pallas", "auto", "xla")  # CPU runs the kernels interpreted: allowed
     check_backend("rocm", "pallas")
     check_backend("tpu", "auto", "xla")  # auto falls back to XLA there

@@ -71,7 +71,7 @@ from zaya_jax import hlo as hlo_lib
 from zaya_jax import sizing
 from zaya_jax import xla_flags
 from zaya_jax.hlo import COLLECTIVES
-from zaya_jax.kernels import NS_AUTO_PALLAS, NS_PER_SLICE, attention_choice, use_pallas
+from zaya_jax.kernels import attention_choice, ns_choice
 from zaya_jax.model.moe import resolve_moe_impl
 from zaya_jax.model.transformer import resolve_scan_layers
 from zaya_jax.parallel.context import config_context
@@ -491,11 +491,10 @@ def impl_summary(c: ml_collections.ConfigDict, cfg: Any, platform: str) -> str:
     """The impls the step was built with on `platform` (each `auto` resolved, as the model does)."""
     attention = lambda impl: attention_choice(impl, platform, c.train.seq_len)  # noqa: E731
     ns = c.optim.muon.ns_impl
-    ns_xla = "xla per slice" if platform in NS_PER_SLICE else "xla"
     chosen = {
         "attention": (cfg.attention_impl, attention(cfg.attention_impl)),
         "experts": (cfg.moe_impl, resolve_moe_impl(cfg.moe_impl, platform)),
-        "Newton-Schulz": (ns, "pallas" if use_pallas(ns, platform, NS_AUTO_PALLAS) else ns_xla),
+        "Newton-Schulz": (ns, ns_choice(ns, platform)),
         "layers": (cfg.scan_layers, resolve_scan_layers(cfg.scan_layers, cfg.num_hidden_layers, platform)),
     }
     shown = [

@@ -89,6 +89,14 @@ def attention_choice(impl: str, platform: str, seq_len: int) -> str:
     return "xla"
 
 
+def ns_choice(impl: str, platform: str) -> str:
+    """Resolves optim.muon.ns_impl on `platform` to "pallas", "xla per slice" or "xla": "auto" is the
+    Pallas kernel on NS_AUTO_PALLAS; XLA's iteration runs slice by slice on NS_PER_SLICE."""
+    if use_pallas(impl, platform, auto_on=NS_AUTO_PALLAS):
+        return "pallas"
+    return "xla per slice" if platform in NS_PER_SLICE else "xla"
+
+
 def check_backend(platform: str, *impls: str) -> None:
     """Start-up check: a Pallas choice for devices without the Triton lowering (TPU) is an error
     here, with the fix named, instead of a lowering failure deep inside jit."""
@@ -108,6 +116,7 @@ __all__ = [
     "GPU_PLATFORMS",
     "NS_AUTO_PALLAS",
     "NS_PER_SLICE",
+    "ns_choice",
     "interpret_on",
     "kernel_options",
     "use_pallas",

@@ -178,9 +178,10 @@ def _orthogonalize_fn(ns_impl: str, platform: str | None):
     from zaya_jax.parallel.mesh import mesh_platform
 
     platform = platform or mesh_platform(None)
-    if kernels.use_pallas(ns_impl, platform, auto_on=kernels.NS_AUTO_PALLAS):
+    choice = kernels.ns_choice(ns_impl, platform)
+    if choice == "pallas":
         return functools.partial(kernels.newton_schulz, **kernels.kernel_options(platform))
-    return functools.partial(orthogonalize, per_slice=platform in kernels.NS_PER_SLICE)
+    return functools.partial(orthogonalize, per_slice=choice == "xla per slice")
 
 
 def owned_placement(mesh: Mesh, zero1: bool = True):
