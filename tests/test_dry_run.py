@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 
 import jax
 import jax.numpy as jnp
@@ -175,11 +176,13 @@ TINY_EXCHANGE = dict(
 
 
 @pytest.mark.slow
-def test_compiled_step_exchange_main_path_and_spill():
+def test_compiled_step_exchange_main_path_and_spill(monkeypatch):
     """The tiny train step at data=2 x expert=4 (64 tokens per device, fp32, the config of
     test_expert_exchange's byte count): the dry run's every-step all-to-all bytes are the main round's
     (C = 24 slots per peer: x / ids forward, y, dy, dx) and its spill row the T - C = 40 others'; both
     agree with benchmarks.collectives.all_to_all_bytes."""
+    from jax._src import compilation_cache
+
     from zaya_jax.config import base_config, set_model
     from zaya_jax.model import ZayaConfig
 
@@ -187,16 +190,25 @@ def test_compiled_step_exchange_main_path_and_spill():
     set_model(c, ZayaConfig.tiny(**TINY_EXCHANGE))
     c.train.batch_size, c.train.seq_len = 8, 64
     c.mesh.data, c.mesh.fsdp, c.mesh.expert = 2, 1, 4
-    cache = os.environ["JAX_COMPILATION_CACHE_DIR"]  # tests/conftest.py
+    # This process's writes to the persistent cache, recorded where jax makes them (not by listing
+    # the directory: the suite's other worker and its CLI subprocesses write their own train steps there).
+    written = []
+    put = compilation_cache.put_executable_and_time
+
+    def record(cache_key, module_name, *args, **kwargs):
+        written.append(module_name)
+        return put(cache_key, module_name, *args, **kwargs)
+
+    monkeypatch.setattr(compilation_cache, "put_executable_and_time", record)
     # Writes allowed again here (tests/conftest.py stops them for the test process), and the cache
     # in use in this process, as in the full suite: only compile_step itself may stop the write.
     with jax_config.persistent_cache_min_compile_time_secs(0.0):
-        jax.jit(lambda x: x + 2)(1)
-        before = set(os.listdir(cache)) if os.path.isdir(cache) else set()
+        salt = float(uuid.uuid4().int % 10**6)  # a program no earlier run has put in the cache
+        jax.jit(lambda x: x + salt)(1.0)
+        assert written, "the recorder sees this process's cache writes"
         step = dry_run.compile_step(c, jax.devices()[:8])
     # Not written to the persistent cache: XLA:CPU aborted serializing such a step late in CI's run.
-    after = set(os.listdir(cache)) if os.path.isdir(cache) else set()
-    assert not [f for f in after - before if f.startswith("jit_train_step")], after - before
+    assert not [m for m in written if m.startswith("jit_train_step")], written
     hlo = step.compiled.as_text()
     stats = dry_run.collectives(hlo)
     n, t, cap, d, blocks = 4, 64, 24, TINY_EXCHANGE["hidden_size"], 2  # blocks: layers x grad_accum
