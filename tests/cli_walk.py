@@ -91,6 +91,7 @@ CLIS = (
             "generate",
             "kernels",
             "membw",
+            "newton_schulz",
             "train_step",
         )
     ),

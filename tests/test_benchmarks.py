@@ -412,6 +412,29 @@ def test_long_context_benchmark_writes_report(tmp_path):
     assert proc.returncode == 0 and "(compiled only)" in proc.stdout, proc.stderr[-2000:]
 
 
+def test_newton_schulz_benchmark_writes_report(tmp_path):
+    """benchmarks/newton_schulz.py: both sides orthogonalise the same Muon matrices (their FLOPs agree,
+    from two different parameter layouts: our [l, ...] stacks, transformers' per-layer tensors); the
+    step's CPU choice (slice by slice) is what ours runs; a bad override is one `error:` line."""
+    out = tmp_path / "ns.json"
+    toy = ["--set", "model.num_hidden_layers=2", "--set", "model.num_experts=4", "--iters", "1"]
+    proc = _run(["-m", "benchmarks.newton_schulz", *toy, "--repeats", "1", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "zaya_jax/torch_muon speed =" in proc.stdout and "(the same FLOPs)" in proc.stdout, proc.stdout
+    report = json.loads(out.read_text())
+    ours, torch = report["results"]["zaya_jax"], report["results"]["torch_muon"]
+    assert report["same_flops"] and ours["flops"] == torch["flops"] > 0
+    assert ours["impl"] == "xla per slice" and torch["threads"] >= 1
+    # Ours: one stack per Muon leaf (10 per block kind); torch's: 2 blocks x the same 10 tensors.
+    assert (ours["matrices"], torch["matrices"]) == (10, 20)
+    for r in (ours, torch):
+        assert _positive_finite(r["time_s"]) and _positive_finite(r["gflop_per_s"])
+        assert len(r["repeat_medians_s"]) == 1
+    assert report["method"]["torch"] == "its defaults: threads, OMP_WAIT_POLICY unset"
+    proc = _run(["-m", "benchmarks.newton_schulz", "--set", "optim.muon.ns_steps=0"])
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: "), proc.stderr
+
+
 def test_peak_rss_is_the_process_own():
     # A spawned child's VmHWM is its own; getrusage's ru_maxrss would carry this process' high-water
     # mark across fork + exec (what made checkpoint_io report an export's RSS as 23 GB).
