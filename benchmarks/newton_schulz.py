@@ -4,7 +4,7 @@
         [--iters 7] [--repeats 2] [--out results/newton_schulz.json]
 
 ours   the iteration the train step runs on this machine (zaya_jax/optim/chain.py
-       `_orthogonalize_fn`: on CPU slice by slice), jitted over the train state's Muon leaves
+       `_orthogonalize_fn`: on CPU slice by slice), jitted over the model's Muon parameters
        ([l, ...] and [l, e, ...] stacks), fp32 inputs
 torch  `benchmarks/torch_muon.py`'s `orthogonalize` (the torch side of `benchmarks.train_step`'s
        like-for-like row) over the Muon tensors of transformers' ZayaForCausalLM (per layer)
@@ -36,23 +36,14 @@ from benchmarks.common import (
     set_env,
 )
 from benchmarks.train_step import build_config
-from zaya_jax import cli
+from zaya_jax import cli, sizing
 
 OURS, TORCH = "zaya_jax", "torch_muon"
 
 
-def ns_flops(shapes: list[tuple[int, ...]], steps: int) -> float:
-    """FLOPs of `steps` quintic iterations on each [.., m, n] slice (Gram matrix on the short side s,
-    long side l: X X^T and P X at 2 s^2 l each, A A at 2 s^3)."""
-    total = 0.0
-    for shape in shapes:
-        s, l = sorted(shape[-2:])
-        total += float(np.prod(shape[:-2])) * steps * (4 * s * s * l + 2 * s**3)
-    return total
-
-
-def _median_call(call: Any, iters: int) -> list[float]:
-    call()  # compiles (ours) / warms the allocator (torch)
+def _call_times(call: Any, iters: int) -> list[float]:
+    """Seconds of each of `iters` timed calls, after one untimed call (ours compiles there)."""
+    call()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -62,30 +53,24 @@ def _median_call(call: Any, iters: int) -> list[float]:
 
 
 def time_ours(args: argparse.Namespace) -> dict[str, Any]:
-    """In its own process: our Newton-Schulz over the train state's Muon leaves."""
+    """In its own process: our Newton-Schulz over the model's Muon parameters (sizing.param_leaves)."""
     import jax
     import jax.numpy as jnp
 
-    from zaya_jax import kernels, params
+    from zaya_jax import kernels
     from zaya_jax.optim.chain import _orthogonalize_fn
-    from zaya_jax.train_state import abstract_train_state
 
     c, cfg = build_config(args)
     m = c.optim.muon
-    leaves = jax.tree_util.tree_flatten_with_path(abstract_train_state(c, cfg).params)[0]
-    shapes = [
-        tuple(a.shape)
-        for kp, a in leaves
-        if params.optimizer_rule(params.param_path(kp), a.ndim).label == params.MUON
-    ]
+    shapes = [shape for _, shape, label in sizing.param_leaves(cfg) if label == "muon"]
     platform = jax.devices()[0].platform
     ns = _orthogonalize_fn(m.ns_impl, platform)
     kw = dict(ns_coeffs=tuple(m.ns_coeffs), ns_steps=m.ns_steps, eps=m.eps)
     fn = jax.jit(lambda xs: [ns(x, **kw) for x in xs])
     rng = np.random.default_rng(args.seed)
     xs = [jnp.asarray(rng.standard_normal(s, np.float32)) for s in shapes]
-    times = _median_call(lambda: jax.block_until_ready(fn(xs)), args.iters)
-    flops = ns_flops(shapes, m.ns_steps)
+    times = _call_times(lambda: jax.block_until_ready(fn(xs)), args.iters)
+    flops = sizing.newton_schulz_flops_of(shapes, m.ns_steps)
     impl = kernels.ns_choice(m.ns_impl, platform)
     return {"times_s": times, "shapes": shapes, "flops": flops, "impl": impl}
 
@@ -110,8 +95,8 @@ def time_torch(args: argparse.Namespace) -> dict[str, Any]:
             for x in xs:
                 orthogonalize(x, tuple(m.ns_coeffs), m.ns_steps, m.eps)
 
-    times = _median_call(call, args.iters)
-    flops = ns_flops(shapes, m.ns_steps)
+    times = _call_times(call, args.iters)
+    flops = sizing.newton_schulz_flops_of(shapes, m.ns_steps)
     return {"times_s": times, "shapes": shapes, "flops": flops, "threads": torch.get_num_threads()}
 
 
@@ -134,7 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "flops": rs[0]["flops"],
             "gflop_per_s": rs[0]["flops"] / t / 1e9,
             "matrices": len(rs[0]["shapes"]),
-            **({"threads": rs[0]["threads"]} if "threads" in rs[0] else {"impl": rs[0]["impl"]}),
+            **{k: rs[0][k] for k in ("impl", "threads") if k in rs[0]},  # what each side ran with
         }
     ours, theirs = results[OURS], results[TORCH]
     return {

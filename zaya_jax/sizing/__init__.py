@@ -24,6 +24,7 @@ from zaya_jax.sizing.flops import (
     mean_keys_per_query,
     mfu,
     newton_schulz_flops,
+    newton_schulz_flops_of,
     peak_flops_per_device,
 )
 from zaya_jax.sizing.memory import (
@@ -68,6 +69,7 @@ __all__ = [
     "memory_per_device",
     "mfu",
     "newton_schulz_flops",
+    "newton_schulz_flops_of",
     "param_counts",
     "param_leaves",
     "param_mesh_axes",

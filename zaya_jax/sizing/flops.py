@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import jax
 
@@ -104,18 +104,22 @@ REMAT_DOT_FACTOR = {"none": 1.0, "dots_saveable": 1.0, "full": 4.0 / 3.0}
 
 
 def newton_schulz_flops(cfg: ZayaConfig, ns_steps: int = 5) -> float:
-    """Matmul FLOPs of one Muon update's Newton-Schulz iterations over every Muon-routed matrix
-    (zaya_jax.kernels.newton_schulz.orthogonalize): per [m, n] slice, m <= n, each iteration forms
-    A = X X^T (2 m^2 n), A^2 (2 m^3) and (b A + c A^2) X (2 m^2 n).
+    """Matmul FLOPs of one Muon update's Newton-Schulz iterations over every Muon-routed matrix of
+    the model (`newton_schulz_flops_of` their shapes).
 
     Paid once per optimizer step whatever the batch, so at a small batch it can outweigh the model:
     configs/mid.py's 16 experts of 512 x 1024 per block cost 1.08 TFLOP a step against 0.13 TFLOP of
     forward + backward at 2,048 tokens."""
+    muon = [shape for _, shape, label in param_leaves(cfg) if label == "muon"]
+    return newton_schulz_flops_of(muon, ns_steps)
+
+
+def newton_schulz_flops_of(shapes: Sequence[tuple[int, ...]], ns_steps: int = 5) -> float:
+    """Matmul FLOPs of `ns_steps` Newton-Schulz iterations on every [m, n] slice of each [..., rows,
+    cols] shape (zaya_jax.kernels.newton_schulz.orthogonalize): m <= n, each iteration forms
+    A = X X^T (2 m^2 n), A^2 (2 m^3) and (b A + c A^2) X (2 m^2 n)."""
     total = 0.0
-    for _, shape, label in param_leaves(cfg):
-        if label != "muon":
-            continue
-        *batch, rows, cols = shape
+    for *batch, rows, cols in shapes:
         m, n = min(rows, cols), max(rows, cols)
         total += math.prod(batch) * ns_steps * (4.0 * m * m * n + 2.0 * m**3)
     return total
