@@ -45,9 +45,27 @@ def host_info() -> dict[str, Any]:
         "jax_version": jax.__version__,
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)),
+        **cpu_model(),
         "platform": platform.platform(),
         "python": platform.python_version(),
     }
+
+
+VECTOR_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")  # what moves a CPU's matmul speed most
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> dict[str, Any]:
+    """The CPU's model name and which of VECTOR_FLAGS it has: two machines with the same core count
+    can differ 2-3x in matmul speed (benchmarks/README.md: 140-217 against 477 GFLOP/s fp32), so
+    every report says which one it ran on."""
+    try:
+        with open(cpuinfo) as f:
+            first = f.read().split("\n\n")[0]  # the first processor's block
+    except OSError:
+        return {"cpu_model": platform.processor(), "cpu_vector_flags": None}
+    fields = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in first.splitlines()))
+    flags = set(fields.get("flags", "").split())
+    return {"cpu_model": fields.get("model name", ""), "cpu_vector_flags": [f for f in VECTOR_FLAGS if f in flags]}
 
 
 class CompileClock:

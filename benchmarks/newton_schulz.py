@@ -35,7 +35,7 @@ from benchmarks.common import (
     print_and_write,
     set_env,
 )
-from benchmarks.train_step import build_config
+from benchmarks.train_step import add_config_args, build_config, checked_config
 from zaya_jax import cli, sizing
 
 OURS, TORCH = "zaya_jax", "torch_muon"
@@ -154,8 +154,7 @@ def report_text(report: dict[str, Any]) -> tuple[str, str]:
 
 def arg_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m benchmarks.newton_schulz", description=__doc__.split("\n")[0])
-    p.add_argument("--config", default="configs/tiny.py", help="config file (default configs/tiny.py)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override, repeatable")
+    add_config_args(p)
     p.add_argument("--iters", type=cli.Int(min=1), default=7, help="timed calls a side a repeat (default 7)")
     p.add_argument("--repeats", type=cli.Int(min=1), default=2, help="alternated repeats (default 2)")
     p.add_argument("--seed", type=cli.Int(min=0), default=0, help="random matrices' seed (default 0)")
@@ -166,10 +165,7 @@ def arg_parser() -> cli.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = arg_parser().parse_args(argv)
-    try:
-        build_config(args)  # fail fast, in one line, on a bad config file or override
-    except (KeyError, ValueError, TypeError, FileNotFoundError) as e:
-        sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}")
+    checked_config(args)  # fail fast, in one line
     report = run(args)
     print_and_write(report, *report_text(report), args.out, "newton_schulz")
     return report

@@ -493,6 +493,27 @@ def build_config(args: argparse.Namespace) -> tuple[ml_collections.ConfigDict, Z
     return c, cfg
 
 
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """--config and --set, as build_config reads them (the benchmarks that build a training config)."""
+    p.add_argument(
+        "--config", default="configs/tiny.py", help="training config file (default configs/tiny.py)"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="config override, repeatable: --set train.batch_size=4 --set model.num_hidden_layers=2",
+    )
+
+
+def checked_config(args: argparse.Namespace) -> tuple[ml_collections.ConfigDict, ZayaConfig]:
+    """build_config at start-up: a bad config file or override ends in one `error:` line."""
+    try:
+        return build_config(args)
+    except (KeyError, ValueError, TypeError, FileNotFoundError) as e:
+        sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}")
+
+
 def timed_window(side: Any, warmup: int, steps: int) -> float:
     """`warmup` untimed steps, then seconds per step over `steps` timed ones."""
     side.run(warmup)
@@ -886,15 +907,7 @@ def arg_parser() -> cli.ArgumentParser:
         description=__doc__.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--config", default="configs/tiny.py", help="training config file (default configs/tiny.py)"
-    )
-    p.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="config override, repeatable: --set train.batch_size=4 --set model.num_hidden_layers=2",
-    )
+    add_config_args(p)
     p.add_argument("--steps", type=cli.Int(min=1), default=10, help="timed steps per repeat (default 10)")
     p.add_argument(
         "--warmup", type=cli.Int(min=0), default=2, help="untimed steps before each repeat (default 2)"
@@ -955,10 +968,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    try:
-        build_config(args)  # fail fast, in one line, on a bad config file or override
-    except (KeyError, ValueError, TypeError, FileNotFoundError) as e:
-        sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}")
+    checked_config(args)  # fail fast, in one line
     report = run_benchmark(args)
     print_and_write(report, format_table(report), summary_line(report), args.out, "train_step")
     return report

@@ -92,6 +92,7 @@ CLIS = (
             "kernels",
             "membw",
             "newton_schulz",
+            "profile_step",
             "train_step",
         )
     ),

@@ -457,3 +457,52 @@ def test_train_step_wait_policy_is_torch_default_unless_asked():
     assert parse_args([]).omp_wait_policy == "default" and OMP_WAIT_POLICIES["default"] is None
     assert OMP_WAIT_POLICIES[parse_args(["--omp-wait-policy", "passive"]).omp_wait_policy] == "PASSIVE"
     assert parse_args([]).threads == 0  # torch's own thread count
+
+
+def test_profile_step_names_the_step_time_by_phase_and_site(tmp_path):
+    """benchmarks/profile_step.py: a profiled train step's op time, every op named by the model code
+    that made it (the compiled HLO's op_name), split into forward, backward and optimizer; a bad
+    override is one `error:` line."""
+    out = tmp_path / "profile.json"
+    toy = ["--set", "model.num_hidden_layers=1", "--set", "train.batch_size=2", "--set", "train.seq_len=32"]
+    steps = ["--steps", "2", "--timed", "2", "--warmup", "1"]
+    proc = _run(["-m", "benchmarks.profile_step", *toy, *steps, "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "profile_step:" in proc.stdout and "ms of ops in" in proc.stdout, proc.stdout
+    report = json.loads(out.read_text())
+    phases = report["phases_ms"]
+    assert set(phases) == {"forward", "backward", "recompute", "optimizer"}
+    assert all(phases[p] > 0 for p in ("forward", "backward", "optimizer")), phases
+    assert report["op_ms"] == pytest.approx(sum(phases.values()))
+    assert report["op_ms"] == pytest.approx(sum(r["ms"] for r in report["sites"]))
+    assert report["op_ms"] == pytest.approx(sum(r["ms"] for r in report["ops"]))
+    sites = {r["site"]: r for r in report["sites"]}
+    # the model's blocks by module, the experts' work in both directions, Muon's matmuls in the update
+    assert sites["mlp/experts"]["forward"] > 0 and sites["mlp/experts"]["backward"] > 0, sites.keys()
+    assert any(s.startswith("self_attn/") for s in sites), sites.keys()
+    muon = [r for r in report["ops"] if r["phase"] == "optimizer" and r["op_name"].endswith("dot_general")]
+    assert muon and all("optimizer_update" in r["op_name"] for r in muon)
+    ms = [r["ms"] for r in report["sites"]]
+    assert ms == sorted(ms, reverse=True)
+    for key in ("step_ms", "profiled_step_ms", "trace_overhead", "op_calls"):
+        assert _positive_finite(report[key]), (key, report[key])
+    assert report["host_memory"] in ("huge_pages", "reuse")
+    # the machine: two 2-core boxes here differed 2-3x in matmul speed
+    device = report["device"]
+    assert isinstance(device["cpu_model"], str) and isinstance(device["cpu_vector_flags"], list)
+    proc = _run(["-m", "benchmarks.profile_step", "--set", "optim.muon.ns_steps=0"])
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: "), proc.stderr
+
+
+def test_op_names_reads_each_instruction_source():
+    from zaya_jax import hlo
+
+    text = """HloModule jit_f, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+
+ENTRY %main.3 (x.1: f32[4]) -> f32[4] {
+  %x.1 = f32[4]{0} parameter(0)
+  %sine.2 = f32[4]{0} sine(%x.1), metadata={op_name="jit(f)/layers/mlp/sin" source_file="m.py"}
+  ROOT %copy.3 = f32[4]{0} copy(%sine.2)
+}
+"""
+    assert hlo.op_names(text) == {"x.1": "", "sine.2": "jit(f)/layers/mlp/sin", "copy.3": ""}

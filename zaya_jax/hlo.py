@@ -1,9 +1,11 @@
 """A reader of compiled HLO text (`compiled.as_text()`): its computations, how often each runs per
 call, the collectives in it with their result bytes, and its work: dots (with their FLOPs), vendor
-GEMM calls, convolutions, Triton kernels (ours, and XLA's Triton fusions).
+GEMM calls, convolutions, Triton kernels (ours, and XLA's Triton fusions); and the jax source path
+each instruction came from (`op_names`).
 
-Read by `zaya_jax.dry_run` (the collectives, kernels and FLOPs of `train --dry_run`) and
-`benchmarks/collectives.py` (the expert exchange's all-to-all bytes, issue 17).
+Read by `zaya_jax.dry_run` (the collectives, kernels and FLOPs of `train --dry_run`),
+`benchmarks/collectives.py` (the expert exchange's all-to-all bytes, issue 17) and
+`benchmarks/profile_step.py` (a profile's ops named by the model code that made them).
 
 Operand shapes: XLA:CPU's text writes every operand with its shape; XLA:GPU's names operands only
 (`dot(%a, %b)`), so a dot's contraction sizes are looked up in the declarations of its computation
@@ -142,6 +144,18 @@ def shape_bytes(text: str) -> int:
         bits = _DTYPE_BITS.get(dtype) or (8 if dtype.startswith("f8") else int(dtype[1:]))
         total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
     return total
+
+
+def op_names(hlo: str) -> dict[str, str]:
+    """{instruction name: its op_name metadata, "" where it has none} over the whole module: the jax
+    source path (`jit(f)/.../layers/self_attn/dot_general`) of each op a profiler names by instruction."""
+    names = {}
+    for line in hlo.splitlines():
+        m = _NAME.match(line)
+        if m:
+            found = _OP_NAME.search(line)
+            names[m.group(1)] = found.group(1) if found else ""
+    return names
 
 
 def computations(hlo: str) -> tuple[dict[str, list[str]], str]:

@@ -78,9 +78,30 @@ def sparse_moe(
     `swiglu` is the grouped SwiGLU on expert-sorted tokens: ragged_dot (default) or the Pallas kernel.
     """
     order, group_sizes = group_by_expert(expert_m, gate_up_edf.shape[0])
-    y_sorted = swiglu(x_md[order], gate_up_edf, down_efd, group_sizes, act)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    return y_sorted[inverse]
+    # A sort, not `zeros.at[order].set(arange)`: under train.lean_cpu_compile XLA:CPU runs every
+    # scatter as a loop over its rows (2,048 iterations a layer on tiny).
+    inverse = jnp.argsort(order)
+    y_sorted = swiglu(permute_rows(x_md, order, inverse), gate_up_edf, down_efd, group_sizes, act)
+    return permute_rows(y_sorted, inverse, order)
+
+
+@jax.custom_vjp
+def permute_rows(x_md: jax.Array, perm_m: jax.Array, inverse_m: jax.Array) -> jax.Array:
+    """x[perm] for a permutation `perm` of the M rows whose inverse is `inverse`. The gradient is
+    the cotangent gathered by `inverse`: the same values as autodiff's scatter-add (each row receives
+    exactly one), without the scatter (a loop over rows on XLA:CPU's lean compile)."""
+    return x_md[perm_m]
+
+
+def _permute_rows_fwd(x_md, perm_m, inverse_m):
+    return x_md[perm_m], inverse_m
+
+
+def _permute_rows_bwd(inverse_m, ct_md):
+    return ct_md[inverse_m], None, None
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
 def tiled_moe(
