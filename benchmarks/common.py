@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from zaya_jax import xla_flags
 
 COMPILE_EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
@@ -28,6 +27,8 @@ def simulate_cpu_devices(n: int | None) -> None:
     through its config, which it read from JAX_PLATFORMS at import."""
     if not n:
         return
+    from zaya_jax import xla_flags  # here, not at the top: a torch side's process imports no jax
+
     xla_flags.set_flag(xla_flags.DEVICE_COUNT, n)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if "jax" in sys.modules:

@@ -82,12 +82,13 @@ def time_torch(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import ZayaForCausalLM
 
     from benchmarks.reference import hf_config
-    from benchmarks.torch_muon import TorchMuonAdamW, orthogonalize
+    from benchmarks.torch_muon import TorchMuonAdamW, model_muon_names, orthogonalize
 
     c, cfg = build_config(args)
     m = c.optim.muon
     torch.manual_seed(args.seed)
-    shapes = [tuple(p.shape) for p in TorchMuonAdamW(ZayaForCausalLM(hf_config(cfg)), c, cfg).muon]
+    model = ZayaForCausalLM(hf_config(cfg))
+    shapes = [tuple(p.shape) for p in TorchMuonAdamW(model, c.optim, model_muon_names(model, cfg)).muon]
     xs = [torch.randn(s) for s in shapes]
 
     def call():

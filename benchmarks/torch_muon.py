@@ -17,14 +17,16 @@ from typing import Any
 
 import ml_collections
 
-from zaya_jax.hf.names import native_map
-from zaya_jax.model import ZayaConfig
-from zaya_jax.params import MUON, optimizer_rule
+# Nothing of zaya_jax (which imports jax) at import: the torch sides of benchmarks/train_step.py run
+# this in a process without jax (benchmarks/isolated.py); the parent names the Muon tensors.
 
 
-def muon_tensor_names(cfg: ZayaConfig, ndims: dict[str, int]) -> set[str]:
+def muon_tensor_names(cfg: Any, ndims: dict[str, int]) -> set[str]:
     """The transformers tensor names (of those in `ndims`: name -> ndim) whose parameter our
     optimizer chain puts on Muon. Ours have one leading axis per stacked index (l, for blocks)."""
+    from zaya_jax.hf.names import native_map
+    from zaya_jax.params import MUON, optimizer_rule
+
     return {
         t.hf
         for t in native_map(cfg)
@@ -48,23 +50,30 @@ def orthogonalize(x, coeffs: tuple[float, float, float], steps: int, eps: float)
     return x.mT if tall else x
 
 
-class TorchMuonAdamW:
-    """Muon on the registry's Muon parameters, AdamW on the others; `step` / `zero_grad` like a
-    torch optimizer."""
+def model_muon_names(model: Any, cfg: Any) -> set[str]:
+    """muon_tensor_names of a transformers model's parameters (a model on torch's meta device will do)."""
+    return muon_tensor_names(cfg, {n: p.ndim for n, p in model.named_parameters()})
 
-    def __init__(self, model: Any, c: ml_collections.ConfigDict, cfg: ZayaConfig):
+
+class TorchMuonAdamW:
+    """Muon on `muon_names` (model_muon_names: the registry's Muon parameters), AdamW on the others,
+    with the settings of `optim` (the config's optim section); `step` / `zero_grad` like a torch
+    optimizer."""
+
+    def __init__(self, model: Any, optim: ml_collections.ConfigDict, muon_names: set[str]):
         import torch
 
         named = dict(model.named_parameters())
-        names = muon_tensor_names(cfg, {n: p.ndim for n, p in named.items()})
-        self.muon = [named[n] for n in sorted(names)]
-        rest = [p for n, p in named.items() if n not in names]
-        a, m = c.optim.adamw, c.optim.muon
+        if not muon_names or not muon_names <= set(named):
+            raise ValueError(f"Muon tensors {sorted(set(muon_names) - set(named))} are not the model's")
+        self.muon = [named[n] for n in sorted(muon_names)]
+        rest = [p for n, p in named.items() if n not in muon_names]
+        a, m = optim.adamw, optim.muon
         self.adamw = torch.optim.AdamW(
-            rest, lr=c.optim.lr * a.lr_multiplier, betas=(a.b1, a.b2), eps=a.eps, weight_decay=a.weight_decay
+            rest, lr=optim.lr * a.lr_multiplier, betas=(a.b1, a.b2), eps=a.eps, weight_decay=a.weight_decay
         )
         self.momentum = [torch.zeros_like(p) for p in self.muon]
-        self.lr, self.m = c.optim.lr * m.lr_multiplier, m
+        self.lr, self.m = optim.lr * m.lr_multiplier, m
         self.params = list(named.values())
 
     def zero_grad(self, set_to_none: bool = True) -> None:

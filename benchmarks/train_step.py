@@ -6,8 +6,8 @@
         [--host-memory reuse|default] [--omp-wait-policy default|passive|active] [--threads N]
 
 (`python benchmarks/train_step.py ...` works too.) Every side runs in a process of its own
-(spawned, driven over a pipe: `IsolatedSide`), one at a time, so each is alone on the machine and
-its peak RSS (VmHWM) is its own. Torch runs as a user runs it: its default thread count (unless
+(driven over a pipe: benchmarks/isolated.py `IsolatedSide`; torch's imports no jax), one at a time,
+so each is alone on the machine and its peak RSS (VmHWM) is its own. Torch runs as a user runs it: its default thread count (unless
 `--threads`) and OMP_WAIT_POLICY unset (`--omp-wait-policy passive` is for a machine shared with
 busy processes; it made torch ~15% slower alone).
 
@@ -93,10 +93,12 @@ from benchmarks.common import (  # noqa: E402
     in_own_process,
     peak_rss_bytes,
     print_and_write,
-    set_env,
 )
 from benchmarks.gemm import time_gemm  # noqa: E402
+from benchmarks.isolated import IsolatedSide  # noqa: E402
 from benchmarks.reference import add_torch_args, hf_config, model_report, resolve_torch_device  # noqa: E402
+from benchmarks.torch_muon import model_muon_names  # noqa: E402
+from benchmarks.torch_side import TORCH, TORCH_MUON, TorchSide  # noqa: E402
 from zaya_jax import balancing as bal  # noqa: E402
 from zaya_jax import cli  # noqa: E402
 from zaya_jax import config as config_lib  # noqa: E402
@@ -115,7 +117,7 @@ from zaya_jax.train_state import (  # noqa: E402
     state_shardings,
 )
 
-OURS, OURS_ADAMW, TORCH, TORCH_MUON = "zaya_jax", "zaya_jax_adamw", "torch", "torch_muon"
+OURS, OURS_ADAMW = "zaya_jax", "zaya_jax_adamw"
 LOOP = "zaya_jax trainer loop"
 # --omp-wait-policy -> OMP_WAIT_POLICY in torch's processes (None: unset, torch's own default). PASSIVE
 # is for a machine shared with other busy processes: there GOMP's spin-waiting made a tiny torch step
@@ -272,169 +274,6 @@ class JaxSide:
         return None if self.metrics is None else float(self.metrics["loss"])
 
 
-class TorchSide:
-    """transformers' ZayaForCausalLM: forward with labels + backward + torch.optim.AdamW, or with
-    `muon` our optimizer chain's Muon / AdamW split (benchmarks/torch_muon.py)."""
-
-    def __init__(
-        self,
-        c: ml_collections.ConfigDict,
-        cfg: ZayaConfig,
-        ids: np.ndarray,
-        seed: int,
-        device: str,
-        dtype: str,
-        precision: str,
-        threads: int,
-        muon: bool = False,
-    ):
-        import torch
-        from transformers import ZayaForCausalLM as HFZayaForCausalLM
-
-        from benchmarks.torch_muon import TorchMuonAdamW
-
-        self.name = TORCH_MUON if muon else TORCH
-        self.torch = torch
-        if threads:  # 0: torch's own default, as a user's script runs
-            torch.set_num_threads(threads)
-        self.threads, self.devices = torch.get_num_threads(), 1
-        torch.manual_seed(seed)
-        self.device = torch.device(device)
-        t0 = time.perf_counter()
-        model = HFZayaForCausalLM(hf_config(cfg)).to(self.device)
-        bf16 = dtype == "bfloat16"
-        if bf16 and precision == "pure":
-            model = model.to(torch.bfloat16)
-        model.train()
-        self.model = model
-        self.attn_implementation = getattr(model.config, "_attn_implementation", None)
-        self.autocast = bf16 and precision == "autocast"
-        self.precision = (
-            "float32"
-            if not bf16
-            else "fp32 params + torch.autocast(bfloat16)"
-            if self.autocast
-            else "pure bfloat16 params"
-        )
-        a = c.optim.adamw
-        self.opt = (
-            TorchMuonAdamW(model, c, cfg)
-            if muon
-            else torch.optim.AdamW(
-                model.parameters(), lr=c.optim.lr, betas=(a.b1, a.b2), eps=a.eps, weight_decay=a.weight_decay
-            )
-        )
-        self.grad_accum = c.train.grad_accum
-        self.ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
-        self.init_s = time.perf_counter() - t0
-        self.compile_s = None
-        self._loss = None
-
-    def _step(self) -> None:
-        torch = self.torch
-        self.opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for mb in self.ids.chunk(self.grad_accum, dim=0):
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                out = self.model(input_ids=mb, labels=mb, use_cache=False)
-            loss = out.loss / self.grad_accum
-            loss.backward()
-            total = total + loss.detach()
-        self.opt.step()
-        self._loss = total
-
-    def run(self, n: int) -> None:
-        for _ in range(n):
-            self._step()
-        if self.device.type == "cuda":
-            self.torch.cuda.synchronize(self.device)
-
-    def loss(self) -> float | None:
-        return None if self._loss is None else float(self._loss)
-
-
-# What a side's process tells the parent about it once built.
-SIDE_INFO = (
-    "name",
-    "init_s",
-    "compile_s",
-    "precision",
-    "device",
-    "devices",
-    "threads",
-    "attn_implementation",
-)
-
-
-def _serve_side(
-    conn: Any, factory: Any, kwargs: dict[str, Any], env: dict[str, str | None], reuse: bool
-) -> None:
-    """The child process of an IsolatedSide: builds `factory(**kwargs)` and runs the parent's
-    commands; at "stop" it answers with its own peak RSS."""
-    set_env(env)  # before torch loads libgomp (it reads OMP_WAIT_POLICY then)
-    host_memory.configure(reuse, reexec=False)  # huge pages came with the environment (main)
-    try:
-        side = factory(**kwargs)
-    except Exception as e:  # raised again in the parent
-        conn.send(e)
-        return
-    info = {key: str(getattr(side, key)) if key == "device" else getattr(side, key) for key in SIDE_INFO}
-    conn.send({**info, "host_memory": host_memory.mode()})
-    while True:
-        command, n = conn.recv()
-        if command == "run":
-            side.run(n)
-            conn.send(None)
-        elif command == "loss":
-            conn.send(side.loss())
-        else:
-            conn.send(peak_rss_bytes())
-            return
-
-
-class IsolatedSide:
-    """A JaxSide or TorchSide in a process of its own (spawned), driven over a pipe; the parent
-    times `run` (a command's round trip is well under a millisecond).
-
-    In one process with jax (its compiled programs, buffers and thread pool) torch's CPU step ran
-    10-15% slower than alone (benchmarks/README.md, "Page faults"), which flattered every ratio;
-    and a process' peak RSS is only a side's own when the side is alone in it. `env` is set in the
-    child before anything reads it (OMP_WAIT_POLICY for torch)."""
-
-    def __init__(self, factory: Any, env: dict[str, str | None], reuse_host_memory: bool, **kwargs: Any):
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_serve_side, args=(child, factory, kwargs, env, reuse_host_memory), daemon=True
-        )
-        self._proc.start()
-        info = self._conn.recv()
-        if isinstance(info, BaseException):
-            raise info
-        for key in (*SIDE_INFO, "host_memory"):
-            setattr(self, key, info[key])
-        self.peak_rss_bytes: int | None = None
-        t0 = time.perf_counter()
-        self.run(1)  # untimed; for torch this includes its lazy set-up
-        self.first_step_s = time.perf_counter() - t0
-
-    def run(self, n: int) -> None:
-        self._conn.send(("run", n))
-        self._conn.recv()
-
-    def loss(self) -> float | None:
-        self._conn.send(("loss", 0))
-        return self._conn.recv()
-
-    def close(self) -> None:
-        """Stops the child; its own peak RSS lands in `peak_rss_bytes`."""
-        self._conn.send(("stop", 0))
-        self.peak_rss_bytes = self._conn.recv()
-        self._proc.join(timeout=60)
-
-
 def run_trainer_loop(c: ml_collections.ConfigDict, loop_steps: int) -> dict[str, Any]:
     """`zaya_jax.train.train` for 2 x loop_steps steps in a temporary workdir, logging every
     loop_steps: the second train record's tokens/s covers steps loop_steps+1..2 loop_steps (the
@@ -539,29 +378,47 @@ def alternate(runners: dict[str, Callable[[], Any]], repeats: int) -> dict[str, 
     return out
 
 
+def torch_muon_names(cfg: ZayaConfig) -> set[str]:
+    """The transformers tensors our chain puts on Muon (from our registry), for the torch_muon side's
+    jax-free process: read off transformers' model built on torch's meta device (no memory)."""
+    import torch
+    from transformers import ZayaForCausalLM as HFZayaForCausalLM
+
+    with torch.device("meta"):
+        model = HFZayaForCausalLM(hf_config(cfg))
+    return model_muon_names(model, cfg)
+
+
 def side_maker(args: argparse.Namespace, c: ml_collections.ConfigDict, cfg: ZayaConfig, ids: np.ndarray):
     """`make(JaxSide | TorchSide, **kwargs)`: an IsolatedSide over the shared batch and config; torch
-    sides get the torch flags and OMP_WAIT_POLICY as --omp-wait-policy says."""
+    sides get the torch flags, transformers' config and OMP_WAIT_POLICY as --omp-wait-policy says."""
     reuse = args.host_memory == "reuse"
-    shared = dict(c=c, cfg=cfg, ids=ids, seed=args.seed)
     torch_kwargs: dict[str, Any] = {}
     if not args.skip_torch:
         torch_kwargs = dict(
+            hf_config=hf_config(cfg),
+            optim=c.optim,
+            ids=ids,
+            seed=args.seed,
             device=resolve_torch_device(args.torch_device),
             dtype=cfg.dtype,
             precision=args.torch_precision,
             threads=args.threads,
+            grad_accum=c.train.grad_accum,
         )
 
     def make(factory: Any, **kwargs: Any) -> IsolatedSide:
         is_torch = factory is TorchSide
         if is_torch:
-            what = TORCH_MUON if kwargs.get("muon") else TORCH
+            muon = kwargs.pop("muon", False)
+            what = TORCH_MUON if muon else TORCH
+            kwargs = {**torch_kwargs, "muon_names": torch_muon_names(cfg) if muon else None}
         else:
             what = f"{SIDE_OF_OPTIMIZER[kwargs['optimizer']]} (compiling the train step)"
+            kwargs = dict(c=c, cfg=cfg, ids=ids, seed=args.seed, **kwargs)
         print(f"building {what}...", file=sys.stderr, flush=True)
         env = {"OMP_WAIT_POLICY": OMP_WAIT_POLICIES[args.omp_wait_policy]} if is_torch else {}
-        return IsolatedSide(factory, env, reuse, **shared, **(torch_kwargs if is_torch else {}), **kwargs)
+        return IsolatedSide(factory, env, reuse, **kwargs)
 
     return make
 
@@ -692,6 +549,7 @@ def side_results(
             "final_loss": _finite_or_none(side.loss()),
             "precision": side.precision,
             "host_memory": side.host_memory,
+            "imports_jax": side.imports_jax,  # torch's process must not (benchmarks/isolated.py)
         }
     for side in sides:
         side.close()

@@ -36,6 +36,7 @@ TOY = [
 ]
 FLOOR_KEYS = {"optimizer_flops_per_step", "floor_step_s", "max_ratio_to_torch"}
 SIDE_KEYS = {
+    "imports_jax",
     "step_time_s",
     "step_times_s",
     "tokens_per_step",
@@ -130,8 +131,18 @@ def test_train_step_benchmark_writes_report(tmp_path):
     assert cfg["optimizer"] == "both"
     assert cfg["host_memory"] == "reuse"  # glibc malloc set as the trainer sets it, in every process
     trainer_sets = "huge_pages" if host_memory.huge_pages_possible() else "reuse"
-    assert {r["host_memory"] for r in res.values()} == {trainer_sets}
+    assert {res[n]["host_memory"] for n in ("zaya_jax", "zaya_jax_adamw")} == {trainer_sets}
     assert report["headline"]["ours"]["host_memory"] == trainer_sets
+    # torch's process holds what a torch user's does, jax not among it (its peak RSS is torch's):
+    # huge pages through the tunable it inherits, else glibc's defaults
+    torch_has = "huge_pages" if host_memory.huge_pages_possible() else "default"
+    assert {res[n]["host_memory"] for n in ("torch", "torch_muon")} == {torch_has}
+    assert {n: r["imports_jax"] for n, r in res.items()} == {
+        "zaya_jax": True,
+        "zaya_jax_adamw": True,
+        "torch": False,
+        "torch_muon": False,
+    }
     # each side's own process and its own peak RSS (not a high-water mark inherited from the parent)
     assert all(_positive_finite(r["peak_rss_bytes"]) for r in res.values())
 
