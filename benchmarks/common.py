@@ -10,7 +10,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
 
@@ -66,7 +66,8 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> dict[str, Any]:
         return {"cpu_model": platform.processor(), "cpu_vector_flags": None}
     fields = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in first.splitlines()))
     flags = set(fields.get("flags", "").split())
-    return {"cpu_model": fields.get("model name", ""), "cpu_vector_flags": [f for f in VECTOR_FLAGS if f in flags]}
+    vector = [f for f in VECTOR_FLAGS if f in flags]
+    return {"cpu_model": fields.get("model name", ""), "cpu_vector_flags": vector}
 
 
 class CompileClock:
@@ -225,11 +226,16 @@ def in_own_process(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return pool.submit(fn, *args, **kwargs).result()
 
 
-def set_env(env: dict[str, str | None]) -> None:
-    """Sets (a str) or removes (None) environment variables of this process: in a spawned child,
-    before the library that reads them is imported (libgomp reads OMP_WAIT_POLICY when it loads)."""
+def apply_env(environ: MutableMapping[str, str], env: dict[str, str | None]) -> None:
+    """Sets (a str) or removes (None) the variables `env` names in `environ`, in place."""
     for key, value in env.items():
         if value is None:
-            os.environ.pop(key, None)
+            environ.pop(key, None)
         else:
-            os.environ[key] = value
+            environ[key] = value
+
+
+def set_env(env: dict[str, str | None]) -> None:
+    """apply_env on this process' environment: in a spawned child, before the library that reads
+    them is imported (libgomp reads OMP_WAIT_POLICY when it loads)."""
+    apply_env(os.environ, env)

@@ -29,7 +29,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from benchmarks.common import peak_rss_bytes, set_env
+from benchmarks.common import apply_env, peak_rss_bytes, set_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What a side's process tells the parent about it once built.
@@ -78,9 +78,8 @@ def _spawned(conn: Connection, factory: Any, kwargs: dict[str, Any], env: dict, 
 
 def _child_env(env: dict[str, str | None]) -> dict[str, str]:
     """os.environ with `env` applied (None: unset) and the repository importable."""
-    out = {**os.environ, **{k: v for k, v in env.items() if v is not None}}
-    for key in (k for k, v in env.items() if v is None):
-        out.pop(key, None)
+    out = dict(os.environ)
+    apply_env(out, env)
     out["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     return out
 
@@ -91,8 +90,7 @@ def _huge_pages_inherited(env: dict[str, str]) -> str:
     defaults (the "reuse" settings need zaya_jax, i.e. jax, in the child)."""
     from zaya_jax import host_memory  # the parent's import: it has jax already
 
-    tunables = env.get("GLIBC_TUNABLES", "").split(":")
-    return "huge_pages" if host_memory.HUGE_PAGES_TUNABLE in tunables else "default"
+    return "huge_pages" if host_memory.has_huge_pages_tunable(env.get("GLIBC_TUNABLES", "")) else "default"
 
 
 class IsolatedSide:

@@ -7,9 +7,9 @@
 
 (`python benchmarks/train_step.py ...` works too.) Every side runs in a process of its own
 (driven over a pipe: benchmarks/isolated.py `IsolatedSide`; torch's imports no jax), one at a time,
-so each is alone on the machine and its peak RSS (VmHWM) is its own. Torch runs as a user runs it: its default thread count (unless
-`--threads`) and OMP_WAIT_POLICY unset (`--omp-wait-policy passive` is for a machine shared with
-busy processes; it made torch ~15% slower alone).
+so each is alone on the machine and its peak RSS (VmHWM) is its own. Torch runs as a user runs it:
+its default thread count (unless `--threads`) and OMP_WAIT_POLICY unset (`--omp-wait-policy
+passive` is for a machine shared with busy processes; it made torch ~15% slower alone).
 
 The headline (unless `--loop-steps 0`): what a user sees. The real trainer, `zaya_jax.train.train`,
 runs the config on the embedded corpus in a temporary workdir for 2 x `--loop-steps` steps, logging

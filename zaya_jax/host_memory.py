@@ -90,7 +90,7 @@ def huge_pages_possible() -> bool:
     return version is not None and version >= (2, 35) and kernel_has_huge_pages()
 
 
-def _has_tunable(tunables: str) -> bool:
+def has_huge_pages_tunable(tunables: str) -> bool:
     """Whether a GLIBC_TUNABLES value ("name=value:name=value") holds the huge-page tunable."""
     return HUGE_PAGES_TUNABLE in tunables.split(":")
 
@@ -100,7 +100,7 @@ def huge_pages_env(env: Mapping[str, str]) -> dict[str, str] | None:
     re-execute for: the tunable is already there (this is the re-executed process), glibc is older
     than 2.35 or absent, or the kernel has no transparent huge pages."""
     tunables = env.get("GLIBC_TUNABLES", "")
-    if _has_tunable(tunables) or not huge_pages_possible():
+    if has_huge_pages_tunable(tunables) or not huge_pages_possible():
         return None
     return {**env, "GLIBC_TUNABLES": f"{tunables}:{HUGE_PAGES_TUNABLE}" if tunables else HUGE_PAGES_TUNABLE}
 
@@ -178,7 +178,7 @@ def started_with_huge_pages() -> bool:
     except OSError:
         return False
     tunables = next((v[len(b"GLIBC_TUNABLES=") :] for v in start if v.startswith(b"GLIBC_TUNABLES=")), b"")
-    return _has_tunable(tunables.decode(errors="replace"))
+    return has_huge_pages_tunable(tunables.decode(errors="replace"))
 
 
 def mode() -> str:
