@@ -119,6 +119,8 @@ def _trained_state(program, seed: int):
     import jax
     import jax.numpy as jnp
 
+    from zaya_jax.train_state import run_once
+
     def fill(state):
         leaves, treedef = jax.tree.flatten(state.opt_state)
         keys = jax.random.split(jax.random.key(seed), len(leaves))
@@ -130,7 +132,7 @@ def _trained_state(program, seed: int):
         ]
         return dataclasses.replace(state, opt_state=jax.tree.unflatten(treedef, filled))
 
-    return jax.jit(lambda: fill(program.create()), out_shardings=program.shardings)()
+    return run_once(lambda: fill(program.create()), program.shardings)
 
 
 def save_child(config, scratch: str, repeats: int, steps: int, seed: int) -> dict[str, Any]:

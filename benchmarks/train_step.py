@@ -114,6 +114,7 @@ from zaya_jax.train_state import (  # noqa: E402
     balancing_config,
     create_train_state,
     make_train_step,
+    run_once,
     state_shardings,
 )
 
@@ -242,8 +243,7 @@ class JaxSide:
         self.mesh = mesh_from_config(c)
         create = lambda: create_train_state(cfg, tx, bal_cfg or bal.BalancingConfig(), jax.random.key(seed))
         shardings = state_shardings(jax.eval_shape(create), self.mesh, zero1=c.mesh.zero1)
-        self.state = jax.jit(create, out_shardings=shardings)()
-        jax.block_until_ready(self.state)
+        self.state = run_once(create, shardings)
         self.init_s = time.perf_counter() - t0
         targets = np.roll(ids, -1, axis=1)  # next token; the last position has none (as HF's shift)
         mask = np.ones(ids.shape, np.float32)

@@ -159,16 +159,21 @@ def test_release_freed_memory_hands_the_heap_back():
     assert out["held"] - out["after"] >= 200 * MIB, out
 
 
-def test_lean_compile_sets_the_flag_once_and_a_users_flag_stands(monkeypatch):
+def test_lean_compile_sets_the_flags_once_and_a_users_flag_stands(monkeypatch):
     flag, count = host_memory.FUSION_EMITTERS_FLAG, "--xla_force_host_platform_device_count=2"
+    scheduler = f"{host_memory.SCHEDULER_FLAG}=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
     monkeypatch.setenv("XLA_FLAGS", count)
     assert host_memory.compiles_lean() is False
     assert host_memory.lean_compile(False) is False and host_memory.compiles_lean() is False
-    assert host_memory.lean_compile() is True and os.environ["XLA_FLAGS"] == f"{count} {flag}=false"
-    assert host_memory.lean_compile() is True and os.environ["XLA_FLAGS"] == f"{count} {flag}=false"
+    lean = f"{count} {flag}=false {scheduler}"
+    assert host_memory.lean_compile() is True and os.environ["XLA_FLAGS"] == lean
+    assert host_memory.lean_compile() is True and os.environ["XLA_FLAGS"] == lean
     for users in (f"{count} {flag}=true", f"{flag}=1", f"{flag}"):
         monkeypatch.setenv("XLA_FLAGS", users)
-        assert host_memory.lean_compile() is False and os.environ["XLA_FLAGS"] == users
+        assert host_memory.lean_compile() is False and os.environ["XLA_FLAGS"] == f"{users} {scheduler}"
+    users = f"{host_memory.SCHEDULER_FLAG}=CPU_SCHEDULER_TYPE_DEFAULT"
+    monkeypatch.setenv("XLA_FLAGS", users)
+    assert host_memory.lean_compile() is True and os.environ["XLA_FLAGS"] == f"{users} {flag}=false"
     monkeypatch.setenv("XLA_FLAGS", f"{flag}=false {flag}=True")  # XLA takes the last
     assert host_memory.compiles_lean() is False and host_memory.lean_compile() is False
 

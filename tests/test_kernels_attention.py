@@ -295,6 +295,24 @@ def test_xla_attention_matches_per_head_reference():
     assert bool(jnp.all(grads[0][1, :3] == 0))  # dead query rows pass no gradient to q
 
 
+def test_xla_attention_keeps_only_the_probabilities_for_the_backward():
+    """The hand-written backward's residuals: q, k, v, the [b, s, t] mask and one [b, k, m, t]
+    tensor, the probabilities. Autodiff of the softmax kept three (masked logits, exponentials,
+    probabilities) and a broadcast mask, and XLA kept more still: 191 -> 159 MB of tiny's train
+    step temporaries (benchmarks/README.md, "Peak memory")."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    b, s, nq, nkv, hd = 2, 16, 4, 2, 8
+    q, k, v, _ = make_qkv(b, s, s, nq, nkv, hd, jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+    allowed = attention_allowed(pos, pos)
+    kept = [aval for aval, _ in saved_residuals(lambda *x: xla_attention(*x, allowed, 0.3), q, k, v)]
+    scores = [a for a in kept if a.shape[-1] == s and a.size == b * nq * s * s]
+    assert [(a.shape, a.dtype) for a in scores] == [((b, nkv, nq // nkv * s, s), jnp.float32)]
+    others = sorted(a.size for a in kept if a not in scores)
+    assert others == sorted([b * s * s] + [b * s * nkv * hd] * 2 + [q.size])  # mask, k, v, q
+
+
 def test_rejects_bad_arguments():
     q, k, v, _ = make_qkv(1, 8, 8, 3, 2, 16, jnp.float32)
     with pytest.raises(ValueError, match="multiple"):

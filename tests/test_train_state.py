@@ -165,3 +165,27 @@ def test_one_abstract_train_state_for_the_trainer_and_every_checkpoint_reader():
     # without a mesh (a checkpoint read onto one device): everything on the first device
     single = abstract_train_state(c, CFG)
     assert {d for x in jax.tree.leaves(single) for d in x.sharding.device_set} == {jax.devices()[0]}
+
+
+def test_initial_state_is_the_created_state_and_keeps_no_executable():
+    """TrainProgram.initial_state (the trainer's fresh start, import_hf) equals create() jit-compiled
+    on the mesh, laid out by the program's shardings, and leaves nothing in jax's compilation
+    cache: the initializer runs once, and its executable (~70 MB on tiny) must not stay for the run
+    as jax.jit(create)() leaves it."""
+    from jax._src.interpreters import pxla
+
+    from zaya_jax import config as config_lib
+    from zaya_jax.parallel.mesh import make_mesh
+    from zaya_jax.train_state import train_program
+
+    c = base_config()
+    config_lib.set_model(c, CFG)
+    program = train_program(c, CFG, make_mesh(data=2, fsdp=2, expert=2))
+    cached = lambda: pxla._cached_compilation.cache_info().currsize  # noqa: E731
+    before = cached()
+    state = program.initial_state()
+    assert cached() == before
+    kept = jax.jit(program.create, out_shardings=program.shardings)()
+    assert cached() == before + 1  # the plain jit call does keep it: the check above can fail
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(kept), strict=True):
+        assert a.sharding == b.sharding and bool(jnp.array_equal(a, b))

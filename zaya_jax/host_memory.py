@@ -25,8 +25,12 @@ Either way compiling a step leaves ~400 MB of freed compiler memory in the heap 
 Compiling is also the process' peak on a small model: XLA:CPU's MLIR fusion emitters (its default)
 took 880 MB above the set-up to compile tiny's train step, its older element-wise emitter 485 MB,
 for a 20-45% longer compile and the same step time (benchmarks/README.md, "The compiler's peak").
-`lean_compile` asks for the latter through XLA_FLAGS (`--xla_cpu_use_fusion_emitters=false`), which
-XLA reads once, when jax creates its first backend; a flag the user set in XLA_FLAGS stands.
+And XLA:CPU's default scheduler runs a backward computation as soon as its forward inputs exist
+(the rematerialised ones too), so many layers' backward temporaries are alive at once; its
+memory-optimized scheduler took tiny's step temporaries from 159 to 134 MB and mid's from 1,211 to
+1,057 MB, at the same step time (benchmarks/README.md, "Peak memory"). `lean_compile` asks for both
+through XLA_FLAGS (LEAN_FLAGS), which XLA reads once, when jax creates its first backend; a flag the
+user set in XLA_FLAGS stands.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER))
 
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 FUSION_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters"
+SCHEDULER_FLAG = "--xla_cpu_scheduler_type"
+LEAN_FLAGS = ((FUSION_EMITTERS_FLAG, "false"), (SCHEDULER_FLAG, "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"))
 THP_MODES = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 # Whether this process applied SETTINGS: the C library's malloc state is process-wide and cannot be
@@ -130,11 +136,12 @@ def reuse_freed_memory() -> bool:
 
 
 def lean_compile(on: bool = True) -> bool:
-    """Sets os.environ's XLA_FLAGS for the leaner CPU compile (`on`; a value the user gave the flag
-    stands): for this process if jax has not created a backend yet, and for every process started
-    from now on. Returns whether it is set."""
+    """Sets os.environ's XLA_FLAGS for the leaner CPU compile (`on`: LEAN_FLAGS; a value the user
+    gave a flag stands): for this process if jax has not created a backend yet, and for every
+    process started from now on. Returns whether the fusion emitters are off (`compiles_lean`)."""
     if on:
-        xla_flags.set_flag(FUSION_EMITTERS_FLAG, "false")
+        for flag, setting in LEAN_FLAGS:
+            xla_flags.set_flag(flag, setting)
     return compiles_lean()
 
 

@@ -49,7 +49,7 @@ def import_hf(hf_dir: str, out: str, c=None) -> dict:
         raise ValueError(
             f"{hf_dir}: its tensors do not match config.model (compare config.json with the --config)"
         )
-    state = jax.jit(program.create, out_shardings=program.shardings)()
+    state = program.initial_state()
     cast = lambda new, old, s: jax.device_put(jnp.asarray(new, old.dtype), s)
     state = dataclasses.replace(
         state,

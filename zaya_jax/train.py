@@ -403,7 +403,8 @@ class Trainer:
                 self.events.write(int(state.step), "resume", checkpoint=path)
                 return state
             _refuse_fresh_start_after_quarantine(self.ckpt, self.c)
-            state = jax.jit(self.program.create, out_shardings=self.program.shardings)()
+            state = self.program.initial_state()
+            host_memory.release_freed_memory()  # what compiling the initializer left
             return _init_from(state, self.c.train.init_from) if self.c.train.init_from else state
         except BaseException:
             self.ckpt.close()  # a clean shutdown of Orbax's threads, whatever the error

@@ -8,6 +8,8 @@ Query head n reads kv head n // G (transformers' `repeat_kv` order).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -53,18 +55,54 @@ def xla_attention(
     axis. Only q, k, v and the output (h wide) are transposed, never the [.., s, t] tensors; the
     mask is a broadcast XLA fuses into the softmax. (The other layout, logits [b, k, g, s, t] from
     q [b, s, k, g, h], made XLA copy the logits around both dots and the softmax: ~2x slower on
-    CPU.) Autodiff's softmax backward measured as fast as a hand-written flash backward here.
+    CPU.) The core's gradient is written by hand (`_core_bwd`): it keeps q, k, v, the [b, s, t] mask
+    and the probabilities for the backward, where autodiff of the softmax kept four to five
+    [b, k, m, t] fp32 tensors a layer (docs/model.md §2.1.7).
     """
     b, s, nq, hd = q_bsnh.shape
     nkv = k_btkh.shape[2]
     g = nq // nkv
     q_bkmh = q_bsnh.reshape(b, s, nkv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, nkv, g * s, hd)
     k_bkth, v_bkth = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)
-    t = k_bkth.shape[2]
-    allowed_bkmt = jnp.broadcast_to(allowed_bst[:, None, None], (b, nkv, g, s, t)).reshape(b, nkv, g * s, t)
-    logits = jnp.einsum("bkmh,bkth->bkmt", q_bkmh, k_bkth, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(allowed_bkmt, logits, MASK_VALUE)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v_btkh.dtype)
-    out = jnp.einsum("bkmt,bkth->bkmh", probs, v_bkth, preferred_element_type=jnp.float32)
+    out = _core(q_bkmh, k_bkth, v_bkth, allowed_bst, scale)
     out = out.reshape(b, nkv, g, s, hd).transpose(0, 3, 1, 2, 4).reshape(b, s, nq, hd)
     return out.astype(q_bsnh.dtype)
+
+
+def _allowed_bkmt(allowed_bst: jax.Array, q_bkmh: jax.Array) -> jax.Array:
+    """The [b, s, t] mask broadcast over the k and g heads of the stacked rows m = g*s."""
+    b, nkv, m, _ = q_bkmh.shape
+    s, t = allowed_bst.shape[1:]
+    return jnp.broadcast_to(allowed_bst[:, None, None], (b, nkv, m // s, s, t)).reshape(b, nkv, m, t)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _core(q_bkmh, k_bkth, v_bkth, allowed_bst, scale):
+    """softmax(q k^T * scale, masked) v: [b, k, m, h] in fp32."""
+    return _core_fwd(q_bkmh, k_bkth, v_bkth, allowed_bst, scale)[0]
+
+
+def _core_fwd(q_bkmh, k_bkth, v_bkth, allowed_bst, scale):
+    logits = jnp.einsum("bkmh,bkth->bkmt", q_bkmh, k_bkth, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(_allowed_bkmt(allowed_bst, q_bkmh), logits, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1)
+    p_v = probs.astype(v_bkth.dtype)
+    out = jnp.einsum("bkmt,bkth->bkmh", p_v, v_bkth, preferred_element_type=jnp.float32)
+    return out, (q_bkmh, k_bkth, v_bkth, allowed_bst, probs)
+
+
+def _core_bwd(scale, residuals, dout_bkmh):
+    """softmax's backward from the kept probabilities, p * (dp - sum(p * dp)), zero where masked."""
+    q_bkmh, k_bkth, v_bkth, allowed_bst, probs = residuals
+    allowed_bkmt = _allowed_bkmt(allowed_bst, q_bkmh)
+    do = dout_bkmh.astype(v_bkth.dtype)
+    dv = jnp.einsum("bkmt,bkmh->bkth", probs.astype(v_bkth.dtype), do, preferred_element_type=jnp.float32)
+    dp = jnp.einsum("bkmh,bkth->bkmt", do, v_bkth, preferred_element_type=jnp.float32)
+    ds = probs * (dp - jnp.sum(probs * dp, axis=-1, keepdims=True))
+    ds = (jnp.where(allowed_bkmt, ds, 0.0) * scale).astype(q_bkmh.dtype)
+    dq = jnp.einsum("bkmt,bkth->bkmh", ds, k_bkth, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bkmt,bkmh->bkth", ds, q_bkmh, preferred_element_type=jnp.float32)
+    return dq.astype(q_bkmh.dtype), dk.astype(k_bkth.dtype), dv.astype(v_bkth.dtype), None
+
+
+_core.defvjp(_core_fwd, _core_bwd)
