@@ -28,7 +28,7 @@ for a 20-45% longer compile and the same step time (benchmarks/README.md, "The c
 And XLA:CPU's default scheduler runs a backward computation as soon as its forward inputs exist
 (the rematerialised ones too), so many layers' backward temporaries are alive at once; its
 memory-optimized scheduler took tiny's step temporaries from 159 to 134 MB and mid's from 1,211 to
-1,057 MB, at the same step time (benchmarks/README.md, "Peak memory"). `lean_compile` asks for both
+1,057 MB, for a tiny step ~5% slower and a mid step no slower (benchmarks/README.md, "Peak memory"). `lean_compile` asks for both
 through XLA_FLAGS (LEAN_FLAGS), which XLA reads once, when jax creates its first backend; a flag the
 user set in XLA_FLAGS stands.
 """
