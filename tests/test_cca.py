@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from zaya_jax.model import ZayaConfig
-from zaya_jax.model.cca import CCAttention, grouped_conv, l2_qk_norm, qk_mean_skip
+from zaya_jax.model.cca import (
+    CCAttention,
+    depthwise_conv,
+    grouped_conv,
+    l2_qk_norm,
+    project,
+    qk_mean_skip,
+)
 
 CFG = ZayaConfig.tiny(cca_time0=3, cca_time1=3, num_attention_heads=4, num_key_value_heads=2)
 
@@ -60,6 +67,34 @@ def test_value_shift_first_half_current_second_half_previous():
     np.testing.assert_allclose(v[..., :half], cur, atol=1e-6)
     np.testing.assert_allclose(v[:, 1:, half:], dele[:, :-1], atol=1e-6)
     np.testing.assert_allclose(v[:, 0, half:], 0.0, atol=1e-6)  # projection of a zero vector, no bias
+
+
+def _dots(fn, *args) -> int:
+    return str(jax.make_jaxpr(fn)(*args)).count("dot_general[")
+
+
+def test_the_four_projections_are_one_matmul_forward_and_backward():
+    module, variables, x, _ = _init(CFG.replace(attention_bias=True))
+    p = {n: dict(w) if isinstance(w, dict) else w for n, w in variables["params"].items()}
+    for i, n in enumerate(("q_proj", "k_proj", "v_proj_current", "v_proj_delayed")):
+        p[n]["bias"] = p[n]["bias"] + 0.1 * (i + 1)  # distinct, non-zero biases
+    variables = {"params": p}
+    dense = lambda n, x: np.asarray(x @ p[n]["kernel"] + p[n]["bias"])
+    weights = [(p[n]["kernel"], p[n]["bias"]) for n in ("q_proj", "k_proj", "v_proj_current")]
+    for got, n in zip(project(x, weights, jnp.float32), ("q_proj", "k_proj", "v_proj_current")):
+        np.testing.assert_allclose(np.asarray(got), dense(n, x), atol=2e-6)
+    # Through the module: the value halves, the first token's 'previous' is Wvd's projection of 0.
+    qkv = lambda v, x: _qkv(module, v, x)
+    v = np.asarray(qkv(variables, x)[2]).reshape(*x.shape[:2], -1)
+    half = v.shape[-1] // 2
+    np.testing.assert_allclose(v[..., :half], dense("v_proj_current", x), atol=2e-6)
+    np.testing.assert_allclose(v[:, 1:, half:], dense("v_proj_delayed", x)[:, :-1], atol=2e-6)
+    np.testing.assert_allclose(v[:, 0, half:], np.broadcast_to(p["v_proj_delayed"]["bias"], (2, half)))
+    # One product forward (the convolutions are no dot_general); the gradient: it, its input and
+    # weight gradients, and the grouped conv's kernel gradient, a product per tap (apart: 12 + taps).
+    assert _dots(qkv, variables, x) == 1
+    loss = lambda v, x: sum(jnp.sum(t * t) for t in qkv(v, x))
+    assert _dots(jax.grad(loss, argnums=(0, 1)), variables, x) == 3 + CFG.cca_time1
 
 
 def test_qk_mean_skip():
@@ -138,3 +173,19 @@ def test_grouped_conv_values_and_gradients_equal_per_group_loop(taps):
     fd = (f(1) - f(-1)) / (2 * eps)
     ad = float(jnp.vdot(dx, px) + jnp.vdot(dw, pw))
     assert abs(ad - fd) < 1e-4 * max(1.0, abs(fd)), (ad, fd)
+
+
+@pytest.mark.parametrize("taps", [2, 3])
+def test_depthwise_conv_gradients_equal_autodiff_of_its_taps(taps):
+    """depthwise_conv's written-out backward equals autodiff of y[t] = sum_i u[t+i] w[i] (lead axes
+    [n, chunks] as the model calls it)."""
+    ku, kw, kd = jax.random.split(jax.random.key(6), 3)
+    u = jax.random.normal(ku, (2, 3, 7, 5))
+    w = jax.random.normal(kw, (taps, 5))
+    dy = jax.random.normal(kd, (2, 3, 7 - taps + 1, 5))
+    taps_sum = lambda u, w: sum(u[..., i : i + 7 - taps + 1, :] * w[i] for i in range(taps))
+    y, vjp = jax.vjp(depthwise_conv, u, w)
+    y_ref, vjp_ref = jax.vjp(taps_sum, u, w)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+    for got, want in zip(vjp(dy), vjp_ref(dy)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)

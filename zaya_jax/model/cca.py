@@ -17,11 +17,12 @@ keys and values of the whole sequence, all-gathered over the axis.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from zaya_jax.kernels import attention_choice, blockwise_attention
@@ -76,10 +77,71 @@ class DepthwiseConv(nn.Module):
         c, k = u_tc.shape[-1], self.kernel_size
         w = self.param("kernel", torch_conv_init(k), (k, c), self.param_dtype).astype(self.dtype)
         b = self.param("bias", torch_conv_init(k), (c,), self.param_dtype).astype(self.dtype)
-        t_out = u_tc.shape[-2] - k + 1
-        # k is 2 or 3: a sum of shifted products is exact and cheaper than a general convolution.
-        out = sum(u_tc[..., i : i + t_out, :] * w[i] for i in range(k))
-        return out + b
+        return depthwise_conv(u_tc, w) + b
+
+
+def _depthwise_taps(u_tc: jax.Array, w_kc: jax.Array, t_out: int) -> jax.Array:
+    """sum_i u[..., i : i + t_out, :] * w[i]: k is 2 or 3, so a sum of shifted products is exact and
+    cheaper than a general convolution."""
+    return sum(u_tc[..., i : i + t_out, :] * w_kc[i] for i in range(w_kc.shape[0]))
+
+
+@jax.custom_vjp
+def depthwise_conv(u_tc: jax.Array, w_kc: jax.Array) -> jax.Array:
+    """Depthwise 'valid' cross-correlation over axis -2: [..., T, C], [k, C] -> [..., T-k+1, C].
+
+    The backward is written out because autodiff's is one padded [..., T, C] copy of dy * w[i] per
+    tap, all alive until summed (tiny's largest backward temporary); here the input gradient is the
+    same taps over dy, zero-padded once, and the kernel gradient one reduction per tap."""
+    return _depthwise_taps(u_tc, w_kc, u_tc.shape[-2] - w_kc.shape[0] + 1)
+
+
+def _depthwise_conv_fwd(u_tc, w_kc):
+    return depthwise_conv(u_tc, w_kc), (u_tc, w_kc)
+
+
+def _depthwise_conv_bwd(res, dy_tc):
+    u_tc, w_kc = res
+    k, t_out = w_kc.shape[0], dy_tc.shape[-2]
+    # du[t] = sum_i dy[t - i] w[i]: the taps of dy padded by k - 1 on both sides, flipped in time.
+    dy_pad = jnp.pad(dy_tc, [(0, 0)] * (dy_tc.ndim - 2) + [(k - 1, k - 1), (0, 0)])
+    du = _depthwise_taps(dy_pad, w_kc[::-1], u_tc.shape[-2])
+    lead = tuple(range(dy_tc.ndim - 1))
+    dw = jnp.stack([jnp.sum(u_tc[..., i : i + t_out, :] * dy_tc, axis=lead) for i in range(k)])
+    return du.astype(u_tc.dtype), dw.astype(w_kc.dtype)
+
+
+depthwise_conv.defvjp(_depthwise_conv_fwd, _depthwise_conv_bwd)
+
+
+class ProjectionWeights(nn.Module):
+    """A dense layer's parameters, made as nn.Dense makes them (``kernel`` [d, n], ``bias`` [n],
+    same initializers and names) but returned, not applied: `project` runs several as one matmul."""
+
+    features: int
+    use_bias: bool
+    param_dtype: Any
+    kernel_init: Callable
+
+    @nn.compact
+    def __call__(self, d_in: int) -> tuple[jax.Array, jax.Array | None]:
+        kernel = self.param("kernel", self.kernel_init, (d_in, self.features), self.param_dtype)
+        if not self.use_bias:
+            return kernel, None
+        return kernel, self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
+
+
+def project(x_bsd: jax.Array, weights: list[tuple[jax.Array, jax.Array | None]], dtype) -> list[jax.Array]:
+    """x [..., d] through the dense layers `weights` (kernel [d, n_i], bias [n_i] | None), as nn.Dense
+    computes each, in one matmul: [..., n_1], [..., n_2], ... in `dtype`.
+
+    One [d, sum n_i] product instead of one per layer: on XLA:CPU the four small CCA projections
+    (and their four input-gradient products and sum in the backward) cost more apart than together."""
+    kernels = [k.astype(dtype) for k, _ in weights]
+    y = jnp.dot(x_bsd.astype(dtype), jnp.concatenate(kernels, axis=1))
+    if weights[0][1] is not None:
+        y = y + jnp.concatenate([b.astype(dtype) for _, b in weights])
+    return jnp.split(y, np.cumsum([k.shape[1] for k in kernels])[:-1].tolist(), axis=-1)
 
 
 def _grouped_conv_btc(x_btc: jax.Array, w_kic: jax.Array, groups: int, pad: int) -> jax.Array:
@@ -219,10 +281,13 @@ class CCAttention(nn.Module):
             kernel_init=nn.initializers.normal(cfg.initializer_range),
         )
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = dense(nq * hd)
-        self.k_proj = dense(nkv * hd)
-        self.v_proj_current = dense(nkv * hd // 2)
-        self.v_proj_delayed = dense(nkv * hd // 2)
+        weights = lambda n: ProjectionWeights(
+            n, cfg.attention_bias, cfg.params_dtype, nn.initializers.normal(cfg.initializer_range)
+        )
+        self.q_proj = weights(nq * hd)
+        self.k_proj = weights(nkv * hd)
+        self.v_proj_current = weights(nkv * hd // 2)
+        self.v_proj_delayed = weights(nkv * hd // 2)
         self.conv_qk_depthwise = DepthwiseConv(cfg.cca_time0, cfg.compute_dtype, cfg.params_dtype)
         self.conv_qk_grouped = GroupedConv(cfg.cca_time1, nq + nkv, cfg.compute_dtype, cfg.params_dtype)
         # HF initialises temp to 0 as a loading placeholder; from scratch it must start at 1
@@ -233,6 +298,13 @@ class CCAttention(nn.Module):
     def initial_state(self, batch: int) -> CCAState:
         cfg = self.cfg
         return CCAState(jnp.zeros((batch, cfg.conv_state_len, cfg.conv_channels), cfg.compute_dtype), None)
+
+    def _delayed_value_of_zero(self, b: int, d: int) -> jax.Array:
+        """[B, K*H/2]: the delayed value projection of a zero vector, the 'previous token' at a
+        sequence's start (as transformers computes it)."""
+        dtype, (kernel, bias) = self.cfg.compute_dtype, self.v_proj_delayed(d)
+        zero = jnp.zeros((b, kernel.shape[1]), dtype)  # 0 W = 0 exactly: the bias, if any, is all
+        return zero if bias is None else zero + bias.astype(dtype)
 
     def qkv(
         self, x_bsd: jax.Array, state: CCAState | None
@@ -245,7 +317,9 @@ class CCAttention(nn.Module):
         cfg = self.cfg
         b, s, _ = x_bsd.shape
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q0, k0 = self.q_proj(x_bsd), self.k_proj(x_bsd)
+        d = x_bsd.shape[-1]
+        projections = (self.q_proj, self.k_proj, self.v_proj_current, self.v_proj_delayed)
+        q0, k0, v_cur, v_del = project(x_bsd, [p(d) for p in projections], cfg.compute_dtype)
         mq, mk = qk_mean_skip(q0.reshape(b, s, nq, hd), k0.reshape(b, s, nkv, hd))
 
         # u [B, K*R, P + S/(K*R), C]: each stored chunk of the conv input after its left context.
@@ -257,11 +331,9 @@ class CCAttention(nn.Module):
         q = conv[..., : nq * hd].reshape(b, s, nq, hd) + mq
         k = conv[..., nq * hd :].reshape(b, s, nkv, hd) + mk
 
-        v_cur = self.v_proj_current(x_bsd)
-        v_del = self.v_proj_delayed(x_bsd)
         prev = None if state is None else state.v_delayed
         if prev is None:
-            prev = self.v_proj_delayed(jnp.zeros((b, x_bsd.shape[-1]), x_bsd.dtype))
+            prev = self._delayed_value_of_zero(b, d)
         v_shifted = left_context(v_del, prev[:, None], 1)[:, :, :-1].reshape(b, s, -1)
         v = jnp.concatenate([v_cur, v_shifted], axis=-1).reshape(b, s, nkv, hd)
 
@@ -365,7 +437,7 @@ class CCAttention(nn.Module):
         b = x_bsd.shape[0]
         lc = ctx.layer
         # At index 0 the previous delayed value is the projection of a zero vector (sequence start).
-        zero_prev = self.v_proj_delayed(jnp.zeros((b, x_bsd.shape[-1]), x_bsd.dtype))
+        zero_prev = self._delayed_value_of_zero(b, x_bsd.shape[-1])
         prev = jnp.where(ctx.index == 0, zero_prev.astype(lc.v_delayed.dtype), lc.v_delayed)
         q, k, v, st = self.qkv(x_bsd, CCAState(lc.conv, prev))
         q, k = l2_qk_norm(q, k, self.temp)
