@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from zaya_jax.kernels.block_sizes import pick_blocks
-from zaya_jax.kernels.xla_attention import MASK_VALUE, attention_allowed
+from zaya_jax.kernels.xla_attention import MASK_VALUE, attention_allowed, contract_rows
 
 
 class Masks(NamedTuple):
@@ -279,12 +279,8 @@ def _attention_bwd(scale, bq, bk, t, res, do_bsnh):
             dq_bkmh = dq_bkmh + jnp.einsum(
                 "bkmt,bkth->bkmh", ds_bkmt.astype(k_blk.dtype), k_blk, preferred_element_type=jnp.float32
             )
-            dk_blk = jnp.einsum(
-                "bkmt,bkmh->bkth", ds_bkmt.astype(q_bkmh.dtype), q_bkmh, preferred_element_type=jnp.float32
-            )
-            dv_blk = jnp.einsum(
-                "bkmt,bkmh->bkth", p_bkmt.astype(do_bkmh.dtype), do_bkmh, preferred_element_type=jnp.float32
-            )
+            dk_blk = contract_rows(q_bkmh, ds_bkmt.astype(q_bkmh.dtype))
+            dv_blk = contract_rows(do_bkmh, p_bkmt.astype(do_bkmh.dtype))
             dk_bkth, dv_bkth = _add_block(dk_bkth, dk_blk, j, bk), _add_block(dv_bkth, dv_blk, j, bk)
             return _next_block(need_ij[i], j), dq_bkmh, (dk_bkth, dv_bkth)
 

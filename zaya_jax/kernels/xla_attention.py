@@ -96,13 +96,22 @@ def _core_bwd(scale, residuals, dout_bkmh):
     q_bkmh, k_bkth, v_bkth, allowed_bst, probs = residuals
     allowed_bkmt = _allowed_bkmt(allowed_bst, q_bkmh)
     do = dout_bkmh.astype(v_bkth.dtype)
-    dv = jnp.einsum("bkmt,bkmh->bkth", probs.astype(v_bkth.dtype), do, preferred_element_type=jnp.float32)
+    dv = contract_rows(do, probs.astype(v_bkth.dtype))
     dp = jnp.einsum("bkmh,bkth->bkmt", do, v_bkth, preferred_element_type=jnp.float32)
     ds = probs * (dp - jnp.sum(probs * dp, axis=-1, keepdims=True))
     ds = (jnp.where(allowed_bkmt, ds, 0.0) * scale).astype(q_bkmh.dtype)
     dq = jnp.einsum("bkmt,bkth->bkmh", ds, k_bkth, preferred_element_type=jnp.float32)
-    dk = jnp.einsum("bkmt,bkmh->bkth", ds, q_bkmh, preferred_element_type=jnp.float32)
+    dk = contract_rows(q_bkmh, ds)
     return dq.astype(q_bkmh.dtype), dk.astype(k_bkth.dtype), dv.astype(v_bkth.dtype), None
 
 
 _core.defvjp(_core_fwd, _core_bwd)
+
+
+def contract_rows(x_bkmh: jax.Array, y_bkmt: jax.Array) -> jax.Array:
+    """sum over m of y[.., m, t] x[.., m, h] -> [b, k, t, h] fp32: the backward's dk and dv.
+
+    Written with the [m, h] operand first (a [b, k, h, t] product, then swapped): XLA:CPU runs
+    that 2-3x faster than "bkmt,bkmh->bkth" at h = 32 (tiny's [16, 2, 256, 128] probabilities:
+    0.40 against 1.10 ms), and no slower at h = 64."""
+    return jnp.einsum("bkmh,bkmt->bkht", x_bkmh, y_bkmt, preferred_element_type=jnp.float32).swapaxes(-1, -2)
