@@ -1,5 +1,6 @@
 """CCA pieces (zaya_jax/model/cca.py): causality, value shift, q-k mean skip, padding, QK norm."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,16 +74,16 @@ def _dots(fn, *args) -> int:
     return str(jax.make_jaxpr(fn)(*args)).count("dot_general[")
 
 
-def test_the_four_projections_are_one_matmul_forward_and_backward():
+def test_the_four_projections_backward_is_one_input_gradient_product():
     module, variables, x, _ = _init(CFG.replace(attention_bias=True))
     p = {n: dict(w) if isinstance(w, dict) else w for n, w in variables["params"].items()}
     for i, n in enumerate(("q_proj", "k_proj", "v_proj_current", "v_proj_delayed")):
         p[n]["bias"] = p[n]["bias"] + 0.1 * (i + 1)  # distinct, non-zero biases
     variables = {"params": p}
-    dense = lambda n, x: np.asarray(x @ p[n]["kernel"] + p[n]["bias"])
+    dense = lambda n, x: np.asarray(nn.Dense(p[n]["kernel"].shape[1]).apply({"params": p[n]}, x))
     weights = [(p[n]["kernel"], p[n]["bias"]) for n in ("q_proj", "k_proj", "v_proj_current")]
     for got, n in zip(project(x, weights, jnp.float32), ("q_proj", "k_proj", "v_proj_current")):
-        np.testing.assert_allclose(np.asarray(got), dense(n, x), atol=2e-6)
+        np.testing.assert_array_equal(np.asarray(got), dense(n, x))  # nn.Dense's values, to the bit
     # Through the module: the value halves, the first token's 'previous' is Wvd's projection of 0.
     qkv = lambda v, x: _qkv(module, v, x)
     v = np.asarray(qkv(variables, x)[2]).reshape(*x.shape[:2], -1)
@@ -90,11 +91,12 @@ def test_the_four_projections_are_one_matmul_forward_and_backward():
     np.testing.assert_allclose(v[..., :half], dense("v_proj_current", x), atol=2e-6)
     np.testing.assert_allclose(v[:, 1:, half:], dense("v_proj_delayed", x)[:, :-1], atol=2e-6)
     np.testing.assert_allclose(v[:, 0, half:], np.broadcast_to(p["v_proj_delayed"]["bias"], (2, half)))
-    # One product forward (the convolutions are no dot_general); the gradient: it, its input and
-    # weight gradients, and the grouped conv's kernel gradient, a product per tap (apart: 12 + taps).
-    assert _dots(qkv, variables, x) == 1
+    # Forward: a product per projection (the convolutions are no dot_general). The gradient: those,
+    # ONE input-gradient and ONE weight-gradient product for all four, and the grouped conv's
+    # kernel gradient, a product per tap (autodiff: 4 + 4 + 4 + taps, and the zero vector's 1 + 1).
+    assert _dots(qkv, variables, x) == 4
     loss = lambda v, x: sum(jnp.sum(t * t) for t in qkv(v, x))
-    assert _dots(jax.grad(loss, argnums=(0, 1)), variables, x) == 3 + CFG.cca_time1
+    assert _dots(jax.grad(loss, argnums=(0, 1)), variables, x) == 4 + 2 + CFG.cca_time1
 
 
 def test_qk_mean_skip():

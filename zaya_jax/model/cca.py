@@ -132,16 +132,36 @@ class ProjectionWeights(nn.Module):
 
 
 def project(x_bsd: jax.Array, weights: list[tuple[jax.Array, jax.Array | None]], dtype) -> list[jax.Array]:
-    """x [..., d] through the dense layers `weights` (kernel [d, n_i], bias [n_i] | None), as nn.Dense
-    computes each, in one matmul: [..., n_1], [..., n_2], ... in `dtype`.
+    """x [..., d] through the dense layers `weights` (kernel [d, n_i], bias [n_i] | None): [..., n_1],
+    [..., n_2], ... in `dtype`, each product as nn.Dense computes it (the forward's values are its,
+    to the bit, on any mesh); the backward is written out (`_products`): one input-gradient product
+    [..., sum n_i] x [sum n_i, d] where autodiff made one per layer and summed them."""
+    ys = _products(x_bsd.astype(dtype), tuple(k.astype(dtype) for k, _ in weights))
+    return [y if b is None else y + b.astype(dtype) for y, (_, b) in zip(ys, weights)]
 
-    One [d, sum n_i] product instead of one per layer: on XLA:CPU the four small CCA projections
-    (and their four input-gradient products and sum in the backward) cost more apart than together."""
-    kernels = [k.astype(dtype) for k, _ in weights]
-    y = jnp.dot(x_bsd.astype(dtype), jnp.concatenate(kernels, axis=1))
-    if weights[0][1] is not None:
-        y = y + jnp.concatenate([b.astype(dtype) for _, b in weights])
-    return jnp.split(y, np.cumsum([k.shape[1] for k in kernels])[:-1].tolist(), axis=-1)
+
+@jax.custom_vjp
+def _products(x_bsd: jax.Array, kernels: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """x @ k for each kernel [d, n_i]."""
+    return tuple(jnp.dot(x_bsd, k) for k in kernels)
+
+
+def _products_fwd(x_bsd, kernels):
+    return _products(x_bsd, kernels), (x_bsd, kernels)
+
+
+def _products_bwd(res, cts):
+    """dx = [dy_1 .. dy_m] [k_1 .. k_m]^T in one product; dk = x^T [dy_1 .. dy_m], split per kernel."""
+    x_bsd, kernels = res
+    dy = jnp.concatenate(cts, axis=-1)
+    dx = jnp.dot(dy, jnp.concatenate(kernels, axis=1).T)
+    d = x_bsd.shape[-1]
+    dk = jnp.dot(x_bsd.reshape(-1, d).T, dy.reshape(-1, dy.shape[-1]))
+    cuts = np.cumsum([k.shape[1] for k in kernels])[:-1].tolist()
+    return dx.astype(x_bsd.dtype), tuple(jnp.split(dk, cuts, axis=-1))
+
+
+_products.defvjp(_products_fwd, _products_bwd)
 
 
 def _grouped_conv_btc(x_btc: jax.Array, w_kic: jax.Array, groups: int, pad: int) -> jax.Array:
