@@ -116,7 +116,7 @@ depthwise_conv.defvjp(_depthwise_conv_fwd, _depthwise_conv_bwd)
 
 class ProjectionWeights(nn.Module):
     """A dense layer's parameters, made as nn.Dense makes them (``kernel`` [d, n], ``bias`` [n],
-    same initializers and names) but returned, not applied: `project` runs several as one matmul."""
+    same initializers and names) but returned, not applied: `project` applies several at once."""
 
     features: int
     use_bias: bool
