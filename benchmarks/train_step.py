@@ -308,21 +308,24 @@ def run_trainer_loop(c: ml_collections.ConfigDict, loop_steps: int) -> dict[str,
 
 
 def trainer_loop_alone(
-    c: ml_collections.ConfigDict, loop_steps: int, reuse_host_memory: bool, warmup: int = 0, steps: int = 0
+    c: ml_collections.ConfigDict,
+    loop_steps: int,
+    reuse_host_memory: bool,
+    bare_side: Callable[[], JaxSide] | None = None,
+    warmup: int = 0,
+    steps: int = 0,
 ) -> dict[str, Any]:
     """`run_trainer_loop` in this process (a fresh spawned one), as `python -m zaya_jax.train` runs:
     glibc's malloc set first when asked; with the process' own peak RSS, read before anything else.
 
-    With `steps`, the bare step (`JaxSide`: the same config, a random batch of the same shape) is
-    then timed in this same process, `warmup` untimed steps and `steps` timed: the time outside the
-    step compares two windows of one process, not two processes (here a process' step time moves by
-    up to +-15% from the next one's)."""
+    With `bare_side` (the bare rows' `JaxSide`: the same config, batch and seed), the bare step is
+    then built and timed in this same process, `warmup` untimed steps and `steps` timed: the time
+    outside the step compares two windows of one process, not two processes (here a process' step
+    time moves by up to +-15% from the next one's)."""
     mode = host_memory.configure(reuse_host_memory, reexec=False)
     out = {**run_trainer_loop(c, loop_steps), "peak_rss_bytes": peak_rss_bytes(), "host_memory": mode}
-    if steps:
-        cfg = config_lib.validate(c)
-        ids = random_tokens(cfg.vocab_size, c.train.batch_size, c.train.seq_len, 0)
-        out["bare_step_time_s"] = timed_window(JaxSide(c, cfg, ids, 0), warmup, steps)
+    if bare_side is not None:
+        out["bare_step_time_s"] = timed_window(bare_side(), warmup, steps)
     return out
 
 
@@ -436,14 +439,19 @@ def side_maker(args: argparse.Namespace, c: ml_collections.ConfigDict, cfg: Zaya
 
 
 def run_headline(
-    args: argparse.Namespace, c: ml_collections.ConfigDict, cfg: ZayaConfig, torch_muon: IsolatedSide | None
+    args: argparse.Namespace,
+    c: ml_collections.ConfigDict,
+    cfg: ZayaConfig,
+    ids: np.ndarray,
+    torch_muon: IsolatedSide | None,
 ) -> dict[str, Any]:
     """The trainer loop (a fresh process per repeat) alternated with torch running the same optimizer
     (`torch_muon`, its own process): what a user of each sees, each alone on the machine."""
     tokens_per_step = c.train.batch_size * c.train.seq_len
     reuse = args.host_memory == "reuse"
+    bare = functools.partial(JaxSide, c, cfg, ids, args.seed)  # the bare zaya_jax row's step
     loop = functools.partial(
-        in_own_process, trainer_loop_alone, c, args.loop_steps, reuse, args.warmup, args.steps
+        in_own_process, trainer_loop_alone, c, args.loop_steps, reuse, bare, args.warmup, args.steps
     )
     runners: dict[str, Callable[[], Any]] = {LOOP: loop}
     if torch_muon is not None:
@@ -614,7 +622,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if args.loop_steps and "config" not in optimizers:
         print("trainer loop skipped: it always runs the config's optimizer", file=sys.stderr, flush=True)
     elif args.loop_steps:
-        headline = run_headline(args, c, cfg, torch_muon)
+        headline = run_headline(args, c, cfg, ids, torch_muon)
 
     sides = [make(JaxSide, optimizer=o) for o in optimizers]
     if not args.skip_torch:

@@ -134,7 +134,7 @@ class ProjectionWeights(nn.Module):
 def project(x_bsd: jax.Array, weights: list[tuple[jax.Array, jax.Array | None]], dtype) -> list[jax.Array]:
     """x [..., d] through the dense layers `weights` (kernel [d, n_i], bias [n_i] | None): [..., n_1],
     [..., n_2], ... in `dtype`, each product as nn.Dense computes it (the forward's values are its,
-    to the bit, on any mesh); the backward is written out (`_products`): one input-gradient product
+    to the bit); the backward is written out (`_products`): one input-gradient product
     [..., sum n_i] x [sum n_i, d] where autodiff made one per layer and summed them."""
     ys = _products(x_bsd.astype(dtype), tuple(k.astype(dtype) for k, _ in weights))
     return [y if b is None else y + b.astype(dtype) for y, (_, b) in zip(ys, weights)]
@@ -293,17 +293,9 @@ class CCAttention(nn.Module):
 
     def setup(self):
         cfg = self.cfg
-        dense = lambda n: nn.Dense(
-            n,
-            use_bias=cfg.attention_bias,
-            dtype=cfg.compute_dtype,
-            param_dtype=cfg.params_dtype,
-            kernel_init=nn.initializers.normal(cfg.initializer_range),
-        )
+        init = nn.initializers.normal(cfg.initializer_range)
         nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        weights = lambda n: ProjectionWeights(
-            n, cfg.attention_bias, cfg.params_dtype, nn.initializers.normal(cfg.initializer_range)
-        )
+        weights = lambda n: ProjectionWeights(n, cfg.attention_bias, cfg.params_dtype, init)
         self.q_proj = weights(nq * hd)
         self.k_proj = weights(nkv * hd)
         self.v_proj_current = weights(nkv * hd // 2)
@@ -313,7 +305,13 @@ class CCAttention(nn.Module):
         # HF initialises temp to 0 as a loading placeholder; from scratch it must start at 1
         # (docs/model.md §2.1.5).
         self.temp = self.param("temp", nn.initializers.ones, (nkv,), cfg.params_dtype)
-        self.o_proj = dense(cfg.hidden_size)
+        self.o_proj = nn.Dense(
+            cfg.hidden_size,
+            use_bias=cfg.attention_bias,
+            dtype=cfg.compute_dtype,
+            param_dtype=cfg.params_dtype,
+            kernel_init=init,
+        )
 
     def initial_state(self, batch: int) -> CCAState:
         cfg = self.cfg
