@@ -175,6 +175,8 @@ def test_train_step_benchmark_writes_report(tmp_path):
     assert h["outside_step_fraction"] == pytest.approx(1 - bare / ours["step_time_s"])
     across = 1 - res["zaya_jax"]["step_time_s"] / ours["step_time_s"]
     assert h["outside_step_fraction_across_processes"] == pytest.approx(across)
+    # a data=2 mesh: its programs run on XLA's threads, so a step call is not a whole step
+    assert ours["step_call_s_repeats"] == [None] and h["outside_step_fraction_in_window"] is None
     assert "same process" in method["trainer_loop"]
 
 
@@ -241,6 +243,35 @@ def test_torch_muon_mirrors_our_optimizer_chain():
     for arr in (x, x.transpose(0, 2, 1)):
         got = orthogonalize(torch.as_tensor(arr), DEFAULT_NS_COEFFS, 5, 1e-8).numpy()
         np.testing.assert_allclose(got, np.asarray(ours(arr)), atol=1e-5)
+
+
+LOOP_ALONE = """
+import json
+from benchmarks.train_step import load_config, trainer_loop_alone
+c = load_config("configs/tiny.py")
+c.model.num_hidden_layers, c.train.batch_size, c.train.seq_len = 1, 2, 32
+print(json.dumps(trainer_loop_alone(c, 2, True)))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not host_memory.huge_pages_possible(), reason="glibc >= 2.35 and a kernel with THP")
+def test_trainer_loop_times_its_step_calls_where_they_run_inline():
+    """One CPU device with huge pages (host_memory.keep_step_buffers): each train_step call lasts its
+    whole step, so the window's calls fit inside the window the loop's throughput is taken over."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1))
+    env["GLIBC_TUNABLES"] = host_memory.HUGE_PAGES_TUNABLE
+    proc = subprocess.run([sys.executable, "-c", LOOP_ALONE], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["host_memory"] == "huge_pages" and out["steps"] == 2
+    assert _positive_finite(out["step_call_s"]) and out["step_call_s"] <= out["step_time_s"], out
+    from benchmarks import train_step
+
+    fraction = train_step._in_window([out], 2 * 32)
+    assert fraction == pytest.approx(1 - out["step_call_s"] / out["step_time_s"])
+    assert train_step._in_window([{**out, "step_call_s": None}], 2 * 32) is None
 
 
 @pytest.mark.slow

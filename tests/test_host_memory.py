@@ -22,10 +22,17 @@ MIB = 1 << 20
 # glibc's largest automatic mmap threshold (32 MiB): by default it is mapped for each run and
 # unmapped after it.
 PROGRAM = """
-import ctypes, json, sys, time
+import ctypes, json, sys, time, types
 from zaya_jax import host_memory
+if sys.argv[1] == "keep":
+    host_memory.run_cpu_programs_inline()  # as configure does, before jax's backend
 applied = host_memory.reuse_freed_memory() if sys.argv[1] == "reuse" else None
 import jax, jax.numpy as jnp
+others = None
+if sys.argv[1] == "keep":  # a mesh of two CPUs, a GPU, then one CPU: the trainer's mesh here
+    two, gpu = [types.SimpleNamespace(platform="cpu")] * 2, [types.SimpleNamespace(platform="gpu")]
+    others = [host_memory.keep_step_buffers(two), host_memory.keep_step_buffers(gpu)]
+    applied = host_memory.keep_step_buffers(jax.local_devices()[:1])
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
@@ -46,7 +53,8 @@ deadline = time.monotonic() + 10
 while applied and info.fordblks < (64 << 20) and time.monotonic() < deadline:
     time.sleep(0.05)
     info = mallinfo2()
-print(json.dumps({"applied": applied, "mapped": info.hblkhd, "free_in_heap": info.fordblks}))
+out = {"applied": applied, "others": others, "mapped": info.hblkhd, "free_in_heap": info.fordblks}
+print(json.dumps({**out, "async_dispatch": jax.config._read("jax_cpu_enable_async_dispatch")}))
 """
 
 
@@ -73,6 +81,19 @@ def test_freed_temporaries_stay_in_the_heap_for_the_next_run():
     # freed temporary waits in the heap
     assert reuse["mapped"] < 64 * MIB, reuse
     assert reuse["free_in_heap"] >= 64 * MIB, reuse
+    assert default["async_dispatch"] is reuse["async_dispatch"] is True
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt and mallinfo2")
+def test_kept_step_buffers_come_from_the_calling_threads_heap_and_stay():
+    """keep_step_buffers: the program runs on the calling thread (async dispatch off), whose arena
+    serves the 64 MiB temporary from the heap and keeps it there when freed; with the other threads'
+    arenas (no ARENA_MAX) a worker thread's temporary of that size would be mapped for each run."""
+    keep = _malloc_state("keep")
+    assert keep["applied"] is True and keep["async_dispatch"] is False
+    assert keep["others"] == [False, False]  # not for a step over two devices, nor a GPU's
+    assert keep["mapped"] < 64 * MIB, keep
+    assert keep["free_in_heap"] >= 64 * MIB, keep
 
 
 def test_huge_pages_env_adds_the_tunable_once(monkeypatch):
@@ -98,9 +119,13 @@ def test_kernel_has_huge_pages_reads_the_selected_mode(tmp_path):
 
 # The 64 MiB temporary's page faults per run, under the default settings or with the tunable.
 FAULTS = """
-import json, os, resource
-import jax, jax.numpy as jnp
+import json, os, resource, sys
 from zaya_jax import host_memory
+if sys.argv[1:] == ["configure"]:
+    host_memory.configure(True, reexec=False)  # as the trainer, once re-executed
+import jax, jax.numpy as jnp
+if sys.argv[1:] == ["configure"]:
+    host_memory.keep_step_buffers(jax.local_devices()[:1])  # the trainer's mesh of one device
 f = jax.jit(lambda a, b: jnp.sum((a @ b) * (a @ b)[::-1]))
 a, b = jnp.full((4096, 64), 1e-2), jnp.full((64, 4096), 1e-2)
 f(a, b).block_until_ready()
@@ -110,13 +135,14 @@ for _ in range(5):
 after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 mode = host_memory.mode()
 os.environ["GLIBC_TUNABLES"] = host_memory.HUGE_PAGES_TUNABLE  # too late for this process' glibc
-print(json.dumps({"mode": mode, "later": host_memory.mode(), "faults": (after - before) / 5}))
+keep = host_memory.keeps_step_buffers()
+print(json.dumps({"mode": mode, "later": host_memory.mode(), "faults": (after - before) / 5, "keep": keep}))
 """
 
 
-def _faults(tunables: str) -> dict:
+def _faults(tunables: str, *args: str) -> dict:
     env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "GLIBC_TUNABLES": tunables}
-    proc = subprocess.run([sys.executable, "-c", FAULTS], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", FAULTS, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -128,6 +154,10 @@ def test_huge_pages_fault_a_temporary_in_2_mib_at_a_time():
     assert default["mode"] == default["later"] == "default" and huge["mode"] == "huge_pages"
     assert default["faults"] >= 64 * MIB / 4096 / 2, default  # 4 KiB pages: ~16k faults a run
     assert huge["faults"] < default["faults"] / 8, (default, huge)
+    # configure (the trainer's set-up) adds keep_step_buffers: the temporary is faulted in once
+    kept = _faults(host_memory.HUGE_PAGES_TUNABLE, "configure")
+    assert kept["mode"] == "huge_pages" and kept["keep"] is True and huge["keep"] is False
+    assert kept["faults"] < huge["faults"] / 4, (huge, kept)
 
 
 TRIM = """

@@ -5,7 +5,9 @@ import json
 import os
 import subprocess
 import sys
+import types
 
+import jax
 import numpy as np
 import pytest
 
@@ -87,6 +89,7 @@ def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
     first = summary_of(run_train(a, "--config.train.steps=6", env=user_env))
     assert first["host_memory"] == ("huge_pages" if host_memory.huge_pages_possible() else "reuse")
     assert first["lean_cpu_compile"] is True
+    assert first["keep_step_buffers"] is (first["host_memory"] == "huge_pages")
     records = read_metrics(str(a))
     train = [r for r in records if r["split"] == "train"]
     evals = [r for r in records if r["split"] == "eval"]
@@ -279,10 +282,12 @@ def test_two_processes_match_one_eight_device_process(tmp_path, monkeypatch):
 def test_the_loop_reads_each_loss_one_step_late(tmp_path, monkeypatch):
     """The host dispatches step n + 1 before it reads step n's loss, except where something must see
     step n's verdict first (an evaluation, a checkpoint, the last step); a logged step is logged
-    when its verdict is read."""
+    when its verdict is read. Its throughput counts the steps that had ended by then: here each
+    call returns with its step ended, as where jax runs it on the calling thread
+    (host_memory.run_cpu_programs_inline), and takes one second of the loop's clock."""
     from zaya_jax import train as train_lib
 
-    order = []
+    order, clock = [], [0.0]
 
     class Recorded:  # the jitted train step, its calls recorded
         def __init__(self, step):
@@ -291,7 +296,9 @@ def test_the_loop_reads_each_loss_one_step_late(tmp_path, monkeypatch):
         def __call__(self, state, batch):
             self.calls += 1
             order.append(("dispatch", self.calls))
-            return self.step(state, batch)
+            out = jax.block_until_ready(self.step(state, batch))
+            clock[0] += 1.0
+            return out
 
         def _cache_size(self):
             return self.step._cache_size()
@@ -307,6 +314,7 @@ def test_the_loop_reads_each_loss_one_step_late(tmp_path, monkeypatch):
     real_program, real_read = train_lib.train_program, train_lib._read
     monkeypatch.setattr(train_lib, "train_program", program)
     monkeypatch.setattr(train_lib, "_read", read)
+    monkeypatch.setattr(train_lib, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     c = tiny_config(*SMALL, "--config.train.steps=6", "--config.logging.every_steps=3")
     c.eval.every_steps, c.checkpoint.every_steps = 0, 0
     summary = train_lib.train(c, str(tmp_path / "w"))
@@ -316,3 +324,8 @@ def test_the_loop_reads_each_loss_one_step_late(tmp_path, monkeypatch):
     # dispatch, logged step 3 is read, and logged, while step 4 runs
     assert order == [d(1), d(2), r(1), d(3), r(2), d(4), r(3), d(5), r(4), d(6), r(5), r(6)]
     assert sorted(train_losses(tmp_path / "w")) == [3, 6]
+    # steps 1-3 ended at 3 s, 4-6 at 6 s: one step's tokens a second in both records (step 3's
+    # verdict, read after step 4 ended, and the last step's had counted 3 steps over 4 s and 2 s)
+    tokens = c.train.batch_size * c.train.seq_len
+    speeds = [r["tokens_per_second"] for r in read_metrics(str(tmp_path / "w"), split="train")]
+    assert speeds == [pytest.approx(tokens)] * 2

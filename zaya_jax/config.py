@@ -29,7 +29,9 @@ overrides any key (`--config.train.steps=100`). Sections:
   train.reuse_host_memory   XLA:CPU's per-step temporaries without 4 KiB page faults: glibc's
                             huge-page tunable (the CLI re-executes itself once with it) or, where the
                             kernel has no huge pages, malloc settings that keep freed buffers in the
-                            heap (zaya_jax/host_memory.py); applied by `python -m zaya_jax.train`
+                            heap (zaya_jax/host_memory.py); with huge pages a one-device CPU step
+                            also runs on the calling thread and keeps its temporaries in the heap
+                            (host_memory.keep_step_buffers); applied by `python -m zaya_jax.train`
   train.lean_cpu_compile    XLA:CPU compiles fusions with its element-wise emitter, not its MLIR
                             fusion emitters (--xla_cpu_use_fusion_emitters=false): tiny's compile
                             peak 485 MB instead of 880 MB, 20-45% longer compiles, the same steps;

@@ -19,6 +19,17 @@ Two cures, best first (`mode()` says which one a process has):
   heap for the next run: no faults, but the heap fragments and resident memory grows by a few
   temporaries' worth (tiny: 1.66 GB against 0.66 GB with huge pages).
 
+Huge pages still leave the kernel zeroing every fresh page: a step's temporaries are one
+allocation (114 MiB for tiny), made on an XLA:CPU worker thread whose malloc arena cannot hold a
+chunk above 64 MiB, so it is mapped and unmapped every step (tiny: ~450 faults and ~20 ms of
+kernel time a step, `clear_page_erms` ~10% of the process' CPU samples). "huge_pages" cures that
+too, for a step on one CPU device: jax's CPU client runs it on the thread that calls it
+(`run_cpu_programs_inline`: `jax_cpu_enable_async_dispatch` off), so the temporaries come from the
+main arena, which grows to any size, and with mmap and trimming off (KEEP_SETTINGS,
+`keep_step_buffers`) they stay there for the next step while the worker threads keep their own
+arenas. Tiny's bare step: 118 -> 99 ms over four alternated pairs of processes, kernel time
+~20 -> ~3 ms a step, the same peak RSS (benchmarks/README.md, "The step's temporaries stay mapped").
+
 Either way compiling a step leaves ~400 MB of freed compiler memory in the heap (tiny);
 `release_freed_memory` (glibc's `malloc_trim`) hands it back after a new program is compiled.
 
@@ -38,8 +49,9 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from zaya_jax import xla_flags
 
@@ -50,6 +62,10 @@ M_ARENA_MAX = -8
 NEVER = -1  # M_TRIM_THRESHOLD -1: never trim (mallopt takes a C int; glibc reads it unsigned)
 
 SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER))
+# Huge pages' complement: mmap and trimming off, one arena per thread kept (with SETTINGS' one shared
+# arena tiny's step took ~40 ms more CPU time: its worker threads contend for the arena's lock).
+KEEP_SETTINGS = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER))
+ASYNC_DISPATCH = "jax_cpu_enable_async_dispatch"
 
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 FUSION_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters"
@@ -57,9 +73,9 @@ SCHEDULER_FLAG = "--xla_cpu_scheduler_type"
 LEAN_FLAGS = ((FUSION_EMITTERS_FLAG, "false"), (SCHEDULER_FLAG, "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"))
 THP_MODES = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
-# Whether this process applied SETTINGS: the C library's malloc state is process-wide and cannot be
-# read back, so it is mirrored here (set once, by reuse_freed_memory).
-_APPLIED: dict[str, bool] = {"reuse": False}
+# What this process applied (SETTINGS, run_cpu_programs_inline, KEEP_SETTINGS): the C library's
+# malloc state is process-wide and cannot be read back, so it is mirrored here.
+_APPLIED: dict[str, bool] = {"reuse": False, "inline": False, "keep": False}
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -122,17 +138,50 @@ def reexec_with_huge_pages() -> None:
         os.execve(sys.executable, sys.orig_argv, env)
 
 
-def reuse_freed_memory() -> bool:
-    """Applies SETTINGS with glibc's `mallopt`; True if the C library took them all, False where
-    it has no `mallopt` (musl, macOS: nothing changes). Call it before jax creates its thread pool
-    (the first device query): a thread keeps the arena it first allocated from."""
+def _mallopt(settings: tuple[tuple[int, int], ...]) -> bool:
+    """glibc's `mallopt` for each (param, value); True if the C library took them all, False where
+    it has no `mallopt` (musl, macOS: nothing changes)."""
     lib = _glibc()
     if lib is None:
         return False
     lib.mallopt.argtypes, lib.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    applied = all(lib.mallopt(param, value) == 1 for param, value in SETTINGS)
+    return all(lib.mallopt(param, value) == 1 for param, value in settings)
+
+
+def reuse_freed_memory() -> bool:
+    """Applies SETTINGS (`_mallopt`). Call it before jax creates its thread pool (the first device
+    query): a thread keeps the arena it first allocated from."""
+    applied = _mallopt(SETTINGS)
     _APPLIED["reuse"] = _APPLIED["reuse"] or applied
     return applied
+
+
+def run_cpu_programs_inline() -> None:
+    """jax's CPU client runs one-device programs on the thread that calls them (async dispatch
+    off; programs over several devices, and GPU programs, are not affected). Call it before jax
+    creates its CPU backend, which reads the flag then: configure does, in "huge_pages" mode."""
+    import jax  # deferred: host_memory is set up before anything else, and is imported without jax
+
+    jax.config.update(ASYNC_DISPATCH, False)
+    _APPLIED["inline"] = True
+
+
+def keep_step_buffers(devices: Sequence[Any]) -> bool:
+    """Huge pages' complement (module docstring): where the step runs on one CPU device and
+    `run_cpu_programs_inline` came first, KEEP_SETTINGS (`_mallopt`) keep what the step frees in
+    the calling thread's heap. Elsewhere nothing changes (a GPU step's host memory, or a CPU mesh
+    whose programs run on worker threads, would not gain). True if the settings were applied."""
+    one_cpu = len(devices) == 1 and devices[0].platform == "cpu"
+    if not (_APPLIED["inline"] and one_cpu):
+        return False
+    applied = _mallopt(KEEP_SETTINGS)
+    _APPLIED["keep"] = _APPLIED["keep"] or applied
+    return applied
+
+
+def keeps_step_buffers() -> bool:
+    """Whether this process applied `keep_step_buffers` (the run summary's `keep_step_buffers`)."""
+    return _APPLIED["keep"]
 
 
 def lean_compile(on: bool = True) -> bool:
@@ -154,13 +203,16 @@ def compiles_lean() -> bool:
 def configure(reuse: bool, reexec: bool = True, lean: bool = False) -> str:
     """What `python -m zaya_jax.train` does with `train.reuse_host_memory` and
     `train.lean_cpu_compile` (`lean`, set first: a re-executed process inherits it): huge pages where
-    the kernel and glibc have them (re-executing the process unless `reexec` is False), else the
-    "reuse" settings; nothing when `reuse` is False. Returns mode()."""
+    the kernel and glibc have them (re-executing the process unless `reexec` is False) with
+    `run_cpu_programs_inline` (the trainer then calls `keep_step_buffers` with its mesh's devices),
+    else the "reuse" settings; nothing when `reuse` is False. Returns mode()."""
     lean_compile(lean)
     if reuse:
         if reexec:
             reexec_with_huge_pages()
-        if mode() != "huge_pages":
+        if mode() == "huge_pages":
+            run_cpu_programs_inline()
+        else:
             reuse_freed_memory()
     return mode()
 

@@ -23,7 +23,9 @@ stopped at, and the last step, is read before anything else is dispatched (a che
 written for a step whose loss was not checked); its spike confirmation is an eval step on the
 next batch. `train.sync_every_step` reads every step that way. A logged step is logged when its
 verdict is read, from its own metrics and data position, so logging (even every step) never
-makes the loop wait.
+makes the loop wait. On one CPU device with `train.reuse_host_memory` (huge pages) jax runs the
+step on the calling thread, so that its temporaries stay in the heap (zaya_jax/host_memory.py,
+`keep_step_buffers`): the dispatch returns when the step ends, and only grain's threads read ahead.
 
 Where things are: this module holds the CLI and `Trainer` (set-up helpers, then a loop of next
 batch, step, faults, log, evaluate, save); zaya_jax/train_state.py the train state, its abstract
@@ -102,15 +104,18 @@ class _InFlight:
     metrics: dict[str, jax.Array]
     global_batch: int
     drawn: int | None
+    done_at: float | None  # perf_counter() when the step had ended, if it had when its dispatch returned
 
 
 class _Verdict(NamedTuple):
-    """What the loop reads of every step: its loss, whether its update was skipped, and how many MoE
-    blocks took the expert exchange's spill round (None without a spill round)."""
+    """What the loop reads of every step: its loss, whether its update was skipped, how many MoE
+    blocks took the expert exchange's spill round (None without a spill round), and when the step
+    was seen to have ended (the throughput's clock)."""
 
     loss: float
     skipped: bool
     spill_blocks: int | None
+    done_at: float
 
 
 def _read(p: _InFlight, dead: DeadExperts) -> _Verdict:
@@ -118,8 +123,9 @@ def _read(p: _InFlight, dead: DeadExperts) -> _Verdict:
     [L, E] comes in the same transfer and goes to the dead-expert window."""
     keys = ("loss", "update_skipped", SPILL_BLOCKS, "expert_load")
     loss, skipped, spills, load = jax.device_get(tuple(p.metrics.get(k) for k in keys))
+    done_at = time.perf_counter() if p.done_at is None else p.done_at
     dead.observe(p.step, load)
-    return _Verdict(float(loss), bool(skipped), None if spills is None else int(spills))
+    return _Verdict(float(loss), bool(skipped), None if spills is None else int(spills), done_at)
 
 
 @dataclasses.dataclass
@@ -179,6 +185,7 @@ class Trainer:
         self.events = EventLog(workdir, enabled=self.primary)
         self.mesh = mesh_from_config(c)
         check_batch_divides(c, self.mesh.size)
+        host_memory.keep_step_buffers(self.mesh.local_devices)
         self.harness = harness_tasks(c, self.cfg, tokenizer, self.mesh)  # lm-eval's tasks: checked now
         # context ranks hold chunks of the same rows: the batch divides over the other axes only
         self.ramp = _batch_ramp(c, row_devices(self.mesh))
@@ -237,6 +244,7 @@ class Trainer:
         self.summary["train_programs"] = self.program.train_step._cache_size()
         self.summary["host_memory"] = host_memory.mode()
         self.summary["lean_cpu_compile"] = host_memory.compiles_lean()
+        self.summary["keep_step_buffers"] = host_memory.keeps_step_buffers()
         return self.summary
 
     def _loop(self) -> None:
@@ -244,7 +252,7 @@ class Trainer:
         c, steps = self.c, self.steps
         while self.step < steps:
             done = self.step + 1
-            current = self._dispatch(done)  # returns before the step ends
+            current = self._dispatch(done)  # returns before the step ends, but on one CPU device
             if self.pending is not None:  # the previous step's verdict, read while this one runs
                 pending, self.pending = self.pending, None
                 verdict = _read(pending, self.dead)
@@ -291,13 +299,16 @@ class Trainer:
         if new_program:
             seen.append(batch.global_batch)
         self.state, metrics = self.program.train_step(self.state, batch.batch)
+        # Where jax runs the step on this thread (host_memory.run_cpu_programs_inline) it has ended:
+        # its throughput window closes now, not when its verdict is read after the next step.
+        done_at = time.perf_counter() if metrics["loss"].is_ready() else None
         if new_program:  # compiled just now: hand the compiler's freed memory back
             host_memory.release_freed_memory()
         # Batches given out, this step's included: read now, as the log may come after the next step.
         drawn = int(self.data.get_state()["next_index"]) if self._log_due(n) else None
         if n < self.steps:
             self.ahead = self._fetch(n + 1)
-        return _InFlight(n, metrics, batch.global_batch, drawn)
+        return _InFlight(n, metrics, batch.global_batch, drawn, done_at)
 
     def _judge(self, p: _InFlight, verdict: _Verdict, next_loss: Callable[[], float]) -> bool:
         """Step p's verdict; True if it rolled the run back."""
@@ -353,7 +364,7 @@ class Trainer:
         m = {k: to_python(v) for k, v in jax.device_get(p.metrics).items()}
         m.update(self.spills.record())
         self.spills = _SpillTally()
-        now = time.perf_counter()
+        now = verdict.done_at  # the tokens are those of the steps up to p, which had ended then
         m["tokens_per_second"] = self.tokens_since / max(now - self.t_last, 1e-9)
         util = sizing.mfu(m["tokens_per_second"], self.cfg, self.seq_len, self.mesh.size, self.peak)
         if util is not None:
