@@ -247,7 +247,7 @@ class JaxSide:
         # The config's mesh (mesh.data/fsdp/expert over every visible device) places the state and the
         # batch exactly as the trainer does: ZeRO-1, FSDP and expert parallelism are measured too.
         self.mesh = mesh_from_config(c)
-        host_memory.keep_step_buffers(self.mesh.local_devices)  # as the trainer does
+        host_memory.keep_step_buffers(list(self.mesh.devices.flat))  # as the trainer does
         create = lambda: create_train_state(cfg, tx, bal_cfg or bal.BalancingConfig(), jax.random.key(seed))
         shardings = state_shardings(jax.eval_shape(create), self.mesh, zero1=c.mesh.zero1)
         self.state = run_once(create, shardings)

@@ -167,10 +167,11 @@ def run_cpu_programs_inline() -> None:
 
 
 def keep_step_buffers(devices: Sequence[Any]) -> bool:
-    """Huge pages' complement (module docstring): where the step runs on one CPU device and
-    `run_cpu_programs_inline` came first, KEEP_SETTINGS (`_mallopt`) keep what the step frees in
-    the calling thread's heap. Elsewhere nothing changes (a GPU step's host memory, or a CPU mesh
-    whose programs run on worker threads, would not gain). True if the settings were applied."""
+    """Huge pages' complement (module docstring): where the step's mesh (`devices`: all of them,
+    over every process) is one CPU device and `run_cpu_programs_inline` came first, KEEP_SETTINGS
+    (`_mallopt`) keep what the step frees in the calling thread's heap. Elsewhere nothing changes:
+    a GPU step's host memory would not gain, and a CPU mesh's programs run on worker threads, whose
+    temporaries above 64 MiB would then be mapped in 4 KiB pages. True if the settings were applied."""
     one_cpu = len(devices) == 1 and devices[0].platform == "cpu"
     if not (_APPLIED["inline"] and one_cpu):
         return False

@@ -185,7 +185,7 @@ class Trainer:
         self.events = EventLog(workdir, enabled=self.primary)
         self.mesh = mesh_from_config(c)
         check_batch_divides(c, self.mesh.size)
-        host_memory.keep_step_buffers(self.mesh.local_devices)
+        host_memory.keep_step_buffers(list(self.mesh.devices.flat))
         self.harness = harness_tasks(c, self.cfg, tokenizer, self.mesh)  # lm-eval's tasks: checked now
         # context ranks hold chunks of the same rows: the batch divides over the other axes only
         self.ramp = _batch_ramp(c, row_devices(self.mesh))
