@@ -68,8 +68,8 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
-import ast  # noqa: E402
 import dataclasses  # noqa: E402
+import ast  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
 import importlib.util  # noqa: E402
@@ -312,9 +312,8 @@ def run_trainer_loop(c: ml_collections.ConfigDict, loop_steps: int) -> dict[str,
         raise RuntimeError(f"trainer loop: no train record at step {2 * loop_steps} in metrics.jsonl")
     tokens_per_s = timed[-1]["tokens_per_second"]
     step_time_s = c.train.batch_size * c.train.seq_len / tokens_per_s
-    # steps loop_steps+1..2 loop_steps: the window's own step calls, if each returned with its step ended
-    window = step_calls.calls[loop_steps : 2 * loop_steps]
-    calls = [t for t, _ in window] if all(ended for _, ended in window) else None
+    # steps loop_steps+1..2 loop_steps: the window's own step calls, whole steps where they run inline
+    calls = step_calls.calls[loop_steps : 2 * loop_steps] if host_memory.keeps_step_buffers() else None
     return {
         "steps": loop_steps,
         "tokens_per_s": tokens_per_s,
@@ -325,19 +324,18 @@ def run_trainer_loop(c: ml_collections.ConfigDict, loop_steps: int) -> dict[str,
 
 
 class TimedStep:
-    """The trainer's jitted step, each call's (seconds, whether its step had ended on return): a
-    call that returns with its step ended (jax ran it on the calling thread:
-    host_memory.run_cpu_programs_inline, one CPU device) lasted the whole step, so the loop's time
-    outside the step is measured in the loop's own window; the trainer's clock asks the same."""
+    """The trainer's jitted step, each call timed: where jax runs the step on the calling thread
+    (host_memory.run_cpu_programs_inline, one CPU device) a call lasts the whole step, so the loop's
+    time outside the step is measured in the loop's own window."""
 
     def __init__(self, step: Callable[..., Any]):
         self.step, self.calls = step, []
 
     def __call__(self, *args: Any) -> Any:
         t0 = time.perf_counter()
-        state, metrics = self.step(*args)
-        self.calls.append((time.perf_counter() - t0, metrics["loss"].is_ready()))
-        return state, metrics
+        out = self.step(*args)
+        self.calls.append(time.perf_counter() - t0)
+        return out
 
     def _cache_size(self) -> int:  # the trainer's summary counts its compiled programs
         return self.step._cache_size()
