@@ -68,8 +68,8 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
-import dataclasses  # noqa: E402
 import ast  # noqa: E402
+import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
 import importlib.util  # noqa: E402

@@ -252,7 +252,7 @@ class Trainer:
         c, steps = self.c, self.steps
         while self.step < steps:
             done = self.step + 1
-            current = self._dispatch(done)  # returns before the step ends, but on one CPU device
+            current = self._dispatch(done)  # returns before the step ends (unless run inline: docstring)
             if self.pending is not None:  # the previous step's verdict, read while this one runs
                 pending, self.pending = self.pending, None
                 verdict = _read(pending, self.dead)
