@@ -21,8 +21,10 @@ def rope_cos_sin(
     exponent = jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim
     inv_freq = 1.0 / (jnp.asarray(theta, jnp.float32) ** exponent)  # [P / 2]
     freqs = positions_bs.astype(jnp.float32)[..., None] * inv_freq  # [B, S, P / 2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    # transformers takes cos / sin of [freqs, freqs]; each half is evaluated once here (the same
+    # values): half the transcendentals, which XLA:CPU evaluates again in every fusion that reads them.
+    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
 
 
 def _rotate_half(x: jax.Array) -> jax.Array:
