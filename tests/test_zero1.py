@@ -34,6 +34,11 @@ def _config(mesh: dict[str, int], grad_accum: int, grad_reduce: str = "step"):
     c.train.seq_len, c.train.batch_size, c.train.grad_accum = 32, 8 * grad_accum, grad_accum
     c.train.grad_reduce = grad_reduce
     c.optim.schedule, c.optim.warmup_steps = "constant", 0  # the first step moves the params
+    # AdamW's eps 1e-6 instead of 1e-8: an embedding entry whose gradient sums to ~1e-8 (its
+    # tokens' contributions cancel) moves by lr * g / (|g| + eps), and fp32 rounding of that sum
+    # differs with the reduction order by a few percent, so its update differed between one device
+    # and data=8 by 1.2e-5 (lr 1e-3) on an Intel box: rounding amplified, not a reduction wrong.
+    c.optim.adamw.eps = 1e-6
     for axis, size in mesh.items():
         c.mesh[axis] = size
     return c
