@@ -1,6 +1,6 @@
 """The torch side of `benchmarks/train_step.py`: transformers' ZayaForCausalLM, forward with labels +
 backward + `torch.optim.AdamW`, or with `muon_names` our optimizer chain's Muon / AdamW split
-(benchmarks/torch_muon.py).
+(benchmarks/torch_muon.py), or with `sgd` plain `torch.optim.SGD` (the model's own cost).
 
 Nothing here imports jax: the side runs in a process of its own that holds what a torch user's
 process holds (benchmarks/isolated.py), so its peak RSS is torch's. The parent gives it plain inputs:
@@ -16,7 +16,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-TORCH, TORCH_MUON = "torch", "torch_muon"
+TORCH, TORCH_MUON, TORCH_SGD = "torch", "torch_muon", "torch_sgd"
 
 
 class TorchSide:
@@ -36,13 +36,12 @@ class TorchSide:
         threads: int,
         grad_accum: int,
         muon_names: set[str] | None = None,
+        sgd: bool = False,
     ):
         import torch
         from transformers import ZayaForCausalLM as HFZayaForCausalLM
 
-        from benchmarks.torch_muon import TorchMuonAdamW
-
-        self.name = TORCH if muon_names is None else TORCH_MUON
+        self.name = TORCH_SGD if sgd else TORCH if muon_names is None else TORCH_MUON
         self.torch = torch
         if threads:  # 0: torch's own default, as a user's script runs
             torch.set_num_threads(threads)
@@ -65,14 +64,7 @@ class TorchSide:
             if self.autocast
             else "pure bfloat16 params"
         )
-        a = optim.adamw
-        self.opt = (
-            torch.optim.AdamW(
-                model.parameters(), lr=optim.lr, betas=(a.b1, a.b2), eps=a.eps, weight_decay=a.weight_decay
-            )
-            if muon_names is None
-            else TorchMuonAdamW(model, optim, muon_names)
-        )
+        self.opt = _optimizer(model, optim, muon_names, sgd)
         self.grad_accum = grad_accum
         self.ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
         self.init_s = time.perf_counter() - t0
@@ -100,3 +92,19 @@ class TorchSide:
 
     def loss(self) -> float | None:
         return None if self._loss is None else float(self._loss)
+
+
+def _optimizer(model: Any, optim: ml_collections.ConfigDict, muon_names: set[str] | None, sgd: bool) -> Any:
+    """The side's update: plain SGD at optim.lr, our Muon / AdamW split, or AdamW on everything."""
+    import torch
+
+    from benchmarks.torch_muon import TorchMuonAdamW
+
+    if sgd:
+        return torch.optim.SGD(model.parameters(), lr=optim.lr)
+    if muon_names is not None:
+        return TorchMuonAdamW(model, optim, muon_names)
+    a = optim.adamw
+    return torch.optim.AdamW(
+        model.parameters(), lr=optim.lr, betas=(a.b1, a.b2), eps=a.eps, weight_decay=a.weight_decay
+    )

@@ -2,7 +2,7 @@
 
     python -m benchmarks.train_step [--config configs/tiny.py] [--set train.batch_size=4 ...]
         [--steps 10] [--warmup 2] [--repeats 3] [--loop-steps 10] [--dtype float32|bfloat16]
-        [--out results/train_step.json] [--skip-torch] [--optimizer both|config|adamw]
+        [--out results/train_step.json] [--skip-torch] [--optimizer both|all|config|adamw|sgd]
         [--host-memory reuse|default] [--omp-wait-policy default|passive|active] [--threads N]
 
 (`python benchmarks/train_step.py ...` works too.) Every side runs in a process of its own
@@ -43,8 +43,11 @@ AdamW (the optim.adamw settings, the config's lr schedule and clipping); `torch`
 chain's Muon / AdamW split in PyTorch (benchmarks/torch_muon.py: the same tensors on Muon, the same
 Newton-Schulz). "x same opt" compares each of ours with the torch side running its optimizer
 (zaya_jax / torch_muon, zaya_jax_adamw / torch: the AdamW-only pair). `--optimizer config` / `adamw`
-runs one pair only (`config` keeps the AdamW torch baseline too). The trainer loop always uses the
-config's optimizer, so there is no headline with `adamw` alone.
+runs one pair only (`config` keeps the AdamW torch baseline too). `--optimizer sgd` runs the
+`zaya_jax_sgd` / `torch_sgd` pair (plain SGD at optim.lr on every parameter, no momentum or clipping,
+beside the AdamW baseline): the model's forward + backward, so that a pair's difference from it is
+what its optimizer costs; `--optimizer all` runs the three pairs, all six rows interleaved. The
+trainer loop always uses the config's optimizer, so there is no headline with `adamw` or `sgd` alone.
 
 "floor ms" is the fastest a side's step could be on this device: the model's training FLOPs
 (`sizing.flops_per_token` x tokens) plus its optimizer's Newton-Schulz FLOPs
@@ -104,7 +107,7 @@ from benchmarks.gemm import time_gemm  # noqa: E402
 from benchmarks.isolated import IsolatedSide  # noqa: E402
 from benchmarks.reference import add_torch_args, hf_config, model_report, resolve_torch_device  # noqa: E402
 from benchmarks.torch_muon import model_muon_names  # noqa: E402
-from benchmarks.torch_side import TORCH, TORCH_MUON, TorchSide  # noqa: E402
+from benchmarks.torch_side import TORCH, TORCH_MUON, TORCH_SGD, TorchSide  # noqa: E402
 from zaya_jax import balancing as bal  # noqa: E402
 from zaya_jax import cli  # noqa: E402
 from zaya_jax import config as config_lib  # noqa: E402
@@ -124,7 +127,8 @@ from zaya_jax.train_state import (  # noqa: E402
     state_shardings,
 )
 
-OURS, OURS_ADAMW = "zaya_jax", "zaya_jax_adamw"
+OURS, OURS_ADAMW, OURS_SGD = "zaya_jax", "zaya_jax_adamw", "zaya_jax_sgd"
+OUR_SIDES = (OURS, OURS_ADAMW, OURS_SGD)
 LOOP = "zaya_jax trainer loop"
 # --omp-wait-policy -> OMP_WAIT_POLICY in torch's processes (None: unset, torch's own default). PASSIVE
 # is for a machine shared with other busy processes: there GOMP's spin-waiting made a tiny torch step
@@ -207,23 +211,28 @@ def peak_flops_for_name(name: str) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------- sides
-OPTIMIZERS = ("both", "config", "adamw")
-SIDE_OF_OPTIMIZER = {"config": OURS, "adamw": OURS_ADAMW}
+OPTIMIZERS = ("both", "all", "config", "adamw", "sgd")
+SIDE_OF_OPTIMIZER = {"config": OURS, "adamw": OURS_ADAMW, "sgd": OURS_SGD}
 # The torch side that runs the same optimizer as each of ours (the like-for-like ratio).
-SAME_OPTIMIZER = {OURS: TORCH_MUON, OURS_ADAMW: TORCH}
+SAME_OPTIMIZER = {OURS: TORCH_MUON, OURS_ADAMW: TORCH, OURS_SGD: TORCH_SGD}
 
 
 def selected_optimizers(optimizer: str) -> tuple[str, ...]:
-    """The optimizers our side runs with for --optimizer ("both" = the config's, then AdamW)."""
-    return ("config", "adamw") if optimizer == "both" else (optimizer,)
+    """The optimizers our side runs with for --optimizer ("both" = the config's, then AdamW; "all"
+    = those and SGD)."""
+    return {"both": ("config", "adamw"), "all": ("config", "adamw", "sgd")}.get(optimizer, (optimizer,))
 
 
 def make_benchmark_optimizer(c: ml_collections.ConfigDict, optimizer: str) -> optax.GradientTransformation:
     """ "config": the trainer's optimizer (zaya_jax.optim.chain: Muon on the matrices, AdamW on the
     rest). "adamw": every parameter on AdamW with optim.adamw's settings, the same lr schedule, weight
-    decay mask and clipping: what torch's side runs, for a like-for-like row."""
+    decay mask and clipping: what torch's side runs, for a like-for-like row. "sgd": plain SGD at
+    optim.lr (no momentum, no clipping, as torch.optim.SGD): the cheapest update, so that the pair
+    times the model's forward + backward, and what an optimizer adds is the difference."""
     if optimizer == "config":
         return make_optimizer(c, total_steps=c.train.steps)
+    if optimizer == "sgd":
+        return optax.sgd(c.optim.lr)
     return optax.chain(gradient_clipping(c), adamw(c, lr_schedule(c, c.train.steps)))
 
 
@@ -459,9 +468,9 @@ def side_maker(args: argparse.Namespace, c: ml_collections.ConfigDict, cfg: Zaya
     def make(factory: Any, **kwargs: Any) -> IsolatedSide:
         is_torch = factory is TorchSide
         if is_torch:
-            muon = kwargs.pop("muon", False)
-            what = TORCH_MUON if muon else TORCH
-            kwargs = {**torch_kwargs, "muon_names": torch_muon_names(cfg) if muon else None}
+            muon, sgd = kwargs.pop("muon", False), kwargs.pop("sgd", False)
+            what = TORCH_SGD if sgd else TORCH_MUON if muon else TORCH
+            kwargs = {**torch_kwargs, "muon_names": torch_muon_names(cfg) if muon else None, "sgd": sgd}
         else:
             what = f"{SIDE_OF_OPTIMIZER[kwargs['optimizer']]} (compiling the train step)"
             kwargs = dict(c=c, cfg=cfg, ids=ids, seed=args.seed, **kwargs)
@@ -609,7 +618,7 @@ def side_results(
     for side in sides:
         step_s = statistics.median(times[side.name])
         tokens_per_s = tokens_per_step / step_s
-        ours = side.name in (OURS, OURS_ADAMW)
+        ours = side.name in OUR_SIDES
         peak = device["jax_peak_bf16_flops"] if ours else device.get("torch_peak_bf16_flops")
         results[side.name] = {
             "step_time_s": step_s,
@@ -639,9 +648,10 @@ def add_ratios(
     model + Newton-Schulz FLOPs at the measured matmul speed (Muon's NS is paid once per step)."""
     tokens_per_step = c.train.batch_size * c.train.seq_len
     model_flops = tokens_per_step * sizing.flops_per_token(cfg, c.train.seq_len)
-    optimizer_flops = {OURS: sizing.newton_schulz_flops(cfg, c.optim.muon.ns_steps), OURS_ADAMW: 0.0}
+    optimizer_flops = dict.fromkeys(OUR_SIDES, 0.0)
+    optimizer_flops[OURS] = sizing.newton_schulz_flops(cfg, c.optim.muon.ns_steps)
     torch_r = results.get(TORCH)
-    for name in (OURS, OURS_ADAMW):
+    for name in OUR_SIDES:
         if name not in results:
             continue
         r, same = results[name], results.get(SAME_OPTIMIZER[name])
@@ -673,7 +683,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     sides = [make(JaxSide, optimizer=o) for o in optimizers]
     if not args.skip_torch:
-        sides.append(make(TorchSide))
+        sides.append(make(TorchSide))  # the AdamW baseline of every "x torch" (sides[len(optimizers)])
+        if "sgd" in optimizers:
+            sides.append(make(TorchSide, sgd=True))
     if torch_muon is not None:
         sides.append(torch_muon)
     runners = {s.name: functools.partial(timed_window, s, args.warmup, args.steps) for s in sides}
@@ -823,9 +835,11 @@ def summary_line(report: dict[str, Any]) -> str:
                 f"threads, OMP_WAIT_POLICY {m['omp_wait_policy']})"
             )
         line += f", {_outside_text(h)}; bare steps: "
-    ours = [name for name in (OURS, OURS_ADAMW) if name in res]
+    ours = [name for name in OUR_SIDES if name in res]
     if OURS_ADAMW in res:
         where += f"; {OURS_ADAMW}: every parameter on AdamW, like torch"
+    if OURS_SGD in res:
+        where += f"; {OURS_SGD}: plain SGD, the model's forward + backward"
     if TORCH not in res:
         sides = ", ".join(f"{name} {res[name]['tokens_per_s']:,.0f} tok/s" for name in ours)
         return line + f"{sides} ({where}; torch skipped)"
@@ -875,8 +889,10 @@ def arg_parser() -> cli.ArgumentParser:
         "--optimizer",
         choices=OPTIMIZERS,
         default="both",
-        help="our side's optimizer: both (default: two rows, interleaved), config (the config's "
-        "Muon/AdamW chain) or adamw (every parameter on AdamW, like torch's side; no trainer loop)",
+        help="our side's optimizer: both (default: two rows, interleaved), all (three: both and "
+        "sgd), config (the config's Muon/AdamW chain), adamw (every parameter on AdamW, like torch's "
+        "side) or sgd (plain SGD on both sides: the model's forward + backward); no trainer loop "
+        "without config",
     )
     p.add_argument(
         "--host-memory",

@@ -205,6 +205,43 @@ def test_adamw_only_optimizer_routes_every_parameter_to_adamw():
     assert len(adam) == 1 and jax.tree.structure(adam[0].mu) == jax.tree.structure(params)
 
 
+def test_sgd_pair_updates_by_lr_times_gradient_on_both_sides():
+    # The model-only pair: no optimizer state, one update p <- p - optim.lr * g, ours and torch's.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from benchmarks.reference import hf_config
+    from benchmarks.torch_side import TORCH_SGD, TorchSide
+    from benchmarks.train_step import load_config, make_benchmark_optimizer, selected_optimizers
+    from zaya_jax.model import ZayaConfig
+
+    assert selected_optimizers("all") == ("config", "adamw", "sgd")  # three pairs in one run
+    c = load_config("configs/tiny.py")
+    tx = make_benchmark_optimizer(c, "sgd")
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros((4,))}
+    grads = {"w": jnp.full((3, 2), 2.0), "b": jnp.arange(4.0)}
+    state = tx.init(params)
+    assert jax.tree.leaves(state) == []  # no momentum, no moments
+    updates, _ = tx.update(grads, state, params)
+    for k in params:
+        np.testing.assert_allclose(updates[k], -c.optim.lr * grads[k], rtol=1e-6)
+
+    cfg = ZayaConfig.tiny()
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 8))
+    side = TorchSide(hf_config(cfg), c.optim, ids, 0, "cpu", "float32", "autocast", 1, 1, sgd=True)
+    assert side.name == TORCH_SGD and type(side.opt) is torch.optim.SGD
+    before = {n: p.detach().clone() for n, p in side.model.named_parameters()}
+    side.run(1)
+    moved = 0
+    for n, p in side.model.named_parameters():
+        want = before[n] - c.optim.lr * p.grad
+        torch.testing.assert_close(p.detach(), want, rtol=0, atol=1e-7)
+        moved += int(not torch.equal(p.detach(), before[n]))
+    assert moved > 0 and math.isfinite(side.loss())
+
+
 def test_torch_muon_mirrors_our_optimizer_chain():
     # The torch Muon row times the same work as ours: the same tensors on Muon (every other one on
     # AdamW) and the same Newton-Schulz iteration, in either orientation.
@@ -287,6 +324,29 @@ def test_train_step_benchmark_adamw_only_row(tmp_path):
     assert report["method"]["torch_threads"] is None
     assert set(report["results"]) == {"zaya_jax_adamw"} and report["ratio_tokens_per_s"] is None
     assert _positive_finite(report["results"]["zaya_jax_adamw"]["tokens_per_s"])
+
+
+@pytest.mark.slow
+def test_train_step_benchmark_sgd_pair(tmp_path):
+    # --optimizer sgd: our step and torch's with plain SGD (the models' forward + backward), beside
+    # the AdamW baseline; ratios as for the other pairs, no optimizer FLOPs in the floor.
+    out = tmp_path / "sgd.json"
+    proc = _run(["-m", "benchmarks.train_step", *TOY, "--optimizer", "sgd", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "plain SGD" in proc.stdout and "trainer loop skipped" in proc.stderr
+    report = json.loads(out.read_text())
+    res = report["results"]
+    assert report["config"]["optimizer"] == "sgd" and report["headline"] is None
+    assert set(res) == {"zaya_jax_sgd", "torch", "torch_sgd"}
+    r = res["zaya_jax_sgd"]
+    assert r["ratio_same_optimizer"] == pytest.approx(r["tokens_per_s"] / res["torch_sgd"]["tokens_per_s"])
+    assert r["ratio_to_torch"] == pytest.approx(r["tokens_per_s"] / res["torch"]["tokens_per_s"])
+    assert set(r) == SIDE_KEYS | FLOOR_KEYS | {"ratio_to_torch", "ratio_same_optimizer"}
+    assert r["optimizer_flops_per_step"] == 0
+    imports_jax = {n: x["imports_jax"] for n, x in res.items()}
+    assert imports_jax == {"zaya_jax_sgd": True, "torch": False, "torch_sgd": False}
+    for name, x in res.items():
+        assert _positive_finite(x["final_loss"]) and _positive_finite(x["peak_rss_bytes"]), name
 
 
 def test_train_step_cli_as_script_and_bad_override(tmp_path):
