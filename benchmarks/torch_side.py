@@ -19,6 +19,11 @@ import numpy as np
 TORCH, TORCH_MUON, TORCH_SGD = "torch", "torch_muon", "torch_sgd"
 
 
+def side_name(muon: bool, sgd: bool) -> str:
+    """The row a torch side reports: torch_sgd, torch_muon (our Muon / AdamW split) or torch (AdamW)."""
+    return TORCH_SGD if sgd else TORCH_MUON if muon else TORCH
+
+
 class TorchSide:
     """One torch training step on a fixed batch `ids` [B, S], `grad_accum` microbatches."""
 
@@ -41,7 +46,7 @@ class TorchSide:
         import torch
         from transformers import ZayaForCausalLM as HFZayaForCausalLM
 
-        self.name = TORCH_SGD if sgd else TORCH if muon_names is None else TORCH_MUON
+        self.name = side_name(muon_names is not None, sgd)
         self.torch = torch
         if threads:  # 0: torch's own default, as a user's script runs
             torch.set_num_threads(threads)

@@ -107,7 +107,7 @@ from benchmarks.gemm import time_gemm  # noqa: E402
 from benchmarks.isolated import IsolatedSide  # noqa: E402
 from benchmarks.reference import add_torch_args, hf_config, model_report, resolve_torch_device  # noqa: E402
 from benchmarks.torch_muon import model_muon_names  # noqa: E402
-from benchmarks.torch_side import TORCH, TORCH_MUON, TORCH_SGD, TorchSide  # noqa: E402
+from benchmarks.torch_side import TORCH, TORCH_MUON, TORCH_SGD, TorchSide, side_name  # noqa: E402
 from zaya_jax import balancing as bal  # noqa: E402
 from zaya_jax import cli  # noqa: E402
 from zaya_jax import config as config_lib  # noqa: E402
@@ -469,7 +469,7 @@ def side_maker(args: argparse.Namespace, c: ml_collections.ConfigDict, cfg: Zaya
         is_torch = factory is TorchSide
         if is_torch:
             muon, sgd = kwargs.pop("muon", False), kwargs.pop("sgd", False)
-            what = TORCH_SGD if sgd else TORCH_MUON if muon else TORCH
+            what = side_name(muon, sgd)
             kwargs = {**torch_kwargs, "muon_names": torch_muon_names(cfg) if muon else None, "sgd": sgd}
         else:
             what = f"{SIDE_OF_OPTIMIZER[kwargs['optimizer']]} (compiling the train step)"
