@@ -40,6 +40,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "zaya_jax.xla_flags",
             "zaya_jax.gpu_target",
             "zaya_jax.gpu_plugins",
+            "zaya_jax.output_dir",
         ),
     ),
     ("kernels", ("zaya_jax.kernels",)),

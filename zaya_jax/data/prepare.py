@@ -23,8 +23,9 @@ Layout of DIR:
                                   every document followed by one EOS token
     train/shard_00000.offsets.npy int64 [num_docs + 1]; document d (incl. its EOS) is tokens[off[d]:off[d+1]]
     eval/...                      same for the held-out split
-Documents never straddle shards. The directory is built under a temporary name and renamed into
-place at the end, so an interrupted run never leaves a directory that looks complete.
+Documents never straddle shards. The directory is built under a temporary name and moved into
+place at the end, so an interrupted run never leaves a directory that looks complete. DIR must be
+new or empty; `--overwrite` replaces an existing one (never one holding an input).
 """
 
 from __future__ import annotations
@@ -37,16 +38,14 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from zaya_jax import cli
+from zaya_jax import cli, output_dir
 from zaya_jax.data import is_eval_document
 from zaya_jax.tokenizer import Tokenizer, load_tokenizer
 
@@ -313,16 +312,13 @@ def prepare_dataset(
     _check_inputs(paths, shard_tokens, eval_fraction, split_seed)
     separator = parse_separator(doc_separator)
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"output directory {out_dir} already exists (pass --overwrite to replace it)")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    reading = [("--input", str(p)) for p in paths]
+    if isinstance(tokenizer, (str, os.PathLike)) and str(tokenizer) != "byte":
+        reading.append(("--tokenizer", str(tokenizer)))
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
-
-    # Build next to the destination (same filesystem, so the final rename is atomic).
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        tmp_dir.chmod(0o755)  # mkdtemp makes it owner-only; the dataset should be readable like a normal dir
+    # Built beside the destination and moved into place: meta.json, the last file, marks a complete dataset.
+    with output_dir.staged(str(out_dir), overwrite=overwrite, reading=reading, last=(META_FILENAME,)) as tmp:
+        tmp_dir = Path(tmp)
         splitter = _Splitter(
             tok,
             {s: _ShardWriter(tmp_dir / s, dtype, shard_tokens) for s in SPLITS},
@@ -344,12 +340,7 @@ def prepare_dataset(
             eval_tail_tokens=held_out_tokens,
             splits={s: w.summary() for s, w in writers.items()},
         )
-        # meta.json is the last file written: its presence marks a complete dataset.
         (tmp_dir / META_FILENAME).write_text(json.dumps(meta, indent=2) + "\n")
-        _publish(tmp_dir, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
     return meta
 
 
@@ -441,18 +432,6 @@ class _Splitter:
         return writers, held_out_tokens
 
 
-def _publish(tmp_dir: Path, out_dir: Path) -> None:
-    """Moves the finished dataset into place; an existing one (overwrite) is moved aside first and
-    deleted only afterwards."""
-    if out_dir.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        os.replace(out_dir, trash / out_dir.name)
-        os.replace(tmp_dir, out_dir)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp_dir, out_dir)
-
-
 def _format_summary(out_dir: Path, meta: dict) -> str:
     tok = meta["tokenizer"]
     lines = [
@@ -510,7 +489,9 @@ def arg_parser() -> cli.ArgumentParser:
         "blank-line, form-feed, or a literal string such as '\\n\\n\\n'",
     )
     parser.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl")
-    parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace DIR if it exists (never one holding an input)"
+    )
     return parser
 
 
