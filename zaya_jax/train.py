@@ -7,36 +7,7 @@ its latest checkpoint, data position included, read straight into the sharded ar
 of another model or optimizer is an error that moves nothing; an unreadable newest checkpoint is
 skipped with a warning; if none is readable the run stops with an error).
 
-Fault handling (config.fault, zaya_jax/fault.py; events in WORKDIR/events.jsonl): SIGTERM /
-SIGINT save at the next step boundary and exit 0; a step watchdog (fault.step_timeout_s) dumps
-all thread stacks and exits 3; non-finite updates are skipped and recorded; a loss spike or
-fault.max_bad_steps consecutive skipped updates roll back to the last checkpoint and skip the
-batches since then.
-
-The host never waits for the device inside the loop: step n + 1 is dispatched (its batch fetched and
-put on the devices while step n ran) before step n's loss and skip flag are read, so the read
-overlaps step n + 1, and step n + 1's train loss (computed before its update) is the updated
-model's loss on the next batch that confirms a spike at step n. A rollback decided then restores
-the checkpoint before step n and skips the batches since, step n's included, exactly as a
-synchronous loop would, and drops step n + 1's result. A step that is evaluated, saved or
-stopped at, and the last step, is read before anything else is dispatched (a checkpoint is never
-written for a step whose loss was not checked); its spike confirmation is an eval step on the
-next batch. `train.sync_every_step` reads every step that way. A logged step is logged when its
-verdict is read, from its own metrics and data position, so logging (even every step) never
-makes the loop wait. On one CPU device with `train.reuse_host_memory` (huge pages) jax runs the
-step on the calling thread, so that its temporaries stay in the heap (zaya_jax/host_memory.py,
-`keep_step_buffers`): the dispatch returns when the step ends, and only grain's threads read ahead.
-
-Where things are: this module holds the CLI and `Trainer` (set-up helpers, then a loop of next
-batch, step, faults, log, evaluate, save); zaya_jax/train_state.py the train state, its abstract
-sharded form and the jitted train / eval steps; zaya_jax/fault.py every fault decision
-(`FaultMonitor.after_step`); zaya_jax/train_eval.py the evaluations; zaya_jax/checkpoint.py the
-Orbax checkpoints; zaya_jax/metrics.py the metric records.
-
-`--dry_run` (no --workdir) compiles this train step at full size on simulated CPU devices, or with
-`--dry_run_target=mi300x|h100|FILE` for deviceless GPUs through XLA's GPU compiler, and prints
-memory per device, collectives, compiled kernels and FLOPs and compile time instead; a step that
-does not fit the GPU is an error (zaya_jax/dry_run.py).
+Fault handling, the one-step-late loss read, and where each part lives: docs/design/trainer.md.
 """
 
 from __future__ import annotations

@@ -5,35 +5,7 @@ Batch format (numpy, B = global_batch_size // process_count local rows, S = seq_
     targets    int32   [B, S]   targets[:, t] is the token that follows input_ids[:, t]
     loss_mask  float32 [B, S]   1 for real targets, 0 for padding
 
-Packing (concat-then-split with a one-token overlap). For each epoch the documents are shuffled
-(permutation seeded by (seed, epoch)), each followed by its EOS, and concatenated into one stream
-x[0..T), preceded by one extra EOS at position -1 so that the first document is predicted from a
-document boundary exactly like all others. Sequence i of the epoch is the window x[i*S-1 : (i+1)*S]
-of S+1 tokens: input_ids = window[:-1], targets = window[1:]. Consecutive windows overlap by one
-token, so every token of the epoch is a target exactly once: nothing is lost, nothing duplicated,
-and a document that does not fit continues at the start of the next sequence (documents are only
-ever split at sequence boundaries). An epoch has ceil(T / S) sequences; the end of the last one is
-filled with pad_id with loss_mask 0 (at most S-1 padded positions per epoch; the next epoch starts
-afresh rather than carrying over, which keeps every sequence addressable by index). Attention is
-not masked between packed documents: the EOS separator is the only boundary signal.
-
-Why random access instead of grain's ConcatThenSplitIterDataset: the packing above is a pure
-function of (seed, global sequence index), computed with a binary search over the epoch's
-cumulative document lengths. That gives
-    * exact sharding: process p reads only the sequences p, p+P, p+2P, ... (a grain slice), and
-      never tokenizes or packs the other processes' data;
-    * O(1) checkpoints: the iterator state is grain's {"next_index": n} (JSON-serialisable), and
-      restoring it does not replay any packing;
-    * the one-token overlap above, which iterator-based packing into disjoint chunks cannot do
-      (it would silently drop one target per sequence).
-
-Sharding: global batch k consists of the sequences k*G .. k*G+G-1 (G = global_batch_size). Process
-p gets the rows with (index mod P) == p, in order, so row r of process p's batch is row r*P + p of
-the single-process global batch (`interleave_process_batches` reassembles it). The global sequence
-count is padded to a multiple of G with all-padding sequences (loss_mask 0), so every process yields
-the same number of batches and no real sequence is dropped. With a batch-size ramp (zaya_jax.data.ramp)
-batch k holds the next ramp.size(k) sequences instead of G; a weighted mixture of datasets
-(zaya_jax.data.mixture) is one more random-access sequence source; both go through `batch_sequences`.
+Packing, sharding and the checkpointed data position: docs/design/data-pipeline.md.
 """
 
 from __future__ import annotations

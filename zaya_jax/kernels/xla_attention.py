@@ -112,6 +112,6 @@ def contract_rows(x_bkmh: jax.Array, y_bkmt: jax.Array) -> jax.Array:
     """sum over m of y[.., m, t] x[.., m, h] -> [b, k, t, h] fp32: the backward's dk and dv.
 
     Written with the [m, h] operand first (a [b, k, h, t] product, then swapped): XLA:CPU runs
-    that 2-3x faster than "bkmt,bkmh->bkth" at h = 32 (tiny's [16, 2, 256, 128] probabilities:
-    0.40 against 1.10 ms), and no slower at h = 64."""
+    that faster than "bkmt,bkmh->bkth" at h = 32 and no slower at h = 64 (docs/performance.md,
+    "Choices inside the code")."""
     return jnp.einsum("bkmh,bkmt->bkht", x_bkmh, y_bkmt, preferred_element_type=jnp.float32).swapaxes(-1, -2)
