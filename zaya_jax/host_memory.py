@@ -29,7 +29,7 @@ NEVER = -1  # M_TRIM_THRESHOLD -1: never trim (mallopt takes a C int; glibc read
 
 SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER))
 # Huge pages' complement: mmap and trimming off, one arena per thread kept (with SETTINGS' one shared
-# arena tiny's step took ~40 ms more CPU time: its worker threads contend for the arena's lock).
+# arena the step's worker threads contend for the arena's lock; docs/performance.md).
 KEEP_SETTINGS = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER))
 ASYNC_DISPATCH = "jax_cpu_enable_async_dispatch"
 

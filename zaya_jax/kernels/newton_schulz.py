@@ -51,7 +51,7 @@ def orthogonalize(
     steep slope at 0 so small singular values grow fast.
 
     per_slice: iterate the slices one after the other (a loop of 2-D matmul chains) instead of as
-    one batched chain: on XLA:CPU 1.4-2.1x faster for Muon's expert stacks, and its temporaries are
+    one batched chain: faster on XLA:CPU for Muon's expert stacks (docs/performance.md), and its temporaries are
     one slice's, not the stack's (kernels.NS_PER_SLICE says where the optimizer asks for it).
     """
     if x.ndim < 2:

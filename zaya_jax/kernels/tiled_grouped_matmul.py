@@ -83,8 +83,8 @@ def _scan_groups(group, dy, x, weights, per_group):
     a [G, ...] gradient like its weight in `weights`. Returns (dx, (dw, ...)).
 
     Why not lax.scan's stacked outputs: their zero-filled [G, ...] buffers are constants, so XLA
-    built them (and a copy per layer) during the forward pass, and mid's 6 unrolled layers held
-    288 MiB of expert-weight-sized zeros through the step's peak (its fwd/bwd boundary). Here they
+    built them (and a copy per layer) during the forward pass, and the unrolled layers held
+    expert-weight-sized zeros through the step's peak (its fwd/bwd boundary). Here they
     are broadcast from a zero computed from dy: not a constant, so none of them is built before the
     backward reaches the layer, nor shared (and copied) across layers. (An optimization_barrier
     does not do it: XLA:CPU expands barriers before scheduling and the constant comes back.) Every

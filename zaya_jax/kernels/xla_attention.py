@@ -54,8 +54,8 @@ def xla_attention(
     are already in the layout the second dot reads, and the softmax runs over the contiguous last
     axis. Only q, k, v and the output (h wide) are transposed, never the [.., s, t] tensors; the
     mask is a broadcast XLA fuses into the softmax. (The other layout, logits [b, k, g, s, t] from
-    q [b, s, k, g, h], made XLA copy the logits around both dots and the softmax: ~2x slower on
-    CPU.) The core's gradient is written by hand (`_core_bwd`): it keeps q, k, v, the [b, s, t] mask
+    q [b, s, k, g, h], made XLA copy the logits around both dots and the softmax: slower on
+    CPU, docs/performance.md.) The core's gradient is written by hand (`_core_bwd`): it keeps q, k, v, the [b, s, t] mask
     and the probabilities for the backward, where autodiff of the softmax kept four to five
     [b, k, m, t] fp32 tensors a layer (docs/model.md §2.1.7).
     """
