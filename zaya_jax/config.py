@@ -5,9 +5,15 @@ overrides any key (`--config.train.steps=100`). Sections:
 
   seed                      global seed (params, data order)
   model.*                   every field of zaya_jax.model.ZayaConfig (sizes, dtypes, impls)
-  data.path                 directory written by `python -m zaya_jax.data.prepare`; unset = embedded corpus
-  data.mixture              "PATH:WEIGHT,PATH:WEIGHT,..." weighted mixture of prepared directories (instead of
-                            data.path; zaya_jax/data/mixture.py); unset = data.path alone
+  data.path                 directory written by `python -m zaya_jax.data.prepare`, or a Megatron
+                            dataset prefix (PREFIX.bin + PREFIX.idx, zaya_jax/data/megatron.py);
+                            unset = embedded corpus
+  data.mixture              "PATH:WEIGHT,PATH:WEIGHT,..." weighted mixture of prepared directories and
+                            Megatron prefixes (instead of data.path; zaya_jax/data/mixture.py); unset =
+                            data.path alone
+  data.tokenizer            the tokenizer of Megatron datasets' token ids: "byte" or a tokenizer.json
+  data.eval_fraction, data.split_seed   the held-out documents of Megatron datasets (as `prepare`
+                            --eval-fraction / --split-seed; defaults 0.01 and 0, prepare's)
   data.num_threads, data.prefetch
   train.steps               optimizer steps of this run (phase)
   train.batch_size          global batch, sequences per optimizer step (all devices and microbatches)
@@ -118,6 +124,9 @@ def base_config() -> ml_collections.ConfigDict:
         {
             "path": config_dict.placeholder(str),
             "mixture": config_dict.placeholder(str),
+            "tokenizer": config_dict.placeholder(str),
+            "eval_fraction": 0.01,
+            "split_seed": 0,
             "num_threads": 2,
             "prefetch": 4,
         }
@@ -470,13 +479,17 @@ def _validate_data(c: ml_collections.ConfigDict) -> None:
         ramp.check_divisible(devices=1, grad_accum=c.train.grad_accum)
     except ValueError as e:
         raise ValueError(f"config.train.batch_ramp: {e}") from None
+    fraction, seed = c.data.eval_fraction, c.data.split_seed
+    _check(0.0 <= fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {fraction}")
+    _check(isinstance(seed, int) and seed >= 0, "data.split_seed", f"must be an int >= 0, got {seed!r}")
     if not c.data.mixture:
         return
     _check(not c.data.path, "data.mixture", "set either data.path or data.mixture, not both")
-    from zaya_jax.data.mixture import check_sources, parse_mixture  # deferred: loads grain
+    from zaya_jax.data.megatron import MegatronOptions  # deferred: loads grain
+    from zaya_jax.data.mixture import check_sources, parse_mixture
 
     try:
-        check_sources(parse_mixture(c.data.mixture))
+        check_sources(parse_mixture(c.data.mixture), MegatronOptions.of(c.data))
     except (OSError, ValueError) as e:
         raise ValueError(f"config.data.mixture: {e}") from None
 
