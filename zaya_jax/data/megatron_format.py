@@ -239,6 +239,8 @@ class MegatronWriter:
                 f.write(part if isinstance(part, bytes) else part.tobytes(order="C"))
         for tmp in (self._tmp_bin, tmp_idx):
             os.chmod(tmp, 0o644)
+        # An old .idx goes first: a .bin replaced under it would look like a complete dataset.
+        Path(self.prefix + ".idx").unlink(missing_ok=True)
         os.replace(self._tmp_bin, self.prefix + ".bin")
         os.replace(tmp_idx, self.prefix + ".idx")
         return {"num_docs": len(doc_idx) - 1, "num_tokens": int(lengths.sum()), "dtype": self.dtype.name}
