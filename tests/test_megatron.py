@@ -238,3 +238,27 @@ def test_a_megatron_dataset_trains_on_the_batches_of_the_prepared_documents(corp
     evals = [[(r["step"], r["eval_loss"]) for r in read_metrics(str(tmp_path / w)) if r["split"] == "eval"]
              for w in ("prepared", "megatron")]  # fmt: skip
     assert evals[0] and evals[0] == evals[1]
+
+
+@pytest.mark.slow
+def test_kill_9_mid_mixture_of_megatron_and_prepared_resumes_with_identical_losses(corpus, tmp_path):
+    from test_checkpoint import kill_9_after_step
+    from test_train import SMALL
+
+    from zaya_jax.events import read_events
+
+    code = write_jsonl(tmp_path / "code.jsonl", 40, 5, alphabet="0123456789+=")
+    prepare_dataset([code], tmp_path / "code", eval_fraction=0.1)
+    args = [f"--config.data.mixture={corpus / 'web'}:0.75,{tmp_path / 'code'}:0.25",
+            "--config.data.tokenizer=byte", "--config.data.eval_fraction=0.05", "--config.train.steps=8",
+            "--config.checkpoint.every_steps=2", "--config.fault.spike_zscore=0"]  # fmt: skip
+    run_train(tmp_path / "ref", *args)
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, "configs/tiny.py"),
+           "--workdir", str(killed), *SMALL, *args]  # fmt: skip
+    resumed_from = kill_9_after_step(cmd, killed, 4)
+    assert resumed_from is not None and 2 <= resumed_from < 8
+    run_train(killed, *args)
+    assert read_events(str(killed), "resume")[-1]["step"] == resumed_from
+    ref, got = train_losses(tmp_path / "ref"), train_losses(killed)
+    assert sorted(got) == list(range(1, 9)) and got == ref
