@@ -132,6 +132,45 @@ def test_mixture_of_a_megatron_source_and_a_prepared_source(corpus, tmp_path):
     assert_batches_equal(batches, ref)
 
 
+def test_too_few_documents_hold_out_the_tail_of_the_last_as_prepare_does(tmp_path):
+    text = write_jsonl(tmp_path / "few.jsonl", 3, 7)
+    prepare_dataset([text], tmp_path / "few", eval_fraction=0.05)
+    assert prepare_cli("--input", text, "--out", tmp_path / "fewm", "--format", "megatron").returncode == 0
+    options = MegatronOptions("byte", eval_fraction=0.05)
+    for split in ("train", "eval"):
+        a, b = load_documents(tmp_path / "few", split), load_documents(tmp_path / "fewm", split, options)
+        assert [tuple(x) for x in docs_of(a)] == [tuple(x) for x in docs_of(b)]
+    assert load_documents(tmp_path / "fewm", "eval", options).num_docs == 1
+
+
+def test_megatron_config_errors(corpus, tmp_path):
+    from test_config import load
+    from tokenizers import Tokenizer, models, trainers
+
+    from zaya_jax import config as config_lib
+
+    hf = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    hf.train_from_iterator(["a b"], trainers.WordLevelTrainer(special_tokens=["<pad>", "</s>", "<unk>"]))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    cases = [
+        ({"mixture": f"{corpus / 'web'}:1,{corpus / 'prepared'}:1"},
+         "config.data.mixture: .*web is a Megatron dataset, which stores token ids only: set config.data.tokenizer"),
+        ({"mixture": f"{corpus / 'web'}:1,{corpus / 'prepared'}:1", "tokenizer": str(tmp_path / "tokenizer.json")},
+         "config.data.mixture: .*web and .*prepared were prepared with different tokenizers"),
+        ({"eval_fraction": 1.0}, r"config.data.eval_fraction: must be in \[0, 1\)"),
+        ({"split_seed": -1}, "config.data.split_seed: must be an int >= 0"),
+    ]  # fmt: skip
+    for overrides, message in cases:
+        c = load("tiny")
+        for key, value in overrides.items():
+            setattr(c.data, key, value)
+        with pytest.raises(ValueError, match=message):
+            config_lib.validate(c)
+    c = load("tiny")
+    c.data.mixture, c.data.tokenizer = f"{corpus / 'web'}:1,{corpus / 'prepared'}:1", "byte"
+    config_lib.validate(c)
+
+
 def test_token_ids_are_scanned_against_the_vocabulary(tmp_path):
     w = MegatronWriter(tmp_path / "t", np.int32)
     for d in ([5, 6, 1], [7, 8, 9, 1], [10, 300, 1]):
@@ -189,7 +228,10 @@ def _bad_files(root):
 
     p = fresh("short")
     os.truncate(f"{p}.bin", os.path.getsize(f"{p}.bin") - 3)
-    out["short"] = (p, rf"error: {p}.bin: 237 bytes, but {p}.idx puts document 39 at bytes 234\.\.240 \(a truncated \.bin\?\)$")
+    out["short"] = (
+        p,
+        rf"error: {p}.bin: 237 bytes, but {p}.idx puts document 39 at bytes 234\.\.240 \(a truncated \.bin\?\)$",
+    )
     p = fresh("magic")
     raw = bytearray(open(f"{p}.idx", "rb").read())
     raw[:9] = b"NOTMMIDX\x00"
@@ -228,9 +270,15 @@ def test_bad_megatron_data_fails_at_start_up_in_one_line(tmp_path):
 def test_a_megatron_dataset_trains_on_the_batches_of_the_prepared_documents(corpus, tmp_path):
     """`python -m zaya_jax.train` on the Megatron export and on `prepare`'s output of the same
     JSONL: bit-identical losses, train and eval."""
-    common = ["--config.train.steps=4", "--config.data.eval_fraction=0.05", "--config.checkpoint.every_steps=100"]
+    common = [
+        "--config.train.steps=4",
+        "--config.data.eval_fraction=0.05",
+        "--config.checkpoint.every_steps=100",
+    ]
     run_train(tmp_path / "prepared", f"--config.data.path={corpus / 'prepared'}", *common)
-    run_train(tmp_path / "megatron", f"--config.data.path={corpus / 'web'}", "--config.data.tokenizer=byte", *common)
+    run_train(
+        tmp_path / "megatron", f"--config.data.path={corpus / 'web'}", "--config.data.tokenizer=byte", *common
+    )
     a, b = train_losses(tmp_path / "prepared"), train_losses(tmp_path / "megatron")
     assert sorted(a) == [1, 2, 3, 4] and a == b
     from zaya_jax.metrics import read_metrics

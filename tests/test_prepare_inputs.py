@@ -110,7 +110,9 @@ def test_two_workers_write_what_one_writes(tmp_path):
     words = np.array(["alpha", "beta", "gamma", "delta", "é", "\n"])
     with open(tmp_path / "big.jsonl", "w") as f:
         for _ in range(3500):
-            f.write(json.dumps({"text": " ".join(rng.choice(words, size=int(rng.integers(100, 400))))}) + "\n")
+            f.write(
+                json.dumps({"text": " ".join(rng.choice(words, size=int(rng.integers(100, 400))))}) + "\n"
+            )
     assert (tmp_path / "big.jsonl").stat().st_size > 4 << 20
     runs = {}
     for workers in (1, 2):

@@ -49,8 +49,7 @@ def hf_arrow_files(path: Path) -> list[Path]:
     if (path / HF_DICT).is_file():
         splits = json.loads((path / HF_DICT).read_text()).get("splits", [])
         raise ValueError(
-            f"{path} holds a DatasetDict (splits {splits}): give one split's directory, "
-            f"e.g. {path / 'train'}"
+            f"{path} holds a DatasetDict (splits {splits}): give one split's directory, e.g. {path / 'train'}"
         )
     try:
         state = json.loads((path / HF_STATE).read_text())

@@ -151,17 +151,23 @@ def check_token_ids(prefix: str, vocab_size: int, progress: Callable[[str], None
     docs = document_table(index)
     end = int((docs.start[-1] + docs.length[-1]) * index.dtype.itemsize) if len(docs.start) else 0
     started, last_report, done = time.monotonic(), time.monotonic(), 0
-    with open(index.bin_path, "rb") as f:
+    buffer = np.empty(_SCAN_BYTES // index.dtype.itemsize, index.dtype)  # reused: one read buffer
+    with open(index.bin_path, "rb", buffering=0) as f:
         while done < end:
-            chunk = np.frombuffer(f.read(min(_SCAN_BYTES, end - done)), index.dtype)
-            bad = (chunk >= vocab_size) | (chunk < 0)
-            if bad.any():
+            chunk = buffer[: f.readinto(memoryview(buffer).cast("B")[: end - done]) // index.dtype.itemsize]
+            if len(chunk) == 0:
+                break
+            # max / min are single passes; positions are looked for only when one is out of range
+            if int(chunk.max()) >= vocab_size or (info.min < 0 and int(chunk.min()) < 0):
+                bad = (chunk >= vocab_size) | (chunk < 0)
                 _report_bad_token(index, docs, done // index.dtype.itemsize, chunk, bad, vocab_size)
             done += chunk.nbytes
             if progress is not None and time.monotonic() - last_report > 2.0:
                 last_report = time.monotonic()
-                progress(f"scanning {index.bin_path} for token ids >= {vocab_size}: "
-                         f"{done / end:.0%} of {end / 2**30:.2f} GiB")  # fmt: skip
+                progress(
+                    f"scanning {index.bin_path} for token ids >= {vocab_size}: "
+                    f"{done / end:.0%} of {end / 2**30:.2f} GiB"
+                )
     if progress is not None and end >= _SCAN_BYTES:
         progress(f"scanned {index.bin_path}: {end / 2**30:.2f} GiB in {time.monotonic() - started:.1f} s")
     return end
