@@ -171,6 +171,17 @@ def test_megatron_config_errors(corpus, tmp_path):
     config_lib.validate(c)
 
 
+def test_megatron_export_never_writes_over_files_without_overwrite(corpus, tmp_path):
+    text = write_jsonl(tmp_path / "t.jsonl", 5, 1)
+    (tmp_path / "out.idx").write_bytes(b"mine")
+    out = prepare_cli("--input", text, "--out", tmp_path / "out", "--format", "megatron")
+    assert out.returncode == 2 and out.stderr.startswith(f"error: --out {tmp_path / 'out.idx'} is a file")
+    assert (tmp_path / "out.idx").read_bytes() == b"mine" and not (tmp_path / "out.bin").exists()
+    out = prepare_cli("--input", text, "--out", tmp_path / "out", "--format", "megatron", "--overwrite")
+    assert out.returncode == 0 and read_index(str(tmp_path / "out")).document_indices.tolist() == list(range(6))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin", "out.idx", "t.jsonl"]
+
+
 def test_token_ids_are_scanned_against_the_vocabulary(tmp_path):
     w = MegatronWriter(tmp_path / "t", np.int32)
     for d in ([5, 6, 1], [7, 8, 9, 1], [10, 300, 1]):
