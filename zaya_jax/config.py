@@ -38,6 +38,9 @@ def base_config() -> ml_collections.ConfigDict:
         {
             "path": config_dict.placeholder(str),
             "mixture": config_dict.placeholder(str),
+            "tokenizer": config_dict.placeholder(str),
+            "eval_fraction": 0.01,
+            "split_seed": 0,
             "num_threads": 2,
             "prefetch": 4,
         }
@@ -390,13 +393,17 @@ def _validate_data(c: ml_collections.ConfigDict) -> None:
         ramp.check_divisible(devices=1, grad_accum=c.train.grad_accum)
     except ValueError as e:
         raise ValueError(f"config.train.batch_ramp: {e}") from None
+    fraction, seed = c.data.eval_fraction, c.data.split_seed
+    _check(0.0 <= fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {fraction}")
+    _check(isinstance(seed, int) and seed >= 0, "data.split_seed", f"must be an int >= 0, got {seed!r}")
     if not c.data.mixture:
         return
     _check(not c.data.path, "data.mixture", "set either data.path or data.mixture, not both")
-    from zaya_jax.data.mixture import check_sources, parse_mixture  # deferred: loads grain
+    from zaya_jax.data.megatron import MegatronOptions  # deferred: loads grain
+    from zaya_jax.data.mixture import check_sources, parse_mixture
 
     try:
-        check_sources(parse_mixture(c.data.mixture))
+        check_sources(parse_mixture(c.data.mixture), MegatronOptions.of(c.data))
     except (OSError, ValueError) as e:
         raise ValueError(f"config.data.mixture: {e}") from None
 

@@ -29,6 +29,8 @@ from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
 from zaya_jax.cli import UserError
 from zaya_jax.data import mixture as mixture_lib
+from zaya_jax.data.megatron import MegatronOptions
+from zaya_jax.data.megatron_format import check_token_ids, megatron_prefix, stderr_progress
 from zaya_jax.data.pipeline import (
     Lookahead,
     batch_sequences,
@@ -400,17 +402,29 @@ def _checked_inputs(c: ml_collections.ConfigDict, workdir: str):
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise UserError(f"--workdir {workdir} is a file, not a directory")
     sources = mixture_lib.parse_mixture(c.data.mixture) if c.data.mixture else None
-    tokenizer = source_tokenizer(sources[0].path if sources else c.data.path)
+    tokenizer = source_tokenizer(sources[0].path if sources else c.data.path, MegatronOptions.of(c.data))
     check_eval_data(c, sources)  # before step 1, not at the first evaluation
     if c.train.init_from:
         _init_from_checkpoint(c.train.init_from)[0].close()  # it exists, checked before anything is built
-    os.makedirs(workdir, exist_ok=True)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ValueError(
             f"config.model.vocab_size={cfg.vocab_size} is smaller than the data's tokenizer "
             f"vocabulary ({tokenizer.vocab_size}, {tokenizer.name})"
         )
+    _check_megatron_tokens(c, sources, tokenizer.vocab_size)
+    os.makedirs(workdir, exist_ok=True)
     return cfg, sources, tokenizer
+
+
+def _check_megatron_tokens(c: ml_collections.ConfigDict, sources, vocab_size: int) -> None:
+    """Every token id of every Megatron source below the tokenizer's vocabulary (itself within the
+    model's): one scan of each .bin at start-up, with progress lines on stderr."""
+    paths = [s.path for s in sources] if sources else [c.data.path]
+    progress = stderr_progress if jax.process_index() == 0 else None
+    for path in paths:
+        prefix = megatron_prefix(path)
+        if prefix is not None:
+            check_token_ids(prefix, vocab_size, progress)
 
 
 def _batch_ramp(c: ml_collections.ConfigDict, devices: int) -> BatchRamp:
@@ -443,9 +457,11 @@ def _train_dataset(c: ml_collections.ConfigDict, sources, ramp: BatchRamp):
         num_threads=c.data.num_threads,
         prefetch_buffer_size=c.data.prefetch,
     )
+    kwargs["megatron"] = MegatronOptions.of(c.data)
     if sources is None:
         return make_dataset(c.data.path, seq_len=c.train.seq_len, seed=c.seed, **kwargs), None
-    mixture = mixture_lib.mixed_sequences(sources, seq_len=c.train.seq_len, seed=c.seed)
+    megatron = kwargs.pop("megatron")
+    mixture = mixture_lib.mixed_sequences(sources, seq_len=c.train.seq_len, seed=c.seed, megatron=megatron)
     return batch_sequences(mixture, **kwargs), mixture
 
 
@@ -465,7 +481,7 @@ def check_eval_data(c: ml_collections.ConfigDict, sources) -> None:
     data.path, or of every data.mixture source."""
     keyed = [("data.mixture", s.path) for s in sources] if sources else [("data.path", c.data.path)]
     for key, path in keyed:
-        if load_documents(path, "eval").num_docs == 0:
+        if load_documents(path, "eval", MegatronOptions.of(c.data)).num_docs == 0:
             raise UserError(
                 f"config.{key}={path}: the 'eval' split has no documents, and the run evaluates "
                 "at its last step; prepare the data again with a held-out split (--eval-fraction > 0)"

@@ -23,6 +23,8 @@ import grain
 import numpy as np
 
 from zaya_jax.data import EMBEDDED_EVAL_FRACTION, EMBEDDED_SPLIT_SEED, load_embedded_corpus, split_documents
+from zaya_jax.data.megatron import MegatronOptions, load_megatron_split, tokenizer_of, tokenizer_record
+from zaya_jax.data.megatron_format import megatron_prefix
 from zaya_jax.data.prepare import SPLITS, TokenDocuments, load_split, read_meta
 from zaya_jax.data.ramp import BatchRamp, RampBatches
 from zaya_jax.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -50,21 +52,45 @@ def _embedded_documents(split: str) -> TokenDocuments:
     )
 
 
-def load_documents(source: Source, split: str = "train") -> TokenDocuments:
-    """Token documents of `split`: from a prepared data dir, or the embedded corpus (None/"embedded")."""
+def load_documents(
+    source: Source, split: str = "train", megatron: MegatronOptions | None = None
+) -> TokenDocuments:
+    """Token documents of `split`: from a prepared data dir, a Megatron dataset prefix (read as
+    `megatron` says: its tokenizer and eval split), or the embedded corpus (None/"embedded")."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     if _is_embedded(source):
         return _embedded_documents(split)
+    prefix = megatron_prefix(source)
+    if prefix is not None:
+        return load_megatron_split(prefix, split, megatron or MegatronOptions())
     return load_split(source, split)
 
 
-def source_tokenizer(source: Source) -> Tokenizer:
-    """The tokenizer that produced `source` (the byte tokenizer for the embedded corpus)."""
+def source_tokenizer(source: Source, megatron: MegatronOptions | None = None) -> Tokenizer:
+    """The tokenizer of `source`: the one that prepared it, data.tokenizer for a Megatron dataset
+    (which a prepared source must then match), the byte tokenizer for the embedded corpus."""
     if _is_embedded(source):
         return ByteTokenizer()
-    read_meta(source)  # clear error if this is not a prepared dataset
+    prefix = megatron_prefix(source)
+    if prefix is not None:
+        return tokenizer_of(megatron, prefix)
+    stored = read_meta(source)["tokenizer"]  # clear error if this is not a prepared dataset
+    if megatron is not None and megatron.tokenizer is not None:
+        named = tokenizer_record(tokenizer_of(megatron, str(source)))
+        if named != stored:
+            raise ValueError(
+                f"{source} was prepared with tokenizer {stored}, config.data.tokenizer is {named}"
+            )
     return load_tokenizer(Path(source))
+
+
+def tokenizer_info(source: Source, megatron: MegatronOptions | None = None) -> dict:
+    """The tokenizer record (name, vocab_size, special ids) of a prepared or Megatron source."""
+    prefix = megatron_prefix(source)
+    if prefix is not None:
+        return tokenizer_record(tokenizer_of(megatron, prefix))
+    return read_meta(source)["tokenizer"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,12 +255,13 @@ def make_dataset(
     num_threads: int = 2,
     prefetch_buffer_size: int = 4,
     ramp: BatchRamp | None = None,
+    megatron: MegatronOptions | None = None,
 ) -> grain.IterDataset:
     """grain IterDataset of this process' share of the packed batches (format in the module doc).
 
     Args:
-      source: a directory written by `python -m zaya_jax.data.prepare`, or None/"embedded" for the
-        embedded corpus (byte tokenizer).
+      source: a directory written by `python -m zaya_jax.data.prepare`, a Megatron dataset prefix
+        (read as `megatron` says), or None/"embedded" for the embedded corpus (byte tokenizer).
       seq_len: S, tokens per sequence.
       global_batch_size: sequences per step over all processes; must be divisible by process_count.
       seed: shuffling seed; the document order of epoch e is a function of (seed, e) only.
@@ -246,6 +273,7 @@ def make_dataset(
       num_threads, prefetch_buffer_size: grain read threads and how many batches they read ahead.
       ramp: batch k holds ramp.size(k) sequences (zaya_jax.data.ramp; global_batch_size is then the
         full size); None = every batch holds global_batch_size.
+      megatron: tokenizer and eval split of a Megatron source (zaya_jax.data.megatron).
 
     Iterate with `it = iter(ds)`; `it.get_state()` is a JSON-serialisable dict and
     `it.set_state(state)` on a fresh iterator of the same dataset resumes at the same batch.
@@ -260,7 +288,7 @@ def make_dataset(
         )
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} out of range for process_count {process_count}")
-    docs = load_documents(source, split)
+    docs = load_documents(source, split, megatron)
     if docs.num_docs == 0:
         raise ValueError(f"the {split!r} split of {source or _EMBEDDED} has no documents")
     if ramp is not None and num_epochs is not None:
@@ -355,4 +383,5 @@ __all__ = [
     "make_dataset",
     "make_eval_dataset",
     "source_tokenizer",
+    "tokenizer_info",
 ]
