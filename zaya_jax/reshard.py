@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 import ml_collections
@@ -69,7 +70,18 @@ def _define_flags(fv=None) -> None:
     overrides.mesh = ml_collections.ConfigDict(
         {k: config_dict.placeholder(bool if k == "zero1" else int) for k in MESH_KEYS}
     )
-    config_flags.DEFINE_config_dict("config", overrides, "Only config.mesh.* (the new mesh).", flag_values=fv)
+    try:  # reads its --config. overrides from sys.argv now
+        config_flags.DEFINE_config_dict(
+            "config", overrides, "Only config.mesh.* (the new mesh).", flag_values=fv
+        )
+    except (AttributeError, KeyError):
+        known = [f"--config.mesh.{k}" for k in MESH_KEYS]
+        bad = [a.split("=", 1)[0] for a in sys.argv[1:] if a.startswith("--config.")]
+        bad = [a for a in bad if a not in known] or bad
+        raise cli.UserError(
+            f"{bad[0] if bad else '--config'}: unknown config key; reshard takes only {', '.join(known)}"
+            f"{cli.near_key(bad[0][9:], [k[9:] for k in known], '--config.') if bad else ''}"
+        ) from None
     flags.DEFINE_string("src", None, "source checkpoint", flag_values=fv)
     flags.DEFINE_string("dst", None, "destination WORKDIR", flag_values=fv)
     cli.define_flag("step", None, "source step (default: from --src, else the latest)", cli.Int(min=0), fv)

@@ -211,6 +211,18 @@ def iter_documents(
 ) -> Iterator[str]:
     """Yields the raw documents of one input file (see the module docstring for the rules)."""
     kind = _input_kind(path)
+    try:
+        yield from _read_documents(path, kind, separator, text_field)
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x}: {e.reason}); convert it to UTF-8 "
+            "first (a latin-1 file: iconv -f latin1 -t utf-8 FILE > NEW)"
+        ) from None
+
+
+def _read_documents(
+    path: Path, kind: str, separator: str | re.Pattern | None, text_field: str
+) -> Iterator[str]:
     with _open_text(path) as f:
         if kind == "txt":
             text = f.read()
