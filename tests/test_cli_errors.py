@@ -366,6 +366,16 @@ def test_workdir_holds_its_tokenizer(tmp_path):
 
 
 @pytest.mark.slow
+def test_reshard_copies_the_tokenizer(trained, tmp_path):
+    src = copy_run(trained, tmp_path, "src")
+    before = tree_digest(src)
+    proc = run_cli("reshard", "--src", src, "--dst", tmp_path / "dst", "--config.mesh.data=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert tree_digest(tmp_path / "dst" / "tokenizer") == tree_digest(src / "tokenizer")
+    assert tree_digest(src) == before
+
+
+@pytest.mark.slow
 def test_resume_on_data_of_another_tokenizer_is_refused(trained, tmp_path):
     from test_tokenizer import build_hf_tokenizer
 

@@ -1,7 +1,8 @@
 """`python -m zaya_jax.reshard --src CKPT --dst CKPT2 [--step N] --config.mesh.data=4 --config.mesh.expert=2`
 
 Restores a training checkpoint (WORKDIR, WORKDIR/checkpoints or .../<step>) onto a different device
-mesh and saves it under DST (same step, same data position; the saved config gets the new mesh).
+mesh and saves it under DST (same step, same data position; the saved config gets the new mesh;
+SRC's tokenizer/ is copied too).
 Orbax reads each array straight into the shards of the new layout: the restore target is the
 abstract TrainState of the new mesh (`train_state.abstract_train_state`). Mesh keys not given keep
 the source's values. `--config.mesh.zero1` may be changed too. A run on the new mesh then
@@ -23,6 +24,8 @@ from zaya_jax import cli
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, checkpoint_workdir
 from zaya_jax.parallel.mesh import check_mesh_sizes, mesh_from_config
+from zaya_jax.pretrained import TOKENIZER_DIR, store_tokenizer
+from zaya_jax.tokenizer import load_tokenizer
 from zaya_jax.train_state import abstract_train_state
 
 MESH_KEYS = ("data", "fsdp", "expert", "zero1")
@@ -50,6 +53,9 @@ def reshard(src: str, dst: str, mesh: dict[str, Any], *, step: int | None = None
     out.save(step, state, data_state, json.loads(c.to_json_best_effort()))
     out.wait()
     out.close()
+    stored = os.path.join(workdir, TOKENIZER_DIR)
+    if os.path.isdir(stored):  # DST stands on its own as SRC did
+        store_tokenizer(load_tokenizer(stored), dst)
     return {
         "step": step,
         "src": os.path.join(ck.directory, str(step)),
