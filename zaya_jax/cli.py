@@ -104,7 +104,8 @@ def run_absl(main: Callable[[list[str]], Any], define_flags: Callable[[], None] 
             path = spec.split(":", 1)[0]
             if not os.path.isfile(path):
                 where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
-                fail(f"--{name}={spec}: config file {path} does not exist{where}")
+                what = "is a directory" if os.path.isdir(path) else "does not exist"
+                fail(f"--{name}={spec}: config file {path or repr(path)} {what}{where}")
         try:
             rest = flags.FLAGS(argv_)
             for name, spec in files:  # a get_config that raised OSError: reported on first access
