@@ -11,6 +11,11 @@ is reported as accepted), so a missing check can never start a training run or a
 
 Add a CLI: one row in CLIS (the module `python -m` runs, the module holding its parser, and the
 argv every case starts from: its required flags, so that only the bad flag can be the error).
+
+Config loading is walked too (`config_walk`): every absl CLI with a `--config FILE` flag gets a
+missing file (alone and with an override), a config file whose get_config raises (an unknown
+phase) and a misspelt `--config.` key; one with a `--config.` dict (reshard) gets an unknown and a
+misspelt key. Each case lists what its one error line must name.
 """
 
 from __future__ import annotations
@@ -187,12 +192,68 @@ def _run_case(c: Cli, argv: list[str]) -> tuple[int | str, str]:
     return code, err.getvalue()
 
 
+MISSING = "configs/no_such_config.py"
+PHASE9 = "configs/zaya1_base.py:phase9"
+
+# (argv replacing the CLI's own --config, what the error line names); {cli} is the CLI's module.
+CONFIG_FILE_CASES = (
+    (("--config", MISSING), (f"--config={MISSING}", "does not exist")),
+    (("--config", MISSING, "--config.train.steps=3"), (f"--config={MISSING}", "does not exist")),
+    (("--config", PHASE9), (f"--config={PHASE9}", "unknown phase 'phase9'")),
+    (("--config", TINY, "--config.model.hidden_sz=3"), ("--config.model.hidden_sz", "hidden_size")),
+)
+CONFIG_DICT_CASES = (
+    (("--config.model.hidden_size=3",), ("--config.model.hidden_size", "--config.mesh.data")),
+    (("--config.mesh.dta=2",), ("--config.mesh.dta", "did you mean --config.mesh.data")),
+)
+
+
+def _config_flag_kind(c: Cli) -> str | None:
+    """'file' (DEFINE_config_file), 'dict' (DEFINE_config_dict) or None: the CLI's --config flag."""
+    from absl import flags
+    from ml_collections.config_flags.config_flags import ConfigFileFlagParser
+
+    if c.kind != "absl":
+        return None
+    fv = flags.FlagValues()
+    importlib.import_module(c.parser_module)._define_flags(fv)
+    if "config" not in fv:
+        return None
+    return "file" if isinstance(fv["config"].parser, ConfigFileFlagParser) else "dict"
+
+
+def _without_config(argv: tuple[str, ...]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip or a == "--config":
+            skip = not skip
+            continue
+        out.append(a)
+    return out
+
+
+def config_walk(clis=CLIS) -> list[dict]:
+    """[{cli, argv, names, code, stderr}] of the config-loading cases of every absl CLI."""
+    out = []
+    for c in clis:
+        kind = _config_flag_kind(c)
+        if kind is None:
+            continue
+        cases = CONFIG_FILE_CASES if kind == "file" else CONFIG_DICT_CASES
+        for args, names in cases:
+            argv = [*_without_config(c.argv), *args]
+            code, stderr = _run_case(c, argv)
+            out.append({"cli": c.run, "argv": argv, "names": list(names), "code": code, "stderr": stderr})
+    return out
+
+
 def walk(clis=CLIS) -> dict:
-    """{"cases": [{cli, flag, value, code, stderr}], "undeclared": {cli: [flag]}, "bad_defaults": {...}}."""
+    """{"cases": [{cli, flag, value, code, stderr}], "undeclared": {cli: [flag]}, "bad_defaults": {...},
+    "config_cases": config_walk()}."""
     import warnings
 
     warnings.simplefilter("ignore")  # runpy's "found in sys.modules" for a module imported before
-    out = {"cases": [], "undeclared": {}, "bad_defaults": {}}
+    out = {"cases": [], "undeclared": {}, "bad_defaults": {}, "config_cases": config_walk(clis)}
     for c in clis:
         mod = importlib.import_module(c.parser_module)
         if c.kind == "absl":

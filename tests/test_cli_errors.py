@@ -16,6 +16,7 @@ import pytest
 from test_train import ROOT, SMALL, run_train, train_losses
 
 from xla_env import xla_flags
+from zaya_jax.checkpoint import Checkpointer
 
 TINY = os.path.join(ROOT, "configs/tiny.py")
 ENV = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
@@ -109,8 +110,21 @@ def test_train_bad_config(tmp_path, args, names):
 
 def test_train_missing_config_file_and_missing_flags(tmp_path):
     assert_one_line_error(
-        run_cli("train", "--config", "configs/nope.py", "--workdir", tmp_path), "configs/nope.py"
+        run_cli("train", "--config", "configs/nope.py", "--workdir", tmp_path),
+        "configs/nope.py",
+        "does not exist",
     )
+    assert_one_line_error(
+        run_cli("train", "--config", "configs/zaya1_base.py:phase9", "--workdir", tmp_path),
+        "--config=configs/zaya1_base.py:phase9",
+        "unknown phase 'phase9'",
+    )
+    assert_one_line_error(
+        run_cli("reshard", "--src", tmp_path / "a", "--dst", tmp_path / "b", "--config.model.hidden_sz=3"),
+        "--config.model.hidden_sz",
+        "--config.mesh.data",
+    )
+    assert os.listdir(tmp_path) == []
     assert_one_line_error(run_cli("train", "--config", TINY), "--workdir")
 
 
@@ -350,6 +364,30 @@ def test_prepare_overwrite_and_umask(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "f", "new"]  # no temp dirs left
 
 
+def test_unreadable_inputs_name_the_file(tmp_path):
+    """A latin-1 text to prepare (.txt and .jsonl), an empty, blank or latin-1 --prompts-file, an HF
+    directory given to export: one line naming the file and what it is; nothing written."""
+    (tmp_path / "latin.txt").write_bytes("café naïve\n".encode("latin-1"))
+    (tmp_path / "latin.jsonl").write_bytes('{"text": "ok"}\n{"text": "café"}\n'.encode("latin-1"))
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text('{"model_type": "zaya"}')
+    before = tree_digest(tmp_path)
+    for name in ("latin.txt", "latin.jsonl"):
+        proc = run_cli("data.prepare", "--input", tmp_path / name, "--out", tmp_path / "d")
+        assert_one_line_error(proc, tmp_path / name, "not UTF-8", "0xe9")
+    for name in ("empty.txt", "blank.txt"):
+        proc = run_cli("generate", "--checkpoint", tmp_path / "w", "--prompts-file", tmp_path / name)
+        assert_one_line_error(proc, f"--prompts-file {tmp_path / name} is empty")
+    proc = run_cli("generate", "--checkpoint", tmp_path / "w", "--prompts-file", tmp_path / "latin.txt")
+    assert_one_line_error(proc, tmp_path / "latin.txt", "not UTF-8")
+    proc = run_cli("export", "--checkpoint", hf_dir, "--out", tmp_path / "again")
+    assert_one_line_error(proc, f"--checkpoint {hf_dir} is a Hugging Face directory", "WORKDIR")
+    assert tree_digest(tmp_path) == before
+
+
 def test_prepare_one_text_file_gets_an_eval_split(tmp_path):
     """Finding 2: one .txt file (one document by default) still gets a held-out split, the
     tail of the text, and the train split keeps the rest; every token is in exactly one."""
@@ -389,6 +427,110 @@ def test_other_clis_missing_paths(tmp_path):
     assert_one_line_error(
         run_cli("sizing", "--config", TINY, "--config.model.num_expert=4"), "--config.model.num_experts"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# a workdir stands on its own: its tokenizer, its data path
+
+
+@pytest.mark.slow
+def test_workdir_holds_its_tokenizer(tmp_path):
+    """Trained on a relative data.path, then generate / export from another directory after the data
+    moved: the workdir's tokenizer is read, and named; a workdir without one (as written before the
+    trainer stored it) falls back to the data path, and its error names that path and where it
+    was read from."""
+    proj, elsewhere = tmp_path / "proj", tmp_path / "elsewhere"
+    proj.mkdir(), elsewhere.mkdir()
+    (proj / "book.txt").write_text("Call me Ishmael. Some years ago, never mind how long precisely. " * 40)
+    assert run_cli("data.prepare", "--input", "book.txt", "--out", "data/mine", cwd=proj).returncode == 0
+    w = proj / "w"
+    proc = run_cli(
+        "train", "--config", TINY, "--workdir", w, *SMALL, *STEPS, "--config.train.steps=3",
+        "--config.data.path=data/mine", cwd=proj,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(os.listdir(w / "tokenizer")) == ["zaya_tokenizer.json"]
+    assert not [n for n in os.listdir(w) if n.startswith(".tokenizer")]
+    saved = Checkpointer(str(w), read_only=True)
+    assert saved.restore_config()["data"]["path"] == str(proj / "data" / "mine")
+    saved.close()
+    shutil.move(proj / "data", proj / "moved")  # the data is gone: the workdir alone must do
+
+    before = tree_digest(w)
+    proc = run_cli("generate", "--checkpoint", w, "--prompt", "Call", "--max-new-tokens", "2", cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"tokenizer byte: {w}/tokenizer/zaya_tokenizer.json" in proc.stderr.splitlines()
+    proc = run_cli(
+        "export", "--checkpoint", w, "--out", elsewhere / "hf", "--dtype", "float32", cwd=elsewhere
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["tokenizer_file"] == f"{w}/tokenizer/zaya_tokenizer.json"
+    assert tree_digest(w) == before
+
+    shutil.rmtree(w / "tokenizer")  # a workdir from before the trainer stored its tokenizer
+    before = tree_digest(w)
+    proc = run_cli("generate", "--checkpoint", w, "--prompt", "Call", cwd=elsewhere)
+    assert_one_line_error(proc, f"{w} has no tokenizer/", str(proj / "data" / "mine"), "--tokenizer")
+    proc = run_cli("generate", "--checkpoint", w, "--prompt", "Call", "--tokenizer", "byte", cwd=elsewhere)
+    assert proc.returncode == 0 and "tokenizer byte: built in" in proc.stderr, proc.stderr[-3000:]
+    assert tree_digest(w) == before
+
+
+@pytest.mark.slow
+def test_reshard_copies_the_tokenizer(trained, tmp_path):
+    src = copy_run(trained, tmp_path, "src")
+    before = tree_digest(src)
+    proc = run_cli("reshard", "--src", src, "--dst", tmp_path / "dst", "--config.mesh.data=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert tree_digest(tmp_path / "dst" / "tokenizer") == tree_digest(src / "tokenizer")
+    assert tree_digest(src) == before
+
+
+@pytest.mark.slow
+def test_resume_on_data_of_another_tokenizer_is_refused(trained, tmp_path):
+    from test_tokenizer import build_hf_tokenizer
+
+    from zaya_jax.tokenizer import HFTokenizer
+
+    w = copy_run(trained, tmp_path)
+    assert (w / "tokenizer" / "zaya_tokenizer.json").is_file()  # the trainer stored it
+    shutil.rmtree(w / "tokenizer")
+    HFTokenizer(build_hf_tokenizer(tmp_path / "tokenizer.json")).save(w / "tokenizer")
+    before = tree_digest(w)
+    assert_one_line_error(
+        train_cli(w), f"{w}/tokenizer holds tokenizer hf-", "prepared with byte", "--workdir"
+    )
+    assert tree_digest(w) == before
+
+
+@pytest.mark.slow
+def test_init_from_another_model_names_the_key(trained, tmp_path):
+    src = copy_run(trained, tmp_path, "src")
+    before = tree_digest(src)
+    proc = train_cli(tmp_path / "w", f"--config.train.init_from={src}", "--config.model.hidden_size=96")
+    line = assert_one_line_error(
+        proc, "config.train.init_from", "model.hidden_size: checkpoint 64, config 96"
+    )
+    assert "strict" not in proc.stderr and "Event loop" not in proc.stderr, line
+    assert tree_digest(src) == before
+
+
+@pytest.mark.slow
+def test_corrupt_checkpoint_warning_is_one_line(trained, tmp_path):
+    """An unreadable newest checkpoint: one warning line naming the step and the file, then the
+    run resumes from the one before."""
+    from test_checkpoint import _corrupt
+
+    w = copy_run(trained, tmp_path)
+    _corrupt(w, 6)
+    proc = train_cli(w)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if "cannot be restored" in line]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("WARNING: checkpoint 6 cannot be restored (reading ")
+    assert f"{w}/checkpoints/6/state/" in warnings[0] and "tensorstore_spec" not in warnings[0]
+    assert f"moved to {w}/checkpoints.corrupt/6-" in warnings[0]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["summary"]["start_step"] == 3
 
 
 def test_debug_env_shows_the_traceback(tmp_path):

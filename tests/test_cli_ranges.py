@@ -78,6 +78,25 @@ def test_out_of_range_values_are_one_error_line(walked, run):
         assert cases
 
 
+def test_config_loading_errors_are_one_line(walked):
+    """A missing config file, a get_config that raises, an unknown or misspelt `--config.` key: one
+    error line naming the file or key, exit 2, for every CLI that takes a config."""
+    cases = walked["config_cases"]
+    assert {c["cli"] for c in cases} == {
+        "zaya_jax.train",
+        "zaya_jax.sizing",
+        "zaya_jax.import_hf",
+        "zaya_jax.reshard",
+    }
+    bad = []
+    for c in cases:
+        lines = [line for line in c["stderr"].splitlines() if line.strip()]
+        one_line = len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in c["stderr"]
+        if c["code"] != 2 or not one_line or not all(n in lines[0] for n in c["names"]):
+            bad.append((c["cli"], c["argv"], c["code"], c["stderr"][-500:]))
+    assert not bad, bad
+
+
 def test_the_reported_case_and_reshard_mesh(tmp_path):
     """The issue's case as a user runs it, and reshard's new mesh, both checked before any file is read."""
     proc = run_cli("generate", "--checkpoint", tmp_path / "W", "--prompt", "hi", "--temperature", "-1")

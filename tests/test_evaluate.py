@@ -146,6 +146,48 @@ def test_cli_errors_name_the_problem(setup, tmp_path):
     assert r.returncode != 0 and "bad.jsonl:1: 'answer' must be an index" in r.stderr
 
 
+def test_cli_progress_in_a_log_is_whole_lines(setup):
+    """stdout is not a TTY (a log, a pipe): the progress comes as whole lines, no `\\r`; stderr names
+    the tokenizer file read. On a terminal the line is redrawn in place."""
+    import io
+
+    from zaya_jax.evaluate import ProgressLine
+
+    d, _, data, _ = setup
+    args = ["--mesh", "none", "--max-len", "48", "--min-bucket", "16", "--separator", "blank-line"]
+    r = subprocess.run(  # bytes: text mode would turn a \r into a newline
+        [
+            sys.executable,
+            "-m",
+            "zaya_jax.evaluate",
+            "--checkpoint",
+            str(d / "hf"),
+            "--data",
+            data[1],
+            *args,
+        ],
+        capture_output=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        check=False,
+    )
+    out, err = r.stdout.decode(), r.stderr.decode()
+    assert r.returncode == 0, err[-3000:]
+    assert "\r" not in out
+    progress = [line for line in out.splitlines() if line.startswith("scored")]
+    assert progress and all(line.endswith(" requests") for line in progress)
+    assert progress[-1].split()[1].split("/")[0] == progress[-1].split()[1].split("/")[1]
+    assert any(line.startswith(f"tokenizer byte: {d / 'hf'}/") for line in err.splitlines())
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Terminal()
+    line = ProgressLine(tty)
+    line(1, 3), line(3, 3)
+    assert tty.getvalue() == "\rscored 1/3 requests\rscored 3/3 requests\n"
+
+
 def test_embedded_token_data_and_bf16_compute(setup):
     d, _, data, single = setup
     out = evaluate(str(d / "hf"), ["embedded", data[0]], mesh="none", max_len=48, min_bucket=16, limit=1)

@@ -81,3 +81,30 @@ def test_cli_errors(tmp_path, case):
         "no_loss": "no train 'loss'",
     }[case]
     assert expected in res.stderr
+
+
+def _ink_on_border(png):
+    """Whether any pixel of the image's outermost 2-pixel frame is not white (a clipped drawing)."""
+    import matplotlib.image
+
+    rgb = matplotlib.image.imread(png)[..., :3]
+    frame = [rgb[:2], rgb[-2:], rgb[:, :2], rgb[:, -2:]]
+    return any((f < 0.99).any() for f in frame)
+
+
+@pytest.mark.parametrize("num_layers, num_experts", [(1, 4), (2, 4), (6, 16)])
+def test_heatmap_colour_bar_label_inside_the_image(tmp_path, num_layers, num_experts):
+    """The expert-load heatmap's colour bar and its label are drawn whole, whatever the grid."""
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step in range(1, 21):
+            load = [
+                [(e + step + layer) % 3 / num_experts for e in range(num_experts)]
+                for layer in range(num_layers)
+            ]
+            rec = {"step": step, "split": "train", "loss": 3.0 - step / 20, "expert_load": load}
+            rec["balancing_bias"] = [[0.01 * e for e in range(num_experts)] for _ in range(num_layers)]
+            f.write(json.dumps(rec) + "\n")
+    res = _run(tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert _is_png(tmp_path / "expert_load_heatmap.png")
+    assert not _ink_on_border(tmp_path / "expert_load_heatmap.png")

@@ -21,6 +21,7 @@ can be read it raises `CheckpointError` naming the directory: never a silent res
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from typing import Any, Callable
@@ -133,10 +134,26 @@ class Checkpointer:
     def check_matches(self, step: int, abstract_state: Any, config: dict | None) -> None:
         """Raises CheckpointMismatch if checkpoint `step` holds other tensors than `abstract_state`;
         `config` (the current config, JSON) names the differing keys. Reads metadata only."""
-        saved, want = self.saved_shapes(step), tree_shapes(abstract_state)
+        diffs = self.mismatch(step, abstract_state, config)
+        if diffs:
+            raise CheckpointMismatch(
+                f"{self.workdir}: checkpoint {step} was saved with another model or optimizer: "
+                f"{diffs}. Nothing was changed; resume with the checkpoint's config, or start this "
+                "config in a new --workdir"
+            )
+
+    def mismatch(
+        self, step: int, abstract: Any, config: dict | None, sections: tuple[str, ...] = SHAPE_SECTIONS
+    ) -> str:
+        """'' if checkpoint `step` holds the tensors of `abstract` (all of the saved state, or, for a
+        dict of some of its top-level fields, those fields), else the differing keys of `sections`
+        of `config` (or, if none differ, the differing tensors), '; '-joined. Reads metadata only."""
+        saved, want = self.saved_shapes(step), tree_shapes(abstract)
+        if isinstance(abstract, dict):  # a partial restore (restore_params): only those fields
+            saved = {p: v for p, v in saved.items() if p.split(".", 1)[0] in abstract}
         if saved == want:
-            return
-        diffs = config_diff(self._manager.restore(step, args=_CONFIG_ONLY).config, config or {})
+            return ""
+        diffs = config_diff(self._manager.restore(step, args=_CONFIG_ONLY).config, config or {}, sections)
         if not diffs:  # the same config keys, other tensors (e.g. another version of the code)
             paths = sorted(set(saved) | set(want))
             diffs = [
@@ -144,11 +161,7 @@ class Checkpointer:
                 for p in paths
                 if saved.get(p) != want.get(p)
             ]
-        raise CheckpointMismatch(
-            f"{self.workdir}: checkpoint {step} was saved with another model or optimizer: "
-            f"{'; '.join(diffs[:8])}{' ...' if len(diffs) > 8 else ''}. Nothing was changed; resume "
-            "with the checkpoint's config, or start this config in a new --workdir"
-        )
+        return f"{'; '.join(diffs[:8])}{' ...' if len(diffs) > 8 else ''}"
 
     def restore_latest(
         self,
@@ -174,22 +187,16 @@ class Checkpointer:
             except CheckpointMismatch:
                 raise
             except Exception as e:  # noqa: BLE001 -- any failure to read means: try the previous one
-                msg = f"{type(e).__name__}: {str(e)[:500]}"
-                errors.append(f"step {step}: {msg}")
-                logging.warning(
-                    "checkpoint %s/%d cannot be restored (%s); trying the previous one",
-                    self.directory,
-                    step,
-                    msg,
-                )
-                print(
-                    f"WARNING: checkpoint {self.directory}/{step} cannot be restored ({msg}); "
-                    "trying the previous one",
+                msg, short = f"{type(e).__name__}: {str(e)[:500]}", read_error(e)
+                errors.append(f"step {step}: {short}")
+                moved = self._quarantine(step)
+                print(  # one line; the event log (on_corrupt) keeps the longer message
+                    f"WARNING: checkpoint {step} cannot be restored ({short}); "
+                    f"{f'moved to {moved}, ' if moved else ''}trying the previous one",
                     flush=True,
                 )
                 if on_corrupt is not None:
                     on_corrupt(step, msg)
-                self._quarantine(step)
         raise CheckpointError(
             f"no readable checkpoint in {self.directory}: all of steps {steps} failed to restore and "
             f"were moved to {self.corrupt_directory}/ ({'; '.join(errors)})"
@@ -223,16 +230,17 @@ class Checkpointer:
         )
         return out.state
 
-    def _quarantine(self, step: int) -> None:
-        """Moves an unreadable checkpoint out of the way so later saves can reuse its step."""
-        if jax.process_index() != 0:
-            return
+    def _quarantine(self, step: int) -> str | None:
+        """Moves an unreadable checkpoint out of the way so later saves can reuse its step; returns
+        where it went (None on other processes)."""
+        dst = None
         src = os.path.join(self.directory, str(step))
-        if os.path.exists(src):
-            dst_dir = self.corrupt_directory
-            os.makedirs(dst_dir, exist_ok=True)
-            shutil.move(src, os.path.join(dst_dir, f"{step}-{int(time.time())}"))
+        if jax.process_index() == 0 and os.path.exists(src):
+            os.makedirs(self.corrupt_directory, exist_ok=True)
+            dst = os.path.join(self.corrupt_directory, f"{step}-{int(time.time())}")
+            shutil.move(src, dst)
         self._manager.reload()
+        return dst
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
@@ -245,6 +253,18 @@ class Checkpointer:
 
 
 _CONFIG_ONLY = ocp.args.Composite(config=ocp.args.JsonRestore())
+
+
+def read_error(e: BaseException) -> str:
+    """A failed restore in one line: the file TensorStore could not read and why ('reading
+    .../state/d/ab12: Requested byte range [0, 416) is not valid for value of size 138'), without
+    its spec; else the exception's first line."""
+    text = str(e).split("[tensorstore_spec", 1)[0].strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    files = [f for f in re.findall(r'local file "([^"]+)"', text) if not f.endswith("/")]
+    if files:
+        return f"reading {files[-1]}: {first.rsplit(': ', 1)[-1]}"
+    return f"{type(e).__name__}: {first[:300]}"
 
 
 def tree_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -85,20 +85,42 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def run_absl(main: Callable[[list[str]], Any], define_flags: Callable[[], None] | None = None, argv=None):
-    """`app.run(main)` with one-line errors: flag parsing (unknown key -> nearest match), UsageError,
-    and user errors raised by main."""
+    """`app.run(main)` with one-line errors: flag parsing (unknown key -> nearest match; a config
+    file that is missing or whose get_config raised -> the file and its message), UsageError, and
+    user errors raised by main."""
     from absl import app, flags
 
     if define_flags is not None:
-        define_flags()
+        try:  # a config dict flag reads its `--config.` overrides from sys.argv as it is defined
+            define_flags()
+        except (UserError, flags.Error, AttributeError, KeyError) as e:
+            if debug():
+                raise
+            fail(one_line(e) if isinstance(e, UserError) else _flag_message(e, argv or sys.argv))
 
     def parse(argv_: list[str]) -> list[str]:
+        files = _config_file_args(flags.FLAGS, argv_)
+        for name, spec in files:  # before absl parses: it would defer or bury the error
+            path = spec.split(":", 1)[0]
+            if not os.path.isfile(path):
+                where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
+                what = "is a directory" if os.path.isdir(path) else "does not exist"
+                fail(f"--{name}={spec}: config file {path or repr(path)} {what}{where}")
         try:
-            return flags.FLAGS(argv_)
+            rest = flags.FLAGS(argv_)
+            for name, spec in files:  # a get_config that raised OSError: reported on first access
+                getattr(flags.FLAGS[name].value, "keys", None)
+        except (OSError, SyntaxError, ImportError, NameError) as e:  # in the config file's own code
+            if debug() or not files:
+                raise
+            cause = e.__cause__ or e
+            text = one_line(cause) if isinstance(cause, OSError) else f"{type(e).__name__}: {one_line(e)}"
+            fail(f"--{files[0][0]}={files[0][1]}: {text}")
         except (flags.Error, AttributeError, KeyError) as e:  # ml_collections: unknown override key
             if debug():
                 raise
             fail(_flag_message(e, argv_))
+        return rest
 
     def guarded(argv_: list[str]) -> Any:
         try:
@@ -111,12 +133,38 @@ def run_absl(main: Callable[[list[str]], Any], define_flags: Callable[[], None] 
     return app.run(guarded, argv=argv, flags_parser=parse)
 
 
+def _config_file_args(flag_values, argv: list[str]) -> list[tuple[str, str]]:
+    """[(flag name, 'FILE[:ARG]')] of the config-file flags (DEFINE_config_file) given in argv."""
+    from ml_collections.config_flags.config_flags import ConfigFileFlagParser
+
+    names = [n for n, f in flag_values._flags().items() if isinstance(f.parser, ConfigFileFlagParser)]
+    out = []
+    for i, arg in enumerate(argv[1:], start=1):
+        for name in names:
+            for dashes in ("--", "-"):
+                if arg.startswith(f"{dashes}{name}="):
+                    out.append((name, arg.split("=", 1)[1]))
+                elif arg == f"{dashes}{name}" and i + 1 < len(argv):
+                    out.append((name, argv[i + 1]))
+    return out
+
+
+_TRACEBACK_END = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception): ", re.MULTILINE)
+
+
 def _flag_message(e: BaseException, argv: list[str]) -> str:
-    """absl's flag error; an unknown `--config.` key is named as given, with ml_collections' nearest match."""
+    """absl's flag error; an unknown `--config.` key is named as given, with ml_collections' nearest
+    match; a config file whose get_config raised gives that exception's message, not its traceback."""
     inner: object = e  # ml_collections raises AttributeError(KeyError(message))
     while isinstance(inner, (AttributeError, KeyError)) and inner.args:
         inner = inner.args[0]
     text = str(inner)
+    if "Error whilst parsing config file" in text:
+        flag = text.split(": Error whilst parsing", 1)[0].removeprefix("flag ")
+        last = list(_TRACEBACK_END.finditer(text))
+        message = text[last[-1].end() :] if last else text
+        path = flag.split("=", 1)[-1].split(":", 1)[0]
+        return f"{flag}: {one_line(ValueError(message.removeprefix(path + ': ')))}"
     name = re.match(r"'(\w+)'", text)
     near = re.search(r'Did you mean "(\w+)"', text)
     for arg in argv[1:]:

@@ -464,3 +464,19 @@ def _apply(c: ml_collections.ConfigDict, d: dict[str, Any], prefix: str) -> None
         if isinstance(c[key], float) and isinstance(value, int):
             value = float(value)
         c[key] = value
+
+
+def with_absolute_paths(d: dict[str, Any]) -> dict[str, Any]:
+    """The JSON form of a config with data.path, data.mixture's paths and train.init_from made
+    absolute (from the current directory): what a checkpoint saves, so that its workdir's commands
+    read the same files from any directory."""
+    absolute = lambda p: p if not p or p == "embedded" else os.path.abspath(os.path.expanduser(p))
+    data, train = d.get("data", {}), d.get("train", {})
+    if data.get("path"):
+        data["path"] = absolute(data["path"])
+    if data.get("mixture"):
+        entries = [e.strip().rpartition(":") for e in str(data["mixture"]).split(",") if e.strip()]
+        data["mixture"] = ",".join(f"{absolute(p)}{sep}{w}" for p, sep, w in entries)
+    if train.get("init_from"):
+        train["init_from"] = absolute(train["init_from"])
+    return d

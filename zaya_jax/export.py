@@ -8,7 +8,8 @@ tokenizer: zaya_tokenizer.json (ours) and tokenizer.json + tokenizer_config.json
 config.json and generation_config.json carry the tokenizer's pad / bos / eos ids. Only the params and balancing biases are read from the Orbax checkpoint (no
 optimizer state); the model config is rebuilt from the training config saved with it. The
 safetensors are written tensor by tensor (zaya_jax.hf.save_pretrained). Without --tokenizer the
-training data's own tokenizer is written (the byte tokenizer for the embedded corpus).
+run's own tokenizer is written (WORKDIR/tokenizer; see zaya_jax/pretrained.py), and stderr names the
+file it was read from.
 HF_DIR must be new or empty (`--overwrite` replaces an existing one) and outside the checkpoint's
 workdir; it appears complete or not at all (zaya_jax.output_dir).
 """
@@ -19,13 +20,14 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 
 import numpy as np
 from absl import logging
 
 from zaya_jax import cli, hf, output_dir
 from zaya_jax.checkpoint import checkpoint_workdir
-from zaya_jax.pretrained import checkpoint_tokenizer, load_checkpoint_variables
+from zaya_jax.pretrained import checkpoint_tokenizer, is_hf_dir, load_checkpoint_variables, tokenizer_file
 from zaya_jax.tokenizer import load_tokenizer, save_for_transformers
 
 
@@ -55,14 +57,23 @@ def export(
     max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
 ) -> dict:
+    if is_hf_dir(checkpoint):
+        raise cli.UserError(
+            f"--checkpoint {checkpoint} is a Hugging Face directory (it has config.json), already "
+            "exported; export reads a training checkpoint: pass WORKDIR, WORKDIR/checkpoints or "
+            "WORKDIR/checkpoints/STEP (generate and evaluate read HF directories as they are)"
+        )
     reading = [("the workdir of --checkpoint", checkpoint_workdir(checkpoint)[0])]
     if tokenizer not in (None, "byte"):
         reading.append(("--tokenizer", tokenizer))
     output_dir.check(out, overwrite=overwrite, reading=reading)  # before the checkpoint is read
     c, cfg, variables, step = load_checkpoint_variables(checkpoint)
-    if tokenizer is None and c.data.path and os.path.isdir(c.data.path):  # its tokenizer is read
+    if tokenizer is None and c.data.path and os.path.isdir(c.data.path):  # its tokenizer may be read
         reading.append(("the training data", c.data.path))
-    tok = checkpoint_tokenizer(c, checkpoint) if tokenizer is None else load_tokenizer(tokenizer)
+    if tokenizer is None:
+        tok, tok_file = checkpoint_tokenizer(c, checkpoint, step)
+    else:
+        tok, tok_file = load_tokenizer(tokenizer), tokenizer_file(tokenizer)
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(f"tokenizer {tok.name} has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
     # the special ids transformers' generate and pipelines use are the tokenizer's
@@ -80,6 +91,7 @@ def export(
         "out": os.path.abspath(out),
         "dtype": dtype,
         "tokenizer": tok.name,
+        "tokenizer_file": tok_file,
         "files": sorted(os.listdir(out)),
     }
 
@@ -102,18 +114,16 @@ def arg_parser() -> cli.ArgumentParser:
 def main(argv=None):
     a = arg_parser().parse_args(argv)
     logging.set_verbosity(logging.WARNING)
-    print(
-        json.dumps(
-            export(
-                a.checkpoint,
-                a.out,
-                dtype=a.dtype,
-                tokenizer=a.tokenizer,
-                max_shard_bytes=a.max_shard_bytes,
-                overwrite=a.overwrite,
-            )
-        )
+    out = export(
+        a.checkpoint,
+        a.out,
+        dtype=a.dtype,
+        tokenizer=a.tokenizer,
+        max_shard_bytes=a.max_shard_bytes,
+        overwrite=a.overwrite,
     )
+    print(f"tokenizer {out['tokenizer']}: {out['tokenizer_file']}", file=sys.stderr, flush=True)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import argparse
 import functools
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -290,8 +291,14 @@ def read_prompts(prompts: Sequence[str] | None, prompts_file: str | None) -> lis
     if prompts_file is not None:
         if not os.path.isfile(prompts_file):
             raise FileNotFoundError(f"--prompts-file {prompts_file} not found")
-        with open(prompts_file, encoding="utf-8") as f:
-            out += [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(prompts_file, encoding="utf-8") as f:
+                lines = [line.rstrip("\n") for line in f if line.strip()]
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompts-file {prompts_file}: not UTF-8 text ({e.reason})") from None
+        if not lines:
+            raise ValueError(f"--prompts-file {prompts_file} is empty (no non-blank line): one prompt a line")
+        out += lines
     if not out:
         raise ValueError("no prompt: pass --prompt TEXT (repeatable) or --prompts-file FILE")
     return out
@@ -334,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
 
     from absl import logging
 
-    from zaya_jax.pretrained import load_model
+    from zaya_jax.pretrained import load_model, tokenizer_line
 
     logging.set_verbosity(logging.WARNING)
     prefix = "auto" if args.prefix == "none" else args.prefix
@@ -342,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     encoded = [m.tokenizer.encode(t) for t in texts]
     if args.prefix != "none":
         encoded = [[m.prefix_id, *p] for p in encoded]
+    print(tokenizer_line(m), file=sys.stderr, flush=True)
     new: list[list[int]] = []
     for i in range(0, len(encoded), args.batch_size):
         new += generate(

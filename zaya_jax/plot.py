@@ -299,7 +299,8 @@ def plot_expert_load_heatmap(records: list[dict[str, Any]], path: Path) -> Path 
         ax.set_ylim(num_experts - 0.5, -0.5)  # expert 0 on top
         ax.set_yticks(range(0, num_experts, max(1, num_experts // 8)))
     _label_edges(axes, "expert")
-    bar = fig.colorbar(mesh, ax=axes, shrink=0.8, pad=0.02)
+    # below the panels: a label along a vertical bar would outgrow a grid of few experts
+    bar = fig.colorbar(mesh, ax=axes, orientation="horizontal", shrink=0.6, aspect=40, pad=0.02)
     bar.set_ticks(range(-3, 4))
     bar.set_ticklabels(["1/8", "1/4", "1/2", "1", "2", "4", "8"])
     bar.set_label(f"expert's share of tokens / balanced share (1/{num_experts}); black: none")

@@ -7,9 +7,11 @@
 
 From an Orbax checkpoint only the params and balancing biases are read (no optimizer state) and
 the model config is rebuilt from the training config saved with it. The tokenizer is the one
-import_hf stored beside the checkpoint (WORKDIR/tokenizer), else the training data's own (the byte
-tokenizer for the embedded corpus); an HF directory carries its tokenizer (zaya_tokenizer.json from
-our export, or a transformers tokenizer.json + tokenizer_config.json).
+stored in the workdir (WORKDIR/tokenizer: the trainer copies the data's there at start-up, import_hf
+the HF directory's), else, for a workdir without one, the training data's own as the saved config
+names it (the byte tokenizer for the embedded corpus); an HF directory carries its tokenizer
+(zaya_tokenizer.json from our export, or a transformers tokenizer.json + tokenizer_config.json).
+`tokenizer_file` says which file was read (the CLIs print it).
 
 `prefix_id` is the token a document is predicted from when it has no context of its own (an empty
 multiple-choice context, the first token of a perplexity document, a generation prompt's start):
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import uuid
 from typing import Any
 
 import jax
@@ -51,6 +55,7 @@ class Pretrained:
     source: str  # "orbax" | "hf"
     step: int | None = None  # the Orbax step restored
     prefix_every_request: bool = True  # False for prefix="none"
+    tokenizer_file: str = ""  # the file the tokenizer was read from (tokenizer_line)
 
 
 def is_hf_dir(path: str) -> bool:
@@ -82,19 +87,89 @@ def load_checkpoint_variables(path: str, mesh: Mesh | None = None):
     return c, cfg, variables, step
 
 
-TOKENIZER_DIR = "tokenizer"  # WORKDIR/tokenizer: the tokenizer import_hf brought with the weights
+TOKENIZER_DIR = "tokenizer"  # WORKDIR/tokenizer: the run's tokenizer (train or import_hf wrote it)
 
 
-def checkpoint_tokenizer(c, path: str) -> Tokenizer:
-    """The tokenizer of the Orbax checkpoint at `path` (training ConfigDict `c`): WORKDIR/tokenizer
-    when import_hf wrote one, else the training data's."""
-    stored = os.path.join(checkpoint_workdir(path)[0], TOKENIZER_DIR)
+def tokenizer_file(spec: str) -> str:
+    """The file `load_tokenizer(spec)` reads: a directory's zaya_tokenizer.json (else its
+    tokenizer.json), a file itself, or 'built in' for the byte tokenizer."""
+    if spec is None or str(spec).strip().lower() in ("", "byte", "bytes"):
+        return "built in"
+    spec = os.path.abspath(os.path.expanduser(str(spec)))
+    if os.path.isdir(spec):
+        ours = os.path.join(spec, CONFIG_FILENAME)
+        return ours if os.path.isfile(ours) else os.path.join(spec, HF_FILENAME)
+    return spec
+
+
+def tokenizer_line(m: Pretrained) -> str:
+    """'tokenizer byte: WORKDIR/tokenizer/zaya_tokenizer.json', the line a CLI prints on loading."""
+    return f"tokenizer {m.tokenizer.name}: {m.tokenizer_file}"
+
+
+def store_tokenizer(tok: Tokenizer, workdir: str) -> str:
+    """Saves `tok` as WORKDIR/tokenizer (written beside it, then renamed into place, so the directory
+    is whole or absent); one already there is kept (check_stored_tokenizer compares them first)."""
+    dst = os.path.join(workdir, TOKENIZER_DIR)
+    if os.path.isdir(dst):
+        return dst
+    tmp = os.path.join(workdir, f".{TOKENIZER_DIR}.tmp-{uuid.uuid4().hex[:8]}")
+    os.mkdir(tmp)  # the umask's permissions, as the rest of the workdir
+    try:
+        tok.save(tmp)
+        os.rename(tmp, dst)  # fails if another process put one there meanwhile: theirs is kept
+    except OSError:
+        if not os.path.isdir(dst):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+
+
+def check_stored_tokenizer(tok: Tokenizer, workdir: str, data_key: str) -> None:
+    """A workdir's stored tokenizer is the one the data (`data_key`, e.g. 'config.data.path=DIR') was
+    prepared with: its checkpoints hold embeddings of those ids."""
+    stored = os.path.join(workdir, TOKENIZER_DIR)
+    if not os.path.isdir(stored):
+        return
+    have = load_tokenizer(stored)
+    ids = lambda t: (t.name, t.vocab_size, t.pad_id, t.eos_id, t.bos_id)
+    if ids(have) != ids(tok):
+        raise cli.UserError(
+            f"{stored} holds tokenizer {have.name}, but {data_key} was prepared with {tok.name}: "
+            "this workdir's model reads the stored one's ids; train on data prepared with it, or "
+            "start a new --workdir (--config.train.init_from to start from this run's weights)"
+        )
+
+
+def checkpoint_tokenizer(c, path: str, step: int | None = None) -> tuple[Tokenizer, str]:
+    """(tokenizer, the file read) of the Orbax checkpoint at `path` (training ConfigDict `c`, saved
+    with checkpoint `step`): WORKDIR/tokenizer, else (a workdir without one) the training data's."""
+    workdir = checkpoint_workdir(path)[0]
+    stored = os.path.join(workdir, TOKENIZER_DIR)
     if os.path.isdir(stored):
-        return load_tokenizer(stored)
+        return load_tokenizer(stored), tokenizer_file(stored)
     from zaya_jax.data.megatron import MegatronOptions
-    from zaya_jax.data.pipeline import source_tokenizer
+    from zaya_jax.data.mixture import parse_mixture
+    from zaya_jax.data.pipeline import megatron_prefix, source_tokenizer
 
-    return source_tokenizer(c.data.path, MegatronOptions.of(c.data))
+    key, source = "data.path", c.data.path
+    if c.data.mixture:
+        key, source = "data.mixture", parse_mixture(c.data.mixture)[0].path
+    megatron = MegatronOptions.of(c.data)
+    if not source or source == "embedded":
+        return source_tokenizer(source, megatron), "built in (the embedded corpus's byte tokenizer)"
+    try:
+        tok = source_tokenizer(source, megatron)
+        named = c.data.tokenizer if megatron_prefix(source) is not None else source
+        return tok, tokenizer_file(named)
+    except (OSError, ValueError) as e:
+        where = "" if os.path.isabs(source) else f", read relative to {os.getcwd()}"
+        saved = "" if step is None else f" saved with checkpoint {step}"
+        raise cli.UserError(
+            f"{workdir} has no {TOKENIZER_DIR}/, and the tokenizer of its training data ({key}={source}"
+            f"{saved}{where}) cannot be read: {cli.one_line(e)}; pass --tokenizer byte|FILE|DIR"
+        ) from None
 
 
 def _hf_tokenizer(path: str, vocab_size: int) -> Tokenizer:
@@ -133,6 +208,7 @@ def load_model(
         if mesh is not None:
             variables = jax.device_put(variables, variable_shardings(variables, mesh))
         tok = load_tokenizer(tokenizer) if tokenizer else _hf_tokenizer(path, cfg.vocab_size)
+        tok_file = tokenizer_file(tokenizer or path)
         # our export (zaya_tokenizer.json), or its byte tokenizer.json re-saved by transformers
         stored_byte = not tokenizer and isinstance(tok, ByteTokenizer)
         ours = os.path.isfile(os.path.join(path, CONFIG_FILENAME)) or stored_byte
@@ -141,7 +217,10 @@ def load_model(
         c, cfg, variables, step = load_checkpoint_variables(path, mesh)
         if overrides:
             cfg = dataclasses.replace(cfg, **overrides)
-        tok = load_tokenizer(tokenizer) if tokenizer else checkpoint_tokenizer(c, path)
+        if tokenizer:
+            tok, tok_file = load_tokenizer(tokenizer), tokenizer_file(tokenizer)
+        else:
+            tok, tok_file = checkpoint_tokenizer(c, path, step)
         ours, source = True, "orbax"
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(
@@ -153,7 +232,8 @@ def load_model(
         raise ValueError(
             f"prefix={prefix!r}: token id {prefix_id} is outside the model's vocabulary ({cfg.vocab_size})"
         )
-    return Pretrained(cfg, variables, tok, prefix_id, source, step, prefix_every_request=prefix != "none")
+    every = prefix != "none"
+    return Pretrained(cfg, variables, tok, prefix_id, source, step, every, tok_file)
 
 
 def resolve_prefix(prefix: str | int, tokenizer: Tokenizer, trained_by_us: bool) -> int:

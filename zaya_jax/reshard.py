@@ -2,7 +2,8 @@
 [--overwrite]`
 
 Restores a training checkpoint (WORKDIR, WORKDIR/checkpoints or .../<step>) onto a different device
-mesh and saves it under DST (same step, same data position; the saved config gets the new mesh).
+mesh and saves it under DST (same step, same data position; the saved config gets the new mesh;
+SRC's tokenizer/ is copied too).
 Orbax reads each array straight into the shards of the new layout: the restore target is the
 abstract TrainState of the new mesh (`train_state.abstract_train_state`). Mesh keys not given keep
 the source's values. `--config.mesh.zero1` may be changed too. A run on the new mesh then
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 import ml_collections
@@ -25,6 +27,8 @@ from zaya_jax import cli, output_dir
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, checkpoint_workdir
 from zaya_jax.parallel.mesh import check_mesh_sizes, mesh_from_config
+from zaya_jax.pretrained import TOKENIZER_DIR, store_tokenizer
+from zaya_jax.tokenizer import load_tokenizer
 from zaya_jax.train_state import abstract_train_state
 
 MESH_KEYS = ("data", "fsdp", "expert", "zero1")
@@ -57,6 +61,9 @@ def reshard(
         out.save(step, state, data_state, json.loads(c.to_json_best_effort()))
         out.wait()
         out.close()
+        stored = os.path.join(workdir, TOKENIZER_DIR)
+        if os.path.isdir(stored):  # DST stands on its own as SRC did
+            store_tokenizer(load_tokenizer(stored), tmp)
     return {
         "step": step,
         "src": os.path.join(ck.directory, str(step)),
@@ -77,7 +84,18 @@ def _define_flags(fv=None) -> None:
     overrides.mesh = ml_collections.ConfigDict(
         {k: config_dict.placeholder(bool if k == "zero1" else int) for k in MESH_KEYS}
     )
-    config_flags.DEFINE_config_dict("config", overrides, "Only config.mesh.* (the new mesh).", flag_values=fv)
+    try:  # reads its --config. overrides from sys.argv now
+        config_flags.DEFINE_config_dict(
+            "config", overrides, "Only config.mesh.* (the new mesh).", flag_values=fv
+        )
+    except (AttributeError, KeyError):
+        known = [f"--config.mesh.{k}" for k in MESH_KEYS]
+        bad = [a.split("=", 1)[0] for a in sys.argv[1:] if a.startswith("--config.")]
+        bad = [a for a in bad if a not in known] or bad
+        raise cli.UserError(
+            f"{bad[0] if bad else '--config'}: unknown config key; reshard takes only {', '.join(known)}"
+            f"{cli.near_key(bad[0][9:], [k[9:] for k in known], '--config.') if bad else ''}"
+        ) from None
     flags.DEFINE_string("src", None, "source checkpoint", flag_values=fv)
     flags.DEFINE_string("dst", None, "destination WORKDIR", flag_values=fv)
     cli.define_flag("step", None, "source step (default: from --src, else the latest)", cli.Int(min=0), fv)

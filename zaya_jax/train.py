@@ -46,6 +46,7 @@ from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.context import row_devices
 from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.parallel.sharding import shard_batch
+from zaya_jax.pretrained import check_stored_tokenizer, store_tokenizer
 from zaya_jax.routing_telemetry import DEAD, DeadExperts
 from zaya_jax.train_eval import downstream_tasks, evaluate, harness_tasks
 from zaya_jax.train_state import (
@@ -152,7 +153,8 @@ class Trainer:
 
     def __init__(self, c: ml_collections.ConfigDict, workdir: str):
         self.c, self.workdir = c, workdir
-        self.cfg, self.sources, tokenizer = _checked_inputs(c, workdir)
+        self.cfg, self.sources, self.tokenizer = _checked_inputs(c, workdir)
+        tokenizer = self.tokenizer
         self.seq_len, self.steps = c.train.seq_len, c.train.steps
         self.primary = jax.process_index() == 0
         self.events = EventLog(workdir, enabled=self.primary)
@@ -176,8 +178,11 @@ class Trainer:
         self.eval_step = jax.jit(make_eval_step(self.cfg, self.mesh, c.mesh.context_layout))
         self.downstream = downstream_tasks(c, self.cfg, tokenizer, self.mesh)
         self.ckpt = _checkpointer(c, workdir)
-        self.config_json = json.loads(c.to_json_best_effort())
+        # saved with every checkpoint: data paths absolute, so the workdir's commands run from anywhere
+        self.config_json = config_lib.with_absolute_paths(json.loads(c.to_json_best_effort()))
         self.state = self._restore_or_create()
+        if self.primary:  # the workdir holds the tokenizer its commands read (zaya_jax/pretrained.py)
+            store_tokenizer(self.tokenizer, workdir)
         self.step = start = int(self.state.step)
         self.peak = sizing.peak_flops_per_device()
         self.summary: dict[str, Any] = {
@@ -387,6 +392,8 @@ class Trainer:
                 self.events.write(int(state.step), "resume", checkpoint=path)
                 return state
             _refuse_fresh_start_after_quarantine(self.ckpt, self.c)
+            if self.c.train.init_from:  # before the fresh state is built
+                _check_init_from(self.c.train.init_from, self.abstract_state, self.config_json)
             state = self.program.initial_state()
             host_memory.release_freed_memory()  # what compiling the initializer left
             return _init_from(state, self.c.train.init_from) if self.c.train.init_from else state
@@ -403,6 +410,12 @@ def _checked_inputs(c: ml_collections.ConfigDict, workdir: str):
         raise UserError(f"--workdir {workdir} is a file, not a directory")
     sources = mixture_lib.parse_mixture(c.data.mixture) if c.data.mixture else None
     tokenizer = source_tokenizer(sources[0].path if sources else c.data.path, MegatronOptions.of(c.data))
+    data_key = (
+        f"config.data.mixture source {sources[0].path}"
+        if sources
+        else f"config.data.path={c.data.path or 'embedded'}"
+    )
+    check_stored_tokenizer(tokenizer, workdir, data_key)  # a resume on data of another tokenizer
     check_eval_data(c, sources)  # before step 1, not at the first evaluation
     if c.train.init_from:
         _init_from_checkpoint(c.train.init_from)[0].close()  # it exists, checked before anything is built
@@ -508,6 +521,22 @@ def _init_from(state: TrainState, directory: str) -> TrainState:
     finally:
         src.close()
     return dataclasses.replace(state, params=part["params"], balancing=part["balancing"])
+
+
+def _check_init_from(directory: str, abstract_state: TrainState, config_json: dict) -> None:
+    """train.init_from holds this model's params and balancing biases (metadata only): another
+    model is named by its differing config.model keys, as a resume names them."""
+    src, step = _init_from_checkpoint(directory)
+    try:
+        part = {"params": abstract_state.params, "balancing": abstract_state.balancing}
+        diffs = src.mismatch(step, part, config_json, sections=("model",))
+    finally:
+        src.close()
+    if diffs:
+        raise UserError(
+            f"config.train.init_from={directory!r}: checkpoint {step} was saved with another model: "
+            f"{diffs}. Nothing was changed; give this run the checkpoint's model keys"
+        )
 
 
 def _init_from_checkpoint(directory: str) -> tuple[Checkpointer, int]:

@@ -246,6 +246,22 @@ def iter_documents(
     if kind == "hf":
         yield from input_formats.iter_hf_dataset(path, text_field)
         return
+    try:
+        yield from _read_documents(path, kind, separator, text_field, raw)
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x}: {e.reason}); convert it to UTF-8 "
+            "first (a latin-1 file: iconv -f latin1 -t utf-8 FILE > NEW)"
+        ) from None
+
+
+def _read_documents(
+    path: Path,
+    kind: str,
+    separator: str | re.Pattern | None,
+    text_field: str,
+    raw: io.BufferedIOBase | None,
+) -> Iterator[str]:
     with _open_text(path, raw) as f:
         if kind == "txt":
             yield from _split_text(f.read(), separator)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,7 +41,7 @@ from zaya_jax.evaluate.perplexity import (
 from zaya_jax.evaluate.scoring import Request, Score, Scorer, sequence_buckets
 from zaya_jax.parallel.context import row_devices
 from zaya_jax.parallel.mesh import make_mesh, parse_mesh_spec
-from zaya_jax.pretrained import load_model
+from zaya_jax.pretrained import load_model, tokenizer_line
 from zaya_jax.tokenizer import Tokenizer
 
 __all__ = [
@@ -143,9 +144,25 @@ class TaskSuite:
         return results, samples
 
 
-def _progress_printer(done: int, total: int) -> None:
-    if jax.process_index() == 0:
-        print(f"\rscored {done}/{total} requests", end="\n" if done == total else "", flush=True)
+class ProgressLine:
+    """`scored DONE/TOTAL requests` on stdout (process 0): redrawn in place on a terminal; in a log
+    (not a TTY) a whole line at most every `every_s` seconds, and the last one."""
+
+    def __init__(self, stream=None, every_s: float = 10.0):
+        self.stream = sys.stdout if stream is None else stream
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every_s, self.last = every_s, time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        if jax.process_index() != 0:
+            return
+        text, now = f"scored {done}/{total} requests", time.monotonic()
+        if self.tty:
+            self.stream.write("\r" + text + ("\n" if done == total else ""))
+        elif done == total or now - self.last >= self.every_s:
+            self.stream.write(text + "\n")
+            self.last = now
+        self.stream.flush()
 
 
 def evaluate(
@@ -180,7 +197,9 @@ def evaluate(
         **task_options,
     )
     scorer = Scorer(model.cfg, mesh=mesh_obj, batch_size=batch_size, max_len=max_len, min_bucket=min_bucket)
-    results, samples = suite.run(scorer, model.variables, _progress_printer if progress else None)
+    if progress and jax.process_index() == 0:
+        print(tokenizer_line(model), file=sys.stderr, flush=True)
+    results, samples = suite.run(scorer, model.variables, ProgressLine() if progress else None)
     return {
         "checkpoint": os.path.abspath(checkpoint),
         "source": model.source,

@@ -46,13 +46,16 @@ def load_task(path: str | Path, limit: int | None = None) -> list[Example]:
     if not path.is_file():
         raise FileNotFoundError(f"task file {path} not found")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            if limit is not None and len(out) >= limit:
-                break
-            out.append(_parse_example(line, f"{path}:{lineno}"))
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                if limit is not None and len(out) >= limit:
+                    break
+                out.append(_parse_example(line, f"{path}:{lineno}"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"task file {path}: not UTF-8 text ({e.reason})") from None
     if not out:
         raise ValueError(f"task file {path} has no examples")
     return out

@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -133,7 +134,7 @@ class ZayaLM(TemplateLM):
     def __init__(self, checkpoint: str | None = None, **model_args: Any):
         super().__init__()
         a = check_model_args({"checkpoint": checkpoint, **model_args})
-        from zaya_jax.pretrained import load_model
+        from zaya_jax.pretrained import load_model, tokenizer_line
 
         mesh = parse_mesh(a.mesh)
         if mesh is not None and a.batch_size is not None and a.batch_size % row_devices(mesh):
@@ -154,6 +155,8 @@ class ZayaLM(TemplateLM):
         self._setup(m.cfg, m.tokenizer, m.prefix_id, m.prefix_every_request, mesh, a)
         self.variables = m.variables
         self.info = {"checkpoint": os.path.abspath(a.checkpoint), "source": m.source, "step": m.step}
+        if self.progress:  # process 0
+            print(tokenizer_line(m), file=sys.stderr, flush=True)
 
     @classmethod
     def from_model(
