@@ -6,6 +6,9 @@ compiled by XLA's GPU compiler for deviceless H100s. Round figures (TEST_HW) mak
 division."""
 
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -288,3 +291,70 @@ def test_override_merges_by_dtype_and_checks_values(tmp_path):
             hardware.read_file(str(path))
     with pytest.raises(ValueError, match="missing key"):
         hardware.merged(None, {"name": "x"})
+
+
+# ------------------------------------------------------------------------------------------ CLI
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--config.model.num_hidden_layers=1", "--config.train.batch_size=8", "--config.mesh.data=8"]
+
+
+def train_cli(cwd, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, "configs/tiny.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
+
+
+def one_error(proc) -> str:
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return errors[0]
+
+
+def test_cli_bad_hardware_file_is_one_line_at_start_up(tmp_path):
+    bad = tmp_path / "hw.json"
+    bad.write_text(json.dumps({"hbm_bytes_per_second": "fast"}))
+    proc = train_cli(tmp_path, "--dry_run", "--dry_run_target=h100", f"--dry_run_hardware={bad}")
+    assert "hbm_bytes_per_second" in one_error(proc)
+    proc = train_cli(tmp_path, f"--dry_run_json={tmp_path / 'r.json'}")
+    assert "--dry_run_json" in one_error(proc) and not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.slow
+def test_cli_json_report_with_hardware_overridden(tmp_path):
+    """`train --dry_run --dry_run_target=h200 --dry_run_hardware=FILE --dry_run_json=FILE` on the tiny
+    step: the file's bf16 peak and 4 MiB of memory replace the H200's, so the step does not fit
+    (exit 2, one error line) and the JSON report is written all the same, with the contract's keys;
+    its MFU is against the overridden peak; its `hardware` object is a valid hardware file."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="the gpu_compile extra is not installed")
+    override = tmp_path / "hw.json"
+    override.write_text(json.dumps({"peak_flops_per_second": {"bfloat16": 5e14}, "memory_bytes": 4 * 2**20}))
+    report = tmp_path / "report.json"
+    args = [
+        "--dry_run",
+        "--dry_run_target=h200",
+        f"--dry_run_hardware={override}",
+        f"--dry_run_json={report}",
+    ]
+    proc = train_cli(tmp_path, *args, *TINY)
+    assert "more than the H200's 4.00 MiB" in one_error(proc)
+    assert "Predicted step per device" in proc.stdout and "MFU" in proc.stdout
+    data = json.loads(report.read_text())
+    p, hw, memory = data["prediction"], data["hardware"], data["memory"]
+    for key in ("step_seconds", "compute_seconds", "communication_seconds", "exposed_communication_seconds"):
+        assert p[key] >= 0, key
+    assert p["step_seconds"] > 0 and p["compute_seconds"] > 0 and p["communication_seconds"] > 0
+    assert p["step_seconds"] == pytest.approx(p["compute_seconds"] + p["exposed_communication_seconds"])
+    assert p["exposed_communication_seconds"] <= p["communication_seconds"] + 1e-12
+    assert hw["peak_flops_per_second"]["bfloat16"] == 5e14 and hw["name"] == "H200"
+    assert hw["hbm_bytes_per_second"] == hardware.builtin("h200")["hbm_bytes_per_second"]
+    assert p["mfu"] == pytest.approx(p["model_flops_per_device"] / (p["step_seconds"] * 5e14))
+    assert p["tokens_per_second_per_device"] == pytest.approx(
+        8 * 128 / 8 / p["step_seconds"]
+    )  # tiny: 128 tokens
+    assert memory["device_bytes"] == 4 * 2**20 and memory["fits"] is False
+    assert memory["total_bytes"] > memory["device_bytes"] and memory["arguments_bytes"] > 0
+    assert memory["temporaries_bytes"] > 0
+    assert data["collectives"]["all-reduce"]["ops"] >= 1 and data["error"]
+    assert hardware.check(hw) == hw
+    assert sorted(os.listdir(tmp_path)) == ["hw.json", "report.json"]
