@@ -358,3 +358,50 @@ def test_cli_json_report_with_hardware_overridden(tmp_path):
     assert data["collectives"]["all-reduce"]["ops"] >= 1 and data["error"]
     assert hardware.check(hw) == hw
     assert sorted(os.listdir(tmp_path)) == ["hw.json", "report.json"]
+
+
+# ------------------------------------------------------------------------- benchmarks/gpu_check
+def test_gpu_check_cases_are_valid_one_device_configs():
+    from benchmarks import gpu_check
+    from zaya_jax import config as config_lib
+
+    shapes = {}
+    for name in gpu_check.CASES:
+        c = gpu_check.case_config(name)
+        cfg = config_lib.validate(c, "cuda")
+        shapes[name] = (cfg.num_hidden_layers, c.train.batch_size, c.train.seq_len, c.mesh.data)
+    assert shapes["zaya1_2l"] == (2, 4, 4096, 1) and shapes["long"] == (2, 1, 32768, 1)
+    assert shapes["tiny"][3] == 1
+    assert gpu_check.signed_error(1.2, 1.0) == pytest.approx(0.2)
+    assert gpu_check.signed_error(0.9, 1.0) == pytest.approx(-0.1)
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
+    """The script's whole path (compile, predict, run, time, report) on one CPU device; without
+    --allow-cpu it refuses the CPU with one error line."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.gpu_check",
+        "--cases",
+        "tiny",
+        "--set",
+        "model.num_hidden_layers=1",
+    ]
+    cmd += ["--set", "train.batch_size=2", "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "r.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert "no GPU here" in one_error(proc)
+    proc = subprocess.run(
+        [*cmd, "--allow-cpu"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "r.json").read_text())["cases"]
+    assert row["case"] == "tiny" and len(row["measured_all_seconds"]) == 2
+    assert row["measured_seconds"] > 0 and row["predicted_seconds"] > 0
+    assert row["error"] == pytest.approx(
+        (row["predicted_seconds"] - row["measured_seconds"]) / row["measured_seconds"]
+    )
+    assert "tiny" in proc.stdout and "%" in proc.stdout
