@@ -74,7 +74,10 @@ def rows(p: dict, hw: dict) -> list[str]:
         "(6 x active params x tokens + causal attention once)"
     )
     if p["collectives"]:
-        out.append(f"  {'collective':<22}{'runs/step':>10}{'seconds':>12}{'exposed':>12}")
+        out.append(
+            f"  {'collective':<22}{'runs/step':>10}{'seconds':>12}{'exposed':>12}   (exposed: the compute"
+        )
+        out.append(f"  {'':<56}   stream's wait at it, for it and the collectives queued before it)")
         for op, r in p["collectives"].items():
             out.append(
                 f"  {op:<22}{r['runs_per_step']:>10}{r['seconds']:>12.4g}{r['exposed_seconds']:>12.4g}"

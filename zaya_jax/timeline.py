@@ -83,7 +83,8 @@ def parse(line: str) -> Inst | None:
 class Cost:
     """Seconds per call: wall time on the compute stream (= compute + exposed), compute by kind,
     communication (all of it, hidden or not) and the exposed part; per collective op [seconds,
-    exposed seconds, runs]; kernels run."""
+    exposed seconds, runs], its exposed seconds the compute stream's waits at its ops (for them and
+    for the collectives queued on the network before them); kernels run."""
 
     seconds: float = 0.0
     compute: float = 0.0
