@@ -34,9 +34,10 @@ sharded form and the jitted train / eval steps; zaya_jax/fault.py every fault de
 Orbax checkpoints; zaya_jax/metrics.py the metric records.
 
 `--dry_run` (no --workdir) compiles this train step at full size on simulated CPU devices, or with
-`--dry_run_target=mi300x|h100|FILE` for deviceless GPUs through XLA's GPU compiler, and prints
-memory per device, collectives, compiled kernels and FLOPs and compile time instead; a step that
-does not fit the GPU is an error (zaya_jax/dry_run.py).
+`--dry_run_target=mi300x|h100|h200|FILE` for deviceless GPUs through XLA's GPU compiler, and prints
+memory per device, collectives, compiled kernels and FLOPs, the predicted step time and compile
+time instead; a step that does not fit the GPU is an error (zaya_jax/dry_run.py). `--dry_run_json`
+writes the report as JSON, `--dry_run_hardware` overrides the GPU's figures (zaya_jax/hardware.py).
 """
 
 from __future__ import annotations
@@ -590,7 +591,9 @@ def _define_flags(fv=None) -> None:
         "dry_run_json",
         None,
         "Also write the --dry_run report as JSON to this file (also when the step does not fit).",
-        cli.Parsed(_new_file, "a file path in an existing directory", invalid=("/nonexistent/dir/report.json",)),
+        cli.Parsed(
+            _new_file, "a file path in an existing directory", invalid=("/nonexistent/dir/report.json",)
+        ),
         fv,
     )
 
