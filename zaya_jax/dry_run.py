@@ -1,13 +1,14 @@
 """`python -m zaya_jax.train --config CONFIG --dry_run [--dry_run_devices N] [--dry_run_target T]
-[--dry_run_fit]`: compile the real train step of any config at full size for N devices, without
-allocating it.
+[--dry_run_fit] [--dry_run_hardware FILE] [--dry_run_json FILE]`: compile the real train step of
+any config at full size for N devices, without allocating it.
 
 The step is the one the trainer jits (`train_state.train_program`), traced from abstract shapes and
 compiled for N simulated CPU devices or N deviceless GPUs (`mi300x`, `h100`, or a GpuTargetConfig
 file: zaya_jax/gpu_target.py). It prints memory per device (against sizing and the device), the
 largest microbatch that fits (--dry_run_fit), the collectives with their bytes, Muon's
-Newton-Schulz FLOPs, the compiled kernels and dot FLOPs (GPU targets) and compile times; nothing
-is written to disk. What each table means: docs/guides/dry-run.md.
+Newton-Schulz FLOPs, the compiled kernels and dot FLOPs and the predicted step time (GPU targets:
+zaya_jax/timeline.py) and compile times; nothing is written to disk but --dry_run_json's report.
+What each table means: docs/guides/dry-run.md.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import ml_collections
 from jax._src import config as jax_config  # enable_compilation_cache as a context: not public
 
 from zaya_jax import config as config_lib
-from zaya_jax import gpu_target
+from zaya_jax import gpu_target, hardware, prediction
 from zaya_jax import hlo as hlo_lib
 from zaya_jax import sizing
 from zaya_jax import xla_flags
@@ -357,6 +358,15 @@ class Report:
 
     text: str
     error: str | None = None
+    data: dict | None = None  # the --dry_run_json report
+
+
+def report_data(c, name: str, target: str, n: int, shape: dict, hw: dict | None, **parts) -> dict:
+    """The --dry_run_json report: what was compiled, then `parts` (memory, collectives, prediction,
+    error); the `hardware` object is a valid --dry_run_hardware file."""
+    run = {"config": name, "target": target, "devices": n, "mesh": shape}
+    run |= {"global_batch": c.train.batch_size, "seq_len": c.train.seq_len, "grad_accum": c.train.grad_accum}
+    return {"run": run, "hardware": hw, **parts}
 
 
 def dry_run(
@@ -365,16 +375,20 @@ def dry_run(
     name: str = "",
     target: str = "cpu",
     fit: bool = False,
+    hardware_override: dict | None = None,
 ) -> Report:
     """Compiles config `c`'s train step for `num_devices` devices of `target` ("cpu": simulated
-    CPU devices; "mi300x", "h100" or a target config file: deviceless GPUs); returns the report
-    (see module)."""
+    CPU devices; "mi300x", "h100", "h200" or a target config file: deviceless GPUs); returns the
+    report (see module), its step predicted on the target's figures (`hardware_override`'s keys
+    replacing them)."""
     n = device_count(c, num_devices)
     gpu = None if target == "cpu" else gpu_target.load_target(target)
-    if fit and gpu is None:
-        raise ValueError(
-            "--dry_run_fit needs a GPU --dry_run_target (mi300x, h100 or a file): CPU has no device memory"
-        )
+    if (fit or hardware_override) and gpu is None:
+        flag = "--dry_run_fit" if fit else "--dry_run_hardware"
+        raise ValueError(f"{flag} needs a GPU --dry_run_target (mi300x, h100, h200 or a file): CPU has none")
+    hw = gpu and hardware.for_target(target, gpu.arch, gpu.name, gpu.memory_bytes, hardware_override)
+    if hw:
+        gpu = dataclasses.replace(gpu, memory_bytes=int(hw["memory_bytes"]))  # the figures' memory
     if gpu is None:
         devices = simulated_devices(n)  # first: validate's backend check would start jax with 1 device
     else:
@@ -385,7 +399,7 @@ def dry_run(
     except jax.errors.JaxRuntimeError as e:
         if gpu is None:
             raise
-        return refused(c, devices, gpu, name, fit, e)
+        return refused(c, devices, gpu, name, fit, e, hw, target)
     compiled, mesh, cfg = step.compiled, step.mesh, step.cfg
     shape = {a: int(mesh.shape[a]) for a in MESH_AXES}
     est = sizing.config_memory_per_device(c, cfg, shape, mesh_platform(mesh))
@@ -396,10 +410,10 @@ def dry_run(
         "Memory per device (XLA: compiled.memory_analysis(); sizing: zaya_jax.sizing's estimate)",
     ]
     lines += memory_rows(stats, est, in_place=gpu is not None)
-    error = None
+    error, total = None, memory_total(stats)
     if gpu is not None:
         remedies = memory_remedies(c, mesh)
-        rows, error = device_rows(memory_total(stats), gpu, memory_unit(est.total)[1], remedies)
+        rows, error = device_rows(total, gpu, memory_unit(est.total)[1], remedies)
         lines += rows
     if fit:
         lines += ["", *fit_rows(fit_search(c, devices, gpu, step))]
@@ -408,6 +422,9 @@ def dry_run(
     lines += ["", "Collectives by mesh axes (model: per microbatch; step: once per optimizer step)"]
     lines += [*axis_rows(hlo, mesh), *zero1_rows(hlo, step)]
     lines += newton_schulz_rows(hlo, c, cfg, n)
+    predicted = prediction.predict(hlo, c, cfg, n, hw) if hw else None
+    if predicted:
+        lines += ["", *prediction.rows(predicted, hw)]
     if gpu is not None:
         lines += ["", *work_rows(hlo, c, cfg, n)]
         code = gpu_target.device_code(compiled, gpu)
@@ -420,10 +437,16 @@ def dry_run(
         f"Compile: trace + lower {step.lower_s:.1f} s, XLA compile {step.compile_s:.1f} s, "
         f"total {step.lower_s + step.compile_s:.1f} s",
     ]
-    return Report("\n".join(lines), error)
+    data = report_data(
+        c, name, target, n, shape, hw,
+        memory=prediction.memory_json(stats, total, gpu and gpu.memory_bytes),
+        collectives={op: dataclasses.asdict(s) for op, s in collectives(hlo).items()},
+        prediction=predicted, error=error,
+    )  # fmt: skip
+    return Report("\n".join(lines), error, data)
 
 
-def refused(c: ml_collections.ConfigDict, devices: list, gpu: gpu_target.GpuTarget, name: str, fit: bool, e):
+def refused(c, devices: list, gpu: gpu_target.GpuTarget, name: str, fit: bool, e, hw=None, target=""):
     """The report of a step XLA's GPU compiler refused (the fit search still runs: a smaller
     microbatch may compile), ending with the one-line error naming XLA's reason."""
     cfg = config_lib.validate(c, gpu.platform)
@@ -438,9 +461,11 @@ def refused(c: ml_collections.ConfigDict, devices: list, gpu: gpu_target.GpuTarg
         lines += ["", *fit_rows(fit_search(c, devices, gpu, own_error=reason))]
     exceeded = "Error loading CUDA libraries" in reason  # XLA:CUDA's end for buffers past the device
     hint = " (XLA:CUDA ends so when the buffers exceed the device: try --dry_run_fit)" if exceeded else ""
-    return Report(
-        "\n".join(lines), f"XLA's {gpu.name} compiler did not compile the train step: {reason}{hint}"
+    error = f"XLA's {gpu.name} compiler did not compile the train step: {reason}{hint}"
+    data = report_data(
+        c, name, target, len(devices), shape, hw, memory=None, collectives=None, prediction=None, error=error
     )
+    return Report("\n".join(lines), error, data)
 
 
 def impl_summary(c: ml_collections.ConfigDict, cfg: Any, platform: str) -> str:

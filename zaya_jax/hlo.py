@@ -276,7 +276,7 @@ def _dims(type_text: str) -> list[int]:
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
-def _declared(lines: list[str]) -> dict[str, str]:
+def declared(lines: list[str]) -> dict[str, str]:
     """{instruction name: its result type} of one computation."""
     out = {}
     for line in lines:
@@ -300,7 +300,7 @@ def _contracting(line: str, json_key: str, hlo_key: str) -> list[int]:
     return [int(d.strip('"')) for d in m.group(1).split(",") if d.strip('"')] if m else []
 
 
-def _gemm_flops(result: str, line: str, declared: dict[str, str]) -> float:
+def gemm_flops(result: str, line: str, declared: dict[str, str]) -> float:
     """2 x output elements x contraction size of a dot or a GEMM call."""
     lhs = _lhs_dims(line, declared)
     contracting = _contracting(line, "lhs_contracting_dimensions", "lhs_contracting_dims")
@@ -316,11 +316,11 @@ def _instruction_work(line: str, declared: dict[str, str], runs: Runs) -> Work |
     op_name = found.group(1) if (found := _OP_NAME.search(line)) else ""
     target = found.group(1) if (found := _TARGET.search(line)) else ""
     if op == "dot":
-        return Work("dot", "dot", _gemm_flops(result, line, declared), op_name, runs)
+        return Work("dot", "dot", gemm_flops(result, line, declared), op_name, runs)
     if op == "convolution" or target.startswith(CONV_CALLS):
         return Work("convolution", target or "convolution", 0.0, op_name, runs)
     if target.startswith(GEMM_CALLS):
-        return Work("gemm", target, _gemm_flops(result, line, declared), op_name, runs)
+        return Work("gemm", target, gemm_flops(result, line, declared), op_name, runs)
     if target == TRITON_CALL:
         name = found.group(1) if (found := _TRITON_NAME.search(line)) else "?"
         base, tag, flops = name.rpartition(FLOPS_TAG)
@@ -339,9 +339,9 @@ def work(hlo: str) -> list[Work]:
     runs = executions(comps, entry)
     out = []
     for name, lines in comps.items():
-        declared = _declared(lines)
+        types = declared(lines)
         for line in lines:
-            w = _instruction_work(line, declared, runs[name])
+            w = _instruction_work(line, types, runs[name])
             if w is not None:
                 out.append(w)
     return out

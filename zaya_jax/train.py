@@ -24,7 +24,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zaya_jax import cli, dry_run, gpu_target, host_memory, sizing
+from zaya_jax import cli, dry_run, gpu_target, hardware, host_memory, prediction, sizing
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
 from zaya_jax.cli import UserError
@@ -583,7 +583,7 @@ def _define_flags(fv=None) -> None:
     cli.define_flag(
         "dry_run_target",
         "cpu",
-        "What --dry_run compiles for: cpu (simulated CPU devices), mi300x or h100 (deviceless GPUs, "
+        "What --dry_run compiles for: cpu (simulated CPU devices), mi300x, h100 or h200 (deviceless GPUs, "
         "XLA's GPU compiler; pip install -e '.[gpu_compile]'), or a GpuTargetConfig text file.",
         gpu_target.TARGET_FLAG,
         fv,
@@ -594,6 +594,30 @@ def _define_flags(fv=None) -> None:
         "With a GPU --dry_run_target: also find the largest microbatch (sequences per device) that fits.",
         flag_values=fv,
     )
+    cli.define_flag(
+        "dry_run_hardware",
+        None,
+        "A JSON file of hardware figures (any keys of zaya_jax/hardware.py) overriding the "
+        "--dry_run_target's in the predicted step, e.g. a cluster's measured bandwidths.",
+        cli.Parsed(hardware.read_file, "a JSON file of hardware keys", invalid=("/nonexistent/hw.json",)),
+        fv,
+    )
+    cli.define_flag(
+        "dry_run_json",
+        None,
+        "Also write the --dry_run report as JSON to this file (also when the step does not fit).",
+        cli.Parsed(
+            _new_file, "a file path in an existing directory", invalid=("/nonexistent/dir/report.json",)
+        ),
+        fv,
+    )
+
+
+def _new_file(path: str) -> str:
+    """A path a report can be written to: its directory exists and it is not a directory."""
+    if os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError("no such directory" if not os.path.isdir(path) else "a directory")
+    return path
 
 
 def main(argv):
@@ -605,12 +629,21 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if (FLAGS.dry_run_json or FLAGS.dry_run_hardware) and not FLAGS.dry_run:
+        raise app.UsageError("--dry_run_json and --dry_run_hardware go with --dry_run")
     if FLAGS.dry_run and FLAGS.config is not None:  # before jax starts: it picks the simulated devices
         name = config_flags.get_config_filename(FLAGS["config"])
         report = dry_run.dry_run(
-            FLAGS.config, FLAGS.dry_run_devices, name, target=FLAGS.dry_run_target, fit=FLAGS.dry_run_fit
+            FLAGS.config,
+            FLAGS.dry_run_devices,
+            name,
+            target=FLAGS.dry_run_target,
+            fit=FLAGS.dry_run_fit,
+            hardware_override=FLAGS.dry_run_hardware,
         )
         print(report.text, flush=True)
+        if FLAGS.dry_run_json:
+            prediction.write_json(FLAGS.dry_run_json, report.data)
         if report.error:
             raise UserError(report.error)
         return
