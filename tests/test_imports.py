@@ -40,6 +40,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "zaya_jax.xla_flags",
             "zaya_jax.gpu_target",
             "zaya_jax.gpu_plugins",
+            "zaya_jax.workdir_lock",
         ),
     ),
     ("kernels", ("zaya_jax.kernels",)),
@@ -56,6 +57,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "zaya_jax.pretrained",
             "zaya_jax.sizing",
             "zaya_jax.fault",
+            "zaya_jax.resume",
         ),
     ),
     (

@@ -9,6 +9,7 @@ overrides any key (`--config.train.steps=100`). Sections:
   data.mixture              "PATH:WEIGHT,PATH:WEIGHT,..." weighted mixture of prepared directories (instead of
                             data.path; zaya_jax/data/mixture.py); unset = data.path alone
   data.num_threads, data.prefetch
+  data.allow_path_change    resume a workdir on other data than its checkpoint's (off: an error)
   train.steps               optimizer steps of this run (phase)
   train.batch_size          global batch, sequences per optimizer step (all devices and microbatches)
   train.seq_len             tokens per sequence
@@ -24,6 +25,9 @@ overrides any key (`--config.train.steps=100`). Sections:
   train.batch_ramp          "START,INCREMENT,RAMP_SEQUENCES": Megatron's batch-size ramp up to batch_size
                             (zaya_jax/data/ramp.py); unset = batch_size from the first step
   train.init_from           a checkpoint directory whose params start this run (phase chaining); unset = random
+  train.allow_schedule_change   resume with another learning-rate plan than the checkpoint's (another
+                            train.steps or optim schedule key: the lr of the steps to run changes);
+                            off: an error (zaya_jax/resume.py)
   train.sync_every_step     read each step's loss before the next step is dispatched (the host then
                             waits for the device every step); off = one step late (zaya_jax/train.py)
   train.reuse_host_memory   XLA:CPU's per-step temporaries without 4 KiB page faults: glibc's
@@ -120,6 +124,7 @@ def base_config() -> ml_collections.ConfigDict:
             "mixture": config_dict.placeholder(str),
             "num_threads": 2,
             "prefetch": 4,
+            "allow_path_change": False,
         }
     )
     c.train = Section(
@@ -130,6 +135,7 @@ def base_config() -> ml_collections.ConfigDict:
             "grad_accum": 1,
             "grad_reduce": "step",
             "init_from": config_dict.placeholder(str),
+            "allow_schedule_change": False,
             "batch_ramp": config_dict.placeholder(str),
             "sync_every_step": False,
             "reuse_host_memory": True,
@@ -332,7 +338,7 @@ def _validate_train(c: ml_collections.ConfigDict, cfg: ZayaConfig) -> None:
         "train.seq_len",
         f"{t.seq_len} exceeds model.max_position_embeddings={cfg.max_position_embeddings}",
     )
-    for key in ("sync_every_step", "reuse_host_memory", "lean_cpu_compile"):
+    for key in ("sync_every_step", "reuse_host_memory", "lean_cpu_compile", "allow_schedule_change"):
         _check(isinstance(t[key], bool), f"train.{key}", f"must be True or False, got {t[key]!r}")
 
 
@@ -342,7 +348,8 @@ def _validate_optim(c: ml_collections.ConfigDict) -> None:
     _check(
         0 <= c.optim.warmup_steps <= steps,
         "optim.warmup_steps",
-        f"must be in [0, train.steps={steps}], got {c.optim.warmup_steps}",
+        f"must be in [0, train.steps={steps}], got {c.optim.warmup_steps}; for a {steps}-step run "
+        f"pass e.g. --config.optim.warmup_steps={steps // 10}",
     )
     # The schedule checks how its phases fit together (e.g. warmup + decay <= steps); building it
     # here reports a bad combination at start-up, under the config keys the user sets.
@@ -465,6 +472,8 @@ def _validate_balancing(c: ml_collections.ConfigDict) -> None:
 def _validate_data(c: ml_collections.ConfigDict) -> None:
     """data.mixture (format, prepared directories, one tokenizer) and train.batch_ramp (the rule's
     arithmetic and grad_accum; the mesh is checked when the trainer has built it)."""
+    allow = c.data.allow_path_change
+    _check(isinstance(allow, bool), "data.allow_path_change", f"must be True or False, got {allow!r}")
     try:
         ramp = parse_batch_ramp(c.train.batch_ramp, c.train.batch_size)
         ramp.check_divisible(devices=1, grad_accum=c.train.grad_accum)

@@ -21,7 +21,7 @@ import os
 import numpy as np
 from absl import logging
 
-from zaya_jax import cli, hf
+from zaya_jax import cli, hf, workdir_lock
 from zaya_jax.pretrained import checkpoint_tokenizer, load_checkpoint_variables
 from zaya_jax.tokenizer import load_tokenizer, save_for_transformers
 
@@ -51,6 +51,7 @@ def export(
     tokenizer: str | None = None,
     max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES,
 ) -> dict:
+    workdir_lock.check_free(out, "export into it")  # a running trainer's workdir
     c, cfg, variables, step = load_checkpoint_variables(checkpoint)
     tok = checkpoint_tokenizer(c, checkpoint) if tokenizer is None else load_tokenizer(tokenizer)
     if tok.vocab_size > cfg.vocab_size:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zaya_jax import cli, hf
+from zaya_jax import cli, hf, workdir_lock
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer
 from zaya_jax.parallel.mesh import mesh_from_config
@@ -30,6 +30,14 @@ from zaya_jax.train_state import train_program
 
 
 def import_hf(hf_dir: str, out: str, c=None) -> dict:
+    lock = workdir_lock.acquire(out, "import_hf")  # one command writing into a workdir at a time
+    try:
+        return _import(hf_dir, out, c)
+    finally:
+        lock.release()
+
+
+def _import(hf_dir: str, out: str, c) -> dict:
     hf_cfg, variables = hf.load_pretrained(hf_dir)
     has_tokenizer = any(os.path.isfile(os.path.join(hf_dir, f)) for f in (CONFIG_FILENAME, HF_FILENAME))
     tok = load_tokenizer(hf_dir) if has_tokenizer else None

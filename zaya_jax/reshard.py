@@ -18,7 +18,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_dict, config_flags
 
-from zaya_jax import cli
+from zaya_jax import cli, workdir_lock
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, checkpoint_workdir
 from zaya_jax.parallel.mesh import check_mesh_sizes, mesh_from_config
@@ -39,16 +39,20 @@ def reshard(src: str, dst: str, mesh: dict[str, Any], *, step: int | None = None
         if v is not None:
             c.mesh[k] = v
     cfg = config_lib.validate(c)
-    new_mesh = mesh_from_config(c)
-    target = abstract_train_state(c, cfg, new_mesh)
-    state, data_state, _ = ck.restore(step, target)
-    ck.close()
-    out = Checkpointer(dst, keep=0, async_save=False)
-    if step in out.all_steps():
-        raise FileExistsError(f"{out.directory}/{step} already exists")
-    out.save(step, state, data_state, json.loads(c.to_json_best_effort()))
-    out.wait()
-    out.close()
+    lock = workdir_lock.acquire(dst, "reshard")  # one command writing into a workdir at a time
+    try:
+        new_mesh = mesh_from_config(c)
+        target = abstract_train_state(c, cfg, new_mesh)
+        state, data_state, _ = ck.restore(step, target)
+        ck.close()
+        out = Checkpointer(dst, keep=0, async_save=False)
+        if step in out.all_steps():
+            raise FileExistsError(f"{out.directory}/{step} already exists")
+        out.save(step, state, data_state, json.loads(c.to_json_best_effort()))
+        out.wait()
+        out.close()
+    finally:
+        lock.release()
     return {
         "step": step,
         "src": os.path.join(ck.directory, str(step)),

@@ -7,8 +7,13 @@ its latest checkpoint, data position included, read straight into the sharded ar
 of another model or optimizer is an error that moves nothing; an unreadable newest checkpoint is
 skipped with a warning; if none is readable the run stops with an error).
 
+One run per workdir: the run holds WORKDIR/zaya_jax.lock (zaya_jax/workdir_lock.py); a second
+one stops in one line naming the holder. A resume says which checkpoint it read and refuses other
+data or another learning-rate plan unless allowed (zaya_jax/resume.py).
+
 Fault handling (config.fault, zaya_jax/fault.py; events in WORKDIR/events.jsonl): SIGTERM /
-SIGINT save at the next step boundary and exit 0; a step watchdog (fault.step_timeout_s) dumps
+SIGINT save at the next step boundary and exit 143 / 130; before the first step is compiled they
+end the process at once (one line, nothing saved, exit 143 / 130); a step watchdog (fault.step_timeout_s) dumps
 all thread stacks and exits 3; non-finite updates are skipped and recorded; a loss spike or
 fault.max_bad_steps consecutive skipped updates roll back to the last checkpoint and skip the
 batches since then.
@@ -45,6 +50,7 @@ import dataclasses
 import functools
 import json
 import os
+import signal
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -53,7 +59,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zaya_jax import cli, dry_run, gpu_target, host_memory, sizing
+from zaya_jax import cli, dry_run, fault, gpu_target, host_memory, resume, sizing, workdir_lock
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
 from zaya_jax.cli import UserError
@@ -180,8 +186,26 @@ class Trainer:
     def __init__(self, c: ml_collections.ConfigDict, workdir: str):
         self.c, self.workdir = c, workdir
         self.cfg, self.sources, tokenizer = _checked_inputs(c, workdir)
-        self.seq_len, self.steps = c.train.seq_len, c.train.steps
         self.primary = jax.process_index() == 0
+        # Before anything is written into the workdir; the start-up signal exit releases it too.
+        self.lock = _lock_workdir(workdir)
+        self.stop = fault.installed_stop_signals()
+        if self.stop is not None and self.lock is not None:
+            self.stop.on_exit(self.lock.release)
+        try:
+            self._set_up(tokenizer)
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+    def _set_up(self, tokenizer) -> None:
+        """Mesh, train program, data, checkpoints, the state restored or created."""
+        c, workdir = self.c, self.workdir
+        self.seq_len, self.steps = c.train.seq_len, c.train.steps
         self.events = EventLog(workdir, enabled=self.primary)
         self.mesh = mesh_from_config(c)
         check_batch_divides(c, self.mesh.size)
@@ -221,7 +245,7 @@ class Trainer:
         self.spills = _SpillTally()
 
     def run(self) -> dict[str, Any]:
-        self.faults = FaultMonitor(self.c.fault, self.events.write, self.cfg.vocab_size)
+        self.faults = FaultMonitor(self.c.fault, self.events.write, self.cfg.vocab_size, stop=self.stop)
         # Process 0 owns WORKDIR/metrics.jsonl and TensorBoard; the others keep their own record.
         log_dir = (
             self.workdir if self.primary else os.path.join(self.workdir, f"process_{jax.process_index()}")
@@ -239,6 +263,7 @@ class Trainer:
         finally:
             self.faults.close()
             self.ckpt.close()  # waits for the last save; on an error too (no "Event loop is closed")
+            self._release()
         self.summary["skipped_updates"] = self.faults.skipped_updates
         self.summary["final_step"] = int(self.state.step)
         self.summary["train_programs"] = self.program.train_step._cache_size()
@@ -297,8 +322,11 @@ class Trainer:
         new_program = batch.global_batch not in seen
         self.faults.watch(n, known_program=not new_program)
         if new_program:
+            if not seen and self.primary:
+                print("compiling the train step...", flush=True)
             seen.append(batch.global_batch)
         self.state, metrics = self.program.train_step(self.state, batch.batch)
+        self.faults.stop.training()  # compiled: a signal now saves at the next step boundary
         # Where jax runs the step on this thread (host_memory.run_cpu_programs_inline) it has ended:
         # its throughput window closes now, not when its verdict is read after the next step.
         done_at = time.perf_counter() if metrics["loss"].is_ready() else None
@@ -394,8 +422,14 @@ class Trainer:
         self.ckpt.wait()
         signum = self.faults.stop.signum
         self.events.write(step, "sigterm", signal=signum)
-        print(f"signal {signum}: saved step {step}, exiting", flush=True)
+        name = signal.Signals(signum).name
+        print(f"interrupted ({name}): saved step {step}; exit {128 + signum}", flush=True)
         self.summary["stopped_by_signal"] = signum
+
+    def _say(self, *lines: str) -> None:
+        if self.primary:
+            for line in lines:
+                print(line, flush=True)
 
     def _on_corrupt(self, step: int, msg: str) -> None:
         self.events.write(step, "corrupt_checkpoint", error=msg)
@@ -408,15 +442,21 @@ class Trainer:
                 self.abstract_state, on_corrupt=self._on_corrupt, config=self.config_json
             )
             if restored is not None:
-                step, state, data_state, _ = restored
-                self.data.set_state(data_state)
+                step, state, data_state, saved_config = restored
                 path = os.path.join(self.ckpt.directory, str(step))
+                lines = resume.check(saved_config, self.c, step, path)  # nothing written before
+                self._say(f"resumed from step {step} ({path})", *lines)
+                self.data.set_state(data_state)
                 self.events.write(int(state.step), "resume", checkpoint=path)
                 return state
             _refuse_fresh_start_after_quarantine(self.ckpt, self.c)
+            self._say(f"initialising a new model in {self.ckpt.directory}")
             state = self.program.initial_state()
             host_memory.release_freed_memory()  # what compiling the initializer left
-            return _init_from(state, self.c.train.init_from) if self.c.train.init_from else state
+            if self.c.train.init_from:
+                state, source = _init_from(state, self.c.train.init_from)
+                self._say(f"initialised from {source} (params and balancing biases; step 0)")
+            return state
         except BaseException:
             self.ckpt.close()  # a clean shutdown of Orbax's threads, whatever the error
             raise
@@ -424,7 +464,7 @@ class Trainer:
 
 def _checked_inputs(c: ml_collections.ConfigDict, workdir: str):
     """(validated ZayaConfig, data.mixture sources or None, the data's tokenizer), every input
-    checked before anything is built; creates `workdir`."""
+    checked before anything is built (nothing written: the workdir lock creates `workdir`)."""
     cfg = config_lib.validate(c)
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise UserError(f"--workdir {workdir} is a file, not a directory")
@@ -433,13 +473,29 @@ def _checked_inputs(c: ml_collections.ConfigDict, workdir: str):
     check_eval_data(c, sources)  # before step 1, not at the first evaluation
     if c.train.init_from:
         _init_from_checkpoint(c.train.init_from)[0].close()  # it exists, checked before anything is built
-    os.makedirs(workdir, exist_ok=True)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ValueError(
             f"config.model.vocab_size={cfg.vocab_size} is smaller than the data's tokenizer "
             f"vocabulary ({tokenizer.vocab_size}, {tokenizer.name})"
         )
     return cfg, sources, tokenizer
+
+
+def _lock_workdir(workdir: str) -> workdir_lock.WorkdirLock | None:
+    """Process 0 takes the workdir's lock for the whole run (zaya_jax/workdir_lock.py); the other
+    processes of the run (one run, several processes) learn its outcome and stop with it."""
+    lock, refused = None, ""
+    if jax.process_index() == 0:
+        try:
+            lock = workdir_lock.acquire(workdir, "train")
+        except UserError as e:
+            refused = str(e)
+    refused = fault.share_from_first("workdir_lock", refused)
+    if refused:
+        if lock is not None:
+            lock.release()
+        raise workdir_lock.WorkdirLocked(refused)
+    return lock
 
 
 def _batch_ramp(c: ml_collections.ConfigDict, devices: int) -> BatchRamp:
@@ -511,16 +567,18 @@ def _refuse_fresh_start_after_quarantine(ckpt: Checkpointer, c: ml_collections.C
         )
 
 
-def _init_from(state: TrainState, directory: str) -> TrainState:
+def _init_from(state: TrainState, directory: str) -> tuple[TrainState, str]:
     """Phase chaining: params and balancing biases from another run's latest checkpoint; optimizer
     state and step start fresh (a new phase has its own schedule). Only those two fields are read,
-    so the source run may have used a different optimizer."""
+    so the source run may have used a different optimizer. Returns the state and the checkpoint
+    directory read."""
     src, step = _init_from_checkpoint(directory)
     try:
         part = src.restore_params(step, abstract_like({"params": state.params, "balancing": state.balancing}))
     finally:
         src.close()
-    return dataclasses.replace(state, params=part["params"], balancing=part["balancing"])
+    source = os.path.join(src.directory, str(step))
+    return dataclasses.replace(state, params=part["params"], balancing=part["balancing"]), source
 
 
 def _init_from_checkpoint(directory: str) -> tuple[Checkpointer, int]:
@@ -590,6 +648,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     if FLAGS.dry_run and FLAGS.config is not None:  # before jax starts: it picks the simulated devices
+        fault.install_stop_signals("during the dry run; nothing written")
         name = config_flags.get_config_filename(FLAGS["config"])
         report = dry_run.dry_run(
             FLAGS.config, FLAGS.dry_run_devices, name, target=FLAGS.dry_run_target, fit=FLAGS.dry_run_fit
@@ -598,11 +657,21 @@ def main(argv):
         if report.error:
             raise UserError(report.error)
         return
-    initialize_from_env()
     if FLAGS.config is None or not FLAGS.workdir:
         raise app.UsageError("--config and --workdir are required")
+    fault.install_stop_signals("before the first step; nothing saved")
+    initialize_from_env()
+    if jax.process_index() == 0:
+        devices = jax.devices()
+        print(
+            f"train: {config_flags.get_config_filename(FLAGS['config'])} in {os.path.abspath(FLAGS.workdir)}, "
+            f"{len(devices)} {devices[0].platform} device(s) in {jax.process_count()} process(es)",
+            flush=True,
+        )
     summary = train(FLAGS.config, FLAGS.workdir)
     print(json.dumps({"summary": summary}))
+    signum = summary.get("stopped_by_signal")
+    return None if signum is None else 128 + signum  # saved, but the run did not finish
 
 
 if __name__ == "__main__":
