@@ -43,6 +43,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "zaya_jax.output_dir",
             "zaya_jax.hardware",
             "zaya_jax.timeline",
+            "zaya_jax.workdir_lock",
         ),
     ),
     ("kernels", ("zaya_jax.kernels",)),
@@ -59,6 +60,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "zaya_jax.pretrained",
             "zaya_jax.sizing",
             "zaya_jax.fault",
+            "zaya_jax.resume",
         ),
     ),
     (

@@ -94,3 +94,19 @@ def test_sbatch_xla_flags_parse_in_this_jaxlib():
         timeout=50,
     )
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_processes_of_a_run_stop_together_on_a_workdir_in_use(tmp_path):
+    """Process 0 holds the workdir lock for the run; on a workdir another run holds (this test
+    process, alive) every process stops with its one-line error."""
+    from test_workdir_lock import own_lock
+
+    w = tmp_path / "w"
+    own_lock(w)
+    r = _launch(2, 1, "--config", str(ROOT / "configs" / "tiny.py"), "--workdir", str(w), timeout=120)
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    errors = re.findall(
+        rf"^\[p[01]\] error: {re.escape(str(w))} is in use by train \(pid {os.getpid()} ", r.stdout, re.M
+    )
+    assert errors and "Traceback" not in r.stdout, r.stdout[-3000:]
+    assert sorted(os.listdir(w)) == ["zaya_jax.lock"]

@@ -100,8 +100,9 @@ def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
     assert [r["step"] for r in evals] == [3, 6] and all(r["eval_loss"] > 0 for r in evals)
     assert sorted(os.listdir(a / "checkpoints")) >= ["3", "6"]
 
-    # An existing workdir resumes from its latest checkpoint and continues the step count.
-    out = run_train(a, "--config.train.steps=8")
+    # An existing workdir resumes from its latest checkpoint and continues the step count (a new
+    # plan of 8 steps: allowed explicitly).
+    out = run_train(a, "--config.train.steps=8", "--config.train.allow_schedule_change=True")
     summary = summary_of(out)
     assert summary["start_step"] == 6 and summary["final_step"] == 8
     assert summary["lean_cpu_compile"] is False  # XLA_FLAGS names the flag (tests/xla_env.py): it stands

@@ -43,6 +43,7 @@ def base_config() -> ml_collections.ConfigDict:
             "split_seed": 0,
             "num_threads": 2,
             "prefetch": 4,
+            "allow_path_change": False,
         }
     )
     c.train = Section(
@@ -53,6 +54,7 @@ def base_config() -> ml_collections.ConfigDict:
             "grad_accum": 1,
             "grad_reduce": "step",
             "init_from": config_dict.placeholder(str),
+            "allow_schedule_change": False,
             "batch_ramp": config_dict.placeholder(str),
             "sync_every_step": False,
             "reuse_host_memory": True,
@@ -255,7 +257,7 @@ def _validate_train(c: ml_collections.ConfigDict, cfg: ZayaConfig) -> None:
         "train.seq_len",
         f"{t.seq_len} exceeds model.max_position_embeddings={cfg.max_position_embeddings}",
     )
-    for key in ("sync_every_step", "reuse_host_memory", "lean_cpu_compile"):
+    for key in ("sync_every_step", "reuse_host_memory", "lean_cpu_compile", "allow_schedule_change"):
         _check(isinstance(t[key], bool), f"train.{key}", f"must be True or False, got {t[key]!r}")
 
 
@@ -265,7 +267,8 @@ def _validate_optim(c: ml_collections.ConfigDict) -> None:
     _check(
         0 <= c.optim.warmup_steps <= steps,
         "optim.warmup_steps",
-        f"must be in [0, train.steps={steps}], got {c.optim.warmup_steps}",
+        f"must be in [0, train.steps={steps}], got {c.optim.warmup_steps}; for a {steps}-step run "
+        f"pass e.g. --config.optim.warmup_steps={steps // 10}",
     )
     # The schedule checks how its phases fit together (e.g. warmup + decay <= steps); building it
     # here reports a bad combination at start-up, under the config keys the user sets.
@@ -388,6 +391,8 @@ def _validate_balancing(c: ml_collections.ConfigDict) -> None:
 def _validate_data(c: ml_collections.ConfigDict) -> None:
     """data.mixture (format, prepared directories, one tokenizer) and train.batch_ramp (the rule's
     arithmetic and grad_accum; the mesh is checked when the trainer has built it)."""
+    allow = c.data.allow_path_change
+    _check(isinstance(allow, bool), "data.allow_path_change", f"must be True or False, got {allow!r}")
     try:
         ramp = parse_batch_ramp(c.train.batch_ramp, c.train.batch_size)
         ramp.check_divisible(devices=1, grad_accum=c.train.grad_accum)

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 from absl import logging
 
-from zaya_jax import cli, hf, output_dir
+from zaya_jax import cli, hf, output_dir, workdir_lock
 from zaya_jax.checkpoint import checkpoint_workdir
 from zaya_jax.pretrained import checkpoint_tokenizer, is_hf_dir, load_checkpoint_variables, tokenizer_file
 from zaya_jax.tokenizer import load_tokenizer, save_for_transformers
@@ -63,6 +63,7 @@ def export(
             "exported; export reads a training checkpoint: pass WORKDIR, WORKDIR/checkpoints or "
             "WORKDIR/checkpoints/STEP (generate and evaluate read HF directories as they are)"
         )
+    workdir_lock.check_free(out, "export into it")  # a running trainer's workdir
     reading = [("the workdir of --checkpoint", checkpoint_workdir(checkpoint)[0])]
     if tokenizer not in (None, "byte"):
         reading.append(("--tokenizer", tokenizer))

@@ -17,11 +17,13 @@ confirmed spike rolls the run back; losses that are not spikes join the window.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import enum
 import faulthandler
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -138,22 +140,78 @@ class StepWatchdog:
 
 
 class StopSignals:
-    """SIGTERM / SIGINT set a flag; the trainer saves at the next step boundary and exits 0."""
+    """SIGTERM / SIGINT set a flag (`signum`); the trainer saves at the next step boundary and exits
+    128 + signum.
 
-    def __init__(self):
+    With `startup_message` (the CLI installs one first thing: `install_stop_signals`) a signal
+    that arrives before `training()` is called ends the process at once, from a thread reading
+    the signal module's wakeup fd: the `on_exit` cleanups run (the workdir lock), one line
+    `interrupted (SIGINT) <startup_message>` goes to stderr, exit 128 + signum through os._exit.
+    The main thread may be inside XLA's compiler then, where no Python handler runs until the
+    compile ends, and an interpreter shutdown from there crashed in jax's threads."""
+
+    def __init__(self, startup_message: str | None = None):
         self.signum: int | None = None
         self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
+        self._training = startup_message is None
+        self._message = startup_message
+        self._cleanups: list[Callable[[], None]] = []
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        if startup_message is not None:
+            self._reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            self._writer = writer  # kept open for as long as the process runs
+            signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            threading.Thread(target=self._watch, name="zaya-stop-signals", daemon=True).start()
 
     def _handle(self, signum, frame):
         del frame
         self.signum = signum
 
+    def _watch(self) -> None:
+        while True:
+            data = self._reader.recv(64)
+            if not data:
+                return
+            for signum in data:
+                if signum in (signal.SIGINT, signal.SIGTERM) and not self._training:
+                    self._exit_now(signum)
+
+    def _exit_now(self, signum: int) -> None:
+        for fn in self._cleanups:
+            with contextlib.suppress(Exception):  # exiting anyway
+                fn()
+        os.write(2, f"interrupted ({signal.Signals(signum).name}) {self._message}\n".encode())
+        os._exit(128 + signum)
+
+    def on_exit(self, fn: Callable[[], None]) -> None:
+        """`fn()` runs before a start-up signal ends the process."""
+        self._cleanups.append(fn)
+
+    def training(self) -> None:
+        """From now on a signal only sets the flag (the trainer saves and stops)."""
+        self._training = True
+
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+_INSTALLED: StopSignals | None = None
+
+
+def install_stop_signals(startup_message: str) -> StopSignals:
+    """The process's stop signals, installed by a CLI before it builds anything (StopSignals)."""
+    global _INSTALLED
+    _INSTALLED = StopSignals(startup_message)
+    return _INSTALLED
+
+
+def installed_stop_signals() -> StopSignals | None:
+    return _INSTALLED
 
 
 class StepJudge:
@@ -225,6 +283,23 @@ def agree(flags_: list[bool], round_: int) -> list[bool]:
     return [any(g[i] == "1" for g in got) for i in range(len(flags_))]
 
 
+def share_from_first(name: str, text: str) -> str:
+    """Process 0's `text` on every process (the coordination service's key-value store, as
+    `agree`); `text` itself with one process. `name` is used once per run."""
+    import jax  # deferred: the rest of this module needs no accelerator runtime
+
+    if jax.process_count() == 1:
+        return text
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    key = f"zaya_jax/share/{name}"
+    if jax.process_index() == 0:
+        client.key_value_set(key, "=" + text)  # never empty
+        return text
+    return client.blocking_key_value_get(key, AGREE_TIMEOUT_MS)[1:]
+
+
 class Do(enum.Enum):
     """What the training loop does after a step's verdict."""
 
@@ -260,7 +335,7 @@ class FaultMonitor:
     `event(step, kind, **details)` records what it saw (events.jsonl).
     """
 
-    def __init__(self, f: Any, event: Callable[..., None], vocab_size: int):
+    def __init__(self, f: Any, event: Callable[..., None], vocab_size: int, stop: StopSignals | None = None):
         self._event, self._vocab_size = event, vocab_size
         self._inject = {
             **{s: "spike" for s in f.inject_spike_at_steps},
@@ -272,7 +347,8 @@ class FaultMonitor:
         )
         self._timeout_s = f.step_timeout_s
         self.watchdog = StepWatchdog(f.step_timeout_s, on_timeout=self._on_hang) if f.step_timeout_s else None
-        self.stop = StopSignals()
+        self._owns_stop = stop is None  # a CLI's installed signals outlive the monitor
+        self.stop = StopSignals() if stop is None else stop
         self._rounds = 0  # agree() calls so far
 
     def poison(self, step: int, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -317,7 +393,8 @@ class FaultMonitor:
         return self.judge.skipped_updates
 
     def close(self) -> None:
-        self.stop.restore()
+        if self._owns_stop:
+            self.stop.restore()
         if self.watchdog is not None:
             self.watchdog.close()
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zaya_jax import cli, hf, output_dir
+from zaya_jax import cli, hf, output_dir, workdir_lock
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer
 from zaya_jax.parallel.mesh import mesh_from_config
@@ -32,6 +32,7 @@ from zaya_jax.train_state import train_program
 
 
 def import_hf(hf_dir: str, out: str, c=None, *, overwrite: bool = False) -> dict:
+    workdir_lock.check_free(out, "import into it")  # a running trainer's workdir
     reading = [("--hf", hf_dir)]
     output_dir.check(out, overwrite=overwrite, reading=reading)  # before the weights are read
     hf_cfg, variables = hf.load_pretrained(hf_dir)

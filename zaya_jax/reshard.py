@@ -23,7 +23,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_dict, config_flags
 
-from zaya_jax import cli, output_dir
+from zaya_jax import cli, output_dir, workdir_lock
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, checkpoint_workdir
 from zaya_jax.parallel.mesh import check_mesh_sizes, mesh_from_config
@@ -39,6 +39,7 @@ def reshard(
 ) -> dict[str, Any]:
     workdir, path_step = checkpoint_workdir(src)
     reading = [("the workdir of --src", workdir)]
+    workdir_lock.check_free(dst, "reshard into it")  # a running trainer's workdir
     output_dir.check(dst, flag="--dst", overwrite=overwrite, reading=reading)  # before anything is read
     ck = Checkpointer(workdir, read_only=True)
     step = step if step is not None else path_step if path_step is not None else ck.latest_step()

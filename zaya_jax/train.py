@@ -7,7 +7,10 @@ its latest checkpoint, data position included, read straight into the sharded ar
 of another model or optimizer is an error that moves nothing; an unreadable newest checkpoint is
 skipped with a warning; if none is readable the run stops with an error).
 
-Fault handling, the one-step-late loss read, and where each part lives: docs/design/trainer.md.
+One run per workdir: the run holds WORKDIR/zaya_jax.lock (zaya_jax/workdir_lock.py). A resume
+says which checkpoint it read and refuses other data or another learning-rate plan unless
+allowed (zaya_jax/resume.py). Fault handling, the one-step-late loss read, and where each part
+lives: docs/design/trainer.md.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import dataclasses
 import functools
 import json
 import os
+import signal
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -24,7 +28,18 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zaya_jax import cli, dry_run, gpu_target, hardware, host_memory, prediction, sizing
+from zaya_jax import (
+    cli,
+    dry_run,
+    fault,
+    gpu_target,
+    hardware,
+    host_memory,
+    prediction,
+    resume,
+    sizing,
+    workdir_lock,
+)
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
 from zaya_jax.cli import UserError
@@ -42,8 +57,8 @@ from zaya_jax.data.ramp import BatchRamp, parse_batch_ramp
 from zaya_jax.events import EventLog
 from zaya_jax.fault import Do, FaultMonitor
 from zaya_jax.metrics import MetricsLogger, to_python
-from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.context import row_devices
+from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.parallel.sharding import shard_batch
 from zaya_jax.pretrained import check_stored_tokenizer, store_tokenizer
@@ -157,6 +172,25 @@ class Trainer:
         tokenizer = self.tokenizer
         self.seq_len, self.steps = c.train.seq_len, c.train.steps
         self.primary = jax.process_index() == 0
+        # Before anything is written into the workdir; the start-up signal exit releases it too.
+        self.lock = _lock_workdir(workdir)
+        self.stop = fault.installed_stop_signals()
+        if self.stop is not None and self.lock is not None:
+            self.stop.on_exit(self.lock.release)
+        try:
+            self._set_up(tokenizer)
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+    def _set_up(self, tokenizer) -> None:
+        """Mesh, train program, data, checkpoints, the state restored or created."""
+        c, workdir = self.c, self.workdir
+        self.seq_len, self.steps = c.train.seq_len, c.train.steps
         self.events = EventLog(workdir, enabled=self.primary)
         self.mesh = mesh_from_config(c)
         check_batch_divides(c, self.mesh.size)
@@ -199,7 +233,7 @@ class Trainer:
         self.spills = _SpillTally()
 
     def run(self) -> dict[str, Any]:
-        self.faults = FaultMonitor(self.c.fault, self.events.write, self.cfg.vocab_size)
+        self.faults = FaultMonitor(self.c.fault, self.events.write, self.cfg.vocab_size, stop=self.stop)
         # Process 0 owns WORKDIR/metrics.jsonl and TensorBoard; the others keep their own record.
         log_dir = (
             self.workdir if self.primary else os.path.join(self.workdir, f"process_{jax.process_index()}")
@@ -217,6 +251,7 @@ class Trainer:
         finally:
             self.faults.close()
             self.ckpt.close()  # waits for the last save; on an error too (no "Event loop is closed")
+            self._release()
         self.summary["skipped_updates"] = self.faults.skipped_updates
         self.summary["final_step"] = int(self.state.step)
         self.summary["train_programs"] = self.program.train_step._cache_size()
@@ -275,8 +310,11 @@ class Trainer:
         new_program = batch.global_batch not in seen
         self.faults.watch(n, known_program=not new_program)
         if new_program:
+            if not seen and self.primary:
+                print("compiling the train step...", flush=True)
             seen.append(batch.global_batch)
         self.state, metrics = self.program.train_step(self.state, batch.batch)
+        self.faults.stop.training()  # compiled: a signal now saves at the next step boundary
         # Where jax runs the step on this thread (host_memory.run_cpu_programs_inline) it has ended:
         # its throughput window closes now, not when its verdict is read after the next step.
         done_at = time.perf_counter() if metrics["loss"].is_ready() else None
@@ -372,8 +410,14 @@ class Trainer:
         self.ckpt.wait()
         signum = self.faults.stop.signum
         self.events.write(step, "sigterm", signal=signum)
-        print(f"signal {signum}: saved step {step}, exiting", flush=True)
+        name = signal.Signals(signum).name
+        print(f"interrupted ({name}): saved step {step}; exit {128 + signum}", flush=True)
         self.summary["stopped_by_signal"] = signum
+
+    def _say(self, *lines: str) -> None:
+        if self.primary:
+            for line in lines:
+                print(line, flush=True)
 
     def _on_corrupt(self, step: int, msg: str) -> None:
         self.events.write(step, "corrupt_checkpoint", error=msg)
@@ -386,17 +430,23 @@ class Trainer:
                 self.abstract_state, on_corrupt=self._on_corrupt, config=self.config_json
             )
             if restored is not None:
-                step, state, data_state, _ = restored
-                self.data.set_state(data_state)
+                step, state, data_state, saved_config = restored
                 path = os.path.join(self.ckpt.directory, str(step))
+                lines = resume.check(saved_config, self.c, step, path)  # nothing written before
+                self._say(f"resumed from step {step} ({path})", *lines)
+                self.data.set_state(data_state)
                 self.events.write(int(state.step), "resume", checkpoint=path)
                 return state
             _refuse_fresh_start_after_quarantine(self.ckpt, self.c)
             if self.c.train.init_from:  # before the fresh state is built
                 _check_init_from(self.c.train.init_from, self.abstract_state, self.config_json)
+            self._say(f"initialising a new model in {self.ckpt.directory}")
             state = self.program.initial_state()
             host_memory.release_freed_memory()  # what compiling the initializer left
-            return _init_from(state, self.c.train.init_from) if self.c.train.init_from else state
+            if self.c.train.init_from:
+                state, source = _init_from(state, self.c.train.init_from)
+                self._say(f"initialised from {source} (params and balancing biases; step 0)")
+            return state
         except BaseException:
             self.ckpt.close()  # a clean shutdown of Orbax's threads, whatever the error
             raise
@@ -404,7 +454,7 @@ class Trainer:
 
 def _checked_inputs(c: ml_collections.ConfigDict, workdir: str):
     """(validated ZayaConfig, data.mixture sources or None, the data's tokenizer), every input
-    checked before anything is built; creates `workdir`."""
+    checked before anything is built (nothing written: the workdir lock creates `workdir`)."""
     cfg = config_lib.validate(c)
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise UserError(f"--workdir {workdir} is a file, not a directory")
@@ -438,6 +488,23 @@ def _check_megatron_tokens(c: ml_collections.ConfigDict, sources, vocab_size: in
         prefix = megatron_prefix(path)
         if prefix is not None:
             check_token_ids(prefix, vocab_size, progress)
+
+
+def _lock_workdir(workdir: str) -> workdir_lock.WorkdirLock | None:
+    """Process 0 takes the workdir's lock for the whole run (zaya_jax/workdir_lock.py); the other
+    processes of the run (one run, several processes) learn its outcome and stop with it."""
+    lock, refused = None, ""
+    if jax.process_index() == 0:
+        try:
+            lock = workdir_lock.acquire(workdir, "train")
+        except UserError as e:
+            refused = str(e)
+    refused = fault.share_from_first("workdir_lock", refused)
+    if refused:
+        if lock is not None:
+            lock.release()
+        raise workdir_lock.WorkdirLocked(refused)
+    return lock
 
 
 def _batch_ramp(c: ml_collections.ConfigDict, devices: int) -> BatchRamp:
@@ -511,16 +578,18 @@ def _refuse_fresh_start_after_quarantine(ckpt: Checkpointer, c: ml_collections.C
         )
 
 
-def _init_from(state: TrainState, directory: str) -> TrainState:
+def _init_from(state: TrainState, directory: str) -> tuple[TrainState, str]:
     """Phase chaining: params and balancing biases from another run's latest checkpoint; optimizer
     state and step start fresh (a new phase has its own schedule). Only those two fields are read,
-    so the source run may have used a different optimizer."""
+    so the source run may have used a different optimizer. Returns the state and the checkpoint
+    directory read."""
     src, step = _init_from_checkpoint(directory)
     try:
         part = src.restore_params(step, abstract_like({"params": state.params, "balancing": state.balancing}))
     finally:
         src.close()
-    return dataclasses.replace(state, params=part["params"], balancing=part["balancing"])
+    source = os.path.join(src.directory, str(step))
+    return dataclasses.replace(state, params=part["params"], balancing=part["balancing"]), source
 
 
 def _check_init_from(directory: str, abstract_state: TrainState, config_json: dict) -> None:
@@ -632,6 +701,7 @@ def main(argv):
     if (FLAGS.dry_run_json or FLAGS.dry_run_hardware) and not FLAGS.dry_run:
         raise app.UsageError("--dry_run_json and --dry_run_hardware go with --dry_run")
     if FLAGS.dry_run and FLAGS.config is not None:  # before jax starts: it picks the simulated devices
+        fault.install_stop_signals("during the dry run; nothing written")
         name = config_flags.get_config_filename(FLAGS["config"])
         report = dry_run.dry_run(
             FLAGS.config,
@@ -647,11 +717,21 @@ def main(argv):
         if report.error:
             raise UserError(report.error)
         return
-    initialize_from_env()
     if FLAGS.config is None or not FLAGS.workdir:
         raise app.UsageError("--config and --workdir are required")
+    fault.install_stop_signals("before the first step; nothing saved")
+    initialize_from_env()
+    if jax.process_index() == 0:
+        devices = jax.devices()
+        print(
+            f"train: {config_flags.get_config_filename(FLAGS['config'])} in {os.path.abspath(FLAGS.workdir)}, "
+            f"{len(devices)} {devices[0].platform} device(s) in {jax.process_count()} process(es)",
+            flush=True,
+        )
     summary = train(FLAGS.config, FLAGS.workdir)
     print(json.dumps({"summary": summary}))
+    signum = summary.get("stopped_by_signal")
+    return None if signum is None else 128 + signum  # saved, but the run did not finish
 
 
 if __name__ == "__main__":
