@@ -419,6 +419,7 @@ def dry_run(
         raise ValueError(
             "--dry_run_fit needs a GPU --dry_run_target (mi300x, h100 or a file): CPU has no device memory"
         )
+    print(f"dry run: compiling the train step of {name or 'the config'} for {n} {target} devices", flush=True)
     if gpu is None:
         devices = simulated_devices(n)  # first: validate's backend check would start jax with 1 device
     else:

@@ -51,6 +51,16 @@ class Pretrained:
     source: str  # "orbax" | "hf"
     step: int | None = None  # the Orbax step restored
     prefix_every_request: bool = True  # False for prefix="none"
+    # train.seq_len of an Orbax checkpoint's saved config; None for an HF directory or step 0
+    # (import_hf's checkpoint, a run's start: no training at that length)
+    trained_seq_len: int | None = None
+
+    def default_window(self) -> tuple[int, str]:
+        """(tokens per row, where that number comes from) when the user names none: the trained
+        sequence length, else the model's max_position_embeddings."""
+        if self.trained_seq_len is not None:
+            return min(self.trained_seq_len, self.cfg.max_position_embeddings), "train.seq_len"
+        return self.cfg.max_position_embeddings, "max_position_embeddings"
 
 
 def is_hf_dir(path: str) -> bool:
@@ -135,13 +145,14 @@ def load_model(
         # our export (zaya_tokenizer.json), or its byte tokenizer.json re-saved by transformers
         stored_byte = not tokenizer and isinstance(tok, ByteTokenizer)
         ours = os.path.isfile(os.path.join(path, CONFIG_FILENAME)) or stored_byte
-        source, step = "hf", None
+        source, step, seq_len = "hf", None, None
     else:
         c, cfg, variables, step = load_checkpoint_variables(path, mesh)
         if overrides:
             cfg = dataclasses.replace(cfg, **overrides)
         tok = load_tokenizer(tokenizer) if tokenizer else checkpoint_tokenizer(c, path)
         ours, source = True, "orbax"
+        seq_len = int(c.train.seq_len) if step else None
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(
             f"tokenizer {tok.name} has {tok.vocab_size} tokens but the model's vocab_size is "
@@ -152,7 +163,8 @@ def load_model(
         raise ValueError(
             f"prefix={prefix!r}: token id {prefix_id} is outside the model's vocabulary ({cfg.vocab_size})"
         )
-    return Pretrained(cfg, variables, tok, prefix_id, source, step, prefix_every_request=prefix != "none")
+    every = prefix != "none"
+    return Pretrained(cfg, variables, tok, prefix_id, source, step, every, trained_seq_len=seq_len)
 
 
 def resolve_prefix(prefix: str | int, tokenizer: Tokenizer, trained_by_us: bool) -> int:

@@ -53,7 +53,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zaya_jax import cli, dry_run, gpu_target, host_memory, sizing
+from zaya_jax import cli, dry_run, gpu_target, host_memory, interrupt, sizing
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
 from zaya_jax.cli import UserError
@@ -591,9 +591,10 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     if FLAGS.dry_run and FLAGS.config is not None:  # before jax starts: it picks the simulated devices
         name = config_flags.get_config_filename(FLAGS["config"])
-        report = dry_run.dry_run(
-            FLAGS.config, FLAGS.dry_run_devices, name, target=FLAGS.dry_run_target, fit=FLAGS.dry_run_fit
-        )
+        with interrupt.handled("the dry run", mode="raise"):  # within seconds, during a compile too
+            report = dry_run.dry_run(
+                FLAGS.config, FLAGS.dry_run_devices, name, target=FLAGS.dry_run_target, fit=FLAGS.dry_run_fit
+            )
         print(report.text, flush=True)
         if report.error:
             raise UserError(report.error)

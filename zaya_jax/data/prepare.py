@@ -29,6 +29,7 @@ place at the end, so an interrupted run never leaves a directory that looks comp
 
 from __future__ import annotations
 
+import argparse
 import codecs
 import dataclasses
 import gzip
@@ -46,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zaya_jax import cli
+from zaya_jax import cli, interrupt
 from zaya_jax.data import is_eval_document
 from zaya_jax.tokenizer import Tokenizer, load_tokenizer
 
@@ -517,22 +518,30 @@ def arg_parser() -> cli.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = arg_parser().parse_args(argv)
     try:
-        meta = prepare_dataset(
-            args.input,
-            args.out,
-            tokenizer=args.tokenizer,
-            eval_fraction=args.eval_fraction,
-            split_seed=args.split_seed,
-            shard_tokens=args.shard_tokens,
-            doc_separator=args.doc_separator,
-            text_field=args.text_field,
-            overwrite=args.overwrite,
-        )
+        # a signal raises at once: prepare_dataset removes its unfinished temporary directory
+        with interrupt.handled("prepare", mode="raise", kept=lambda: f"nothing written to {args.out}"):
+            meta = _prepare(args)
+    except interrupt.Interrupted as e:
+        raise interrupt.Interrupted(e.signum, f"nothing written to {args.out}") from None
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(_format_summary(Path(args.out), meta))
     return 0
+
+
+def _prepare(args: argparse.Namespace) -> dict:
+    return prepare_dataset(
+        args.input,
+        args.out,
+        tokenizer=args.tokenizer,
+        eval_fraction=args.eval_fraction,
+        split_seed=args.split_seed,
+        shard_tokens=args.shard_tokens,
+        doc_separator=args.doc_separator,
+        text_field=args.text_field,
+        overwrite=args.overwrite,
+    )
 
 
 if __name__ == "__main__":
