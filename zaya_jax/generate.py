@@ -20,7 +20,11 @@ per bucket rather than one per length.
 
 The checkpoint is an Orbax training checkpoint or an HF directory (zaya_jax.pretrained.load_model);
 each prompt is encoded after the model's prefix token (the document boundary it was trained with).
-Prompts are generated --batch-size at a time; --out writes one JSON line per prompt.
+A prompt + --max-new-tokens beyond the model's max_position_embeddings is refused before anything
+runs. Prompts are generated --batch-size at a time, decoded in chunks of about CHUNK_S seconds: a
+batch of one prompt is printed as it grows, and each batch's completions are printed and appended to
+--out (one JSON line per prompt) when it ends. SIGINT / SIGTERM stop at the next chunk (exit 130 /
+143, one line): the batch under way is written as far as it got, with `"interrupted": true`.
 """
 
 from __future__ import annotations

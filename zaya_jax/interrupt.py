@@ -23,6 +23,7 @@ the same way.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import select
 import signal
@@ -55,6 +56,8 @@ class Interrupted(BaseException):
 
 class _State:
     signum: int | None = None
+    again: bool = False  # raise Interrupted again: the last one was dropped (`_raise_again`)
+    resent: int = 0  # signals `_raise_again` sent, which the watchdog does not count
     command: str = ""
     kept: Callable[[], str] | None = None
 
@@ -101,9 +104,23 @@ def _watchdog(sock: socket.socket, grace_s: float, stop: threading.Event) -> Non
         for signum in sock.recv(64):
             if signum not in SIGNALS:
                 continue
+            if _state.resent:  # `_raise_again`'s own signal
+                _state.resent -= 1
+                continue
             if first is not None:
                 _force_exit(signum, "a second signal")
             first = time.monotonic()
+
+
+def _raise_again(hook, unraisable) -> None:
+    """sys.unraisablehook: an Interrupted raised where Python drops exceptions (a gc callback, a
+    __del__) is raised again at the next line, through the signal handler, and not printed."""
+    if not isinstance(unraisable.exc_value, Interrupted):
+        hook(unraisable)
+        return
+    _state.again = True
+    _state.resent += 1
+    signal.pthread_kill(threading.main_thread().ident, unraisable.exc_value.signum)
 
 
 @contextlib.contextmanager
@@ -119,8 +136,8 @@ def handled(
         return
 
     def on_signal(signum, _frame):
-        if _state.signum is None:
-            _state.signum = signum
+        if _state.signum is None or _state.again:
+            _state.signum, _state.again = signum, False
             if mode == "raise":
                 raise Interrupted(signum)
 
@@ -129,7 +146,8 @@ def handled(
     stop = threading.Event()
     previous = {s: signal.signal(s, on_signal) for s in SIGNALS}
     old_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-    _state.signum, _state.command, _state.kept = None, command, kept
+    _state.signum, _state.command, _state.kept, _state.again, _state.resent = None, command, kept, False, 0
+    old_hook, sys.unraisablehook = sys.unraisablehook, functools.partial(_raise_again, sys.unraisablehook)
     watchdog = threading.Thread(target=_watchdog, args=(reader, grace_s, stop), daemon=True)
     watchdog.start()
     try:
@@ -142,6 +160,7 @@ def handled(
         if _state.signum is None:
             stop.set()
             signal.set_wakeup_fd(old_fd)
+            sys.unraisablehook = old_hook
             for s, handler in previous.items():
                 signal.signal(s, handler)
             with contextlib.suppress(OSError):
