@@ -181,3 +181,37 @@ def test_dry_run_stops_on_sigint_during_its_compile(tmp_path):
         "interrupted by SIGINT",
         f"interrupted by SIGINT: the dry run still running {interrupt.GRACE_S:g} s later",
     ), lines
+
+
+GC_CALLBACK = """
+import gc, os, signal, time
+from zaya_jax import cli, interrupt
+
+calls = []
+
+def signal_in_gc(phase, info):  # the 5th collection gets the signal, in this callback
+    calls.append(phase)
+    if len(calls) == 10:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # the handler runs here; Python drops what it raises
+
+def main():
+    gc.callbacks.append(signal_in_gc)
+    with interrupt.handled("the loop", mode="raise"):
+        while True:
+            time.sleep(0.01)
+            gc.collect(0)
+
+cli.run(main)
+"""
+
+
+def test_a_signal_caught_in_a_gc_callback_still_stops_the_command():
+    """Raised inside a gc callback (as jax's XLA one), an Interrupted is dropped by Python: it is
+    raised again in the command's own code, at once, and nothing else is printed."""
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", GC_CALLBACK], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=60
+    )
+    assert proc.returncode == 143 and proc.stderr == "interrupted by SIGTERM\n", proc.stderr[-3000:]
+    assert time.monotonic() - t0 < interrupt.GRACE_S + 5  # not the watchdog's forced exit

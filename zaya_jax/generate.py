@@ -426,19 +426,23 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
 
     logging.set_verbosity(logging.WARNING)
     prefix = "auto" if args.prefix == "none" else args.prefix
-    m = load_model(args.checkpoint, tokenizer=args.tokenizer, prefix=prefix)
-    encoded = [m.tokenizer.encode(t) for t in texts]
-    if args.prefix != "none":
-        encoded = [[m.prefix_id, *p] for p in encoded]
-    check_sizes(encoded, args.max_new_tokens, m.cfg.max_position_embeddings)
-    out = _Output(m.tokenizer, args.out)
+    out: _Output | None = None
+    kept = lambda: out.kept(len(texts)) if out is not None else ""
     try:
-        with interrupt.handled("generate", kept=lambda: out.kept(len(texts))):
-            _generate_batches(m, args, texts, encoded, out)
+        with interrupt.handled("generate", mode="raise", kept=kept):  # the load: stop at once
+            m = load_model(args.checkpoint, tokenizer=args.tokenizer, prefix=prefix)
+            encoded = [m.tokenizer.encode(t) for t in texts]
+            if args.prefix != "none":
+                encoded = [[m.prefix_id, *p] for p in encoded]
+            check_sizes(encoded, args.max_new_tokens, m.cfg.max_position_embeddings)
+            out = _Output(m.tokenizer, args.out)
+            with interrupt.polling():  # decoding: stop between chunks, the rows consistent
+                _generate_batches(m, args, texts, encoded, out)
     except interrupt.Interrupted as e:
-        raise interrupt.Interrupted(e.signum, out.kept(len(texts))) from None
+        raise interrupt.Interrupted(e.signum, kept()) from None
     finally:
-        out.close()
+        if out is not None:
+            out.close()
     return out.texts
 
 

@@ -36,6 +36,7 @@ from typing import NoReturn
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 GRACE_S = 3.0  # from the first signal to the watchdog's forced exit
+RESEND = 255  # a byte to the watchdog: send the signal again (not a signal number)
 
 
 class Interrupted(BaseException):
@@ -56,8 +57,10 @@ class Interrupted(BaseException):
 
 class _State:
     signum: int | None = None
+    mode: str = "poll"
     again: bool = False  # raise Interrupted again: the last one was dropped (`_raise_again`)
-    resent: int = 0  # signals `_raise_again` sent, which the watchdog does not count
+    resent: int = 0  # signals the watchdog sent again itself, which it does not count
+    wake: socket.socket | None = None  # the watchdog's socket
     command: str = ""
     kept: Callable[[], str] | None = None
 
@@ -102,14 +105,30 @@ def _watchdog(sock: socket.socket, grace_s: float, stop: threading.Event) -> Non
         if not ready:  # the grace period ran out
             _force_exit(_state.signum or signal.SIGINT, f"{_state.command} still running {grace_s:g} s later")
         for signum in sock.recv(64):
+            if signum == RESEND and _state.signum is not None:
+                time.sleep(0.05)  # `_raise_again` has returned: the handler raises in the code
+                _state.resent += 1
+                signal.pthread_kill(threading.main_thread().ident, _state.signum)
             if signum not in SIGNALS:
                 continue
-            if _state.resent:  # `_raise_again`'s own signal
+            if _state.resent:  # the one sent again just above
                 _state.resent -= 1
                 continue
             if first is not None:
                 _force_exit(signum, "a second signal")
             first = time.monotonic()
+
+
+@contextlib.contextmanager
+def polling() -> Iterator[None]:
+    """Inside `handled(mode="raise")`: mode "poll" for a block whose loop calls `check()` (it then
+    stops where its results are consistent); a signal that came in it raises at its end."""
+    mode, _state.mode = _state.mode, "poll"
+    try:
+        yield
+    finally:
+        _state.mode = mode
+    check()
 
 
 def _raise_again(hook, unraisable) -> None:
@@ -119,8 +138,8 @@ def _raise_again(hook, unraisable) -> None:
         hook(unraisable)
         return
     _state.again = True
-    _state.resent += 1
-    signal.pthread_kill(threading.main_thread().ident, unraisable.exc_value.signum)
+    with contextlib.suppress(OSError):  # the watchdog sends the signal again, once this returned
+        _state.wake.send(bytes([RESEND]))
 
 
 @contextlib.contextmanager
@@ -138,7 +157,7 @@ def handled(
     def on_signal(signum, _frame):
         if _state.signum is None or _state.again:
             _state.signum, _state.again = signum, False
-            if mode == "raise":
+            if _state.mode == "raise":
                 raise Interrupted(signum)
 
     reader, writer = socket.socketpair()
@@ -147,6 +166,7 @@ def handled(
     previous = {s: signal.signal(s, on_signal) for s in SIGNALS}
     old_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
     _state.signum, _state.command, _state.kept, _state.again, _state.resent = None, command, kept, False, 0
+    _state.mode, _state.wake = mode, writer
     old_hook, sys.unraisablehook = sys.unraisablehook, functools.partial(_raise_again, sys.unraisablehook)
     watchdog = threading.Thread(target=_watchdog, args=(reader, grace_s, stop), daemon=True)
     watchdog.start()
