@@ -120,7 +120,7 @@ def human_bytes(b: float) -> str:
     return f"{int(b)} B"
 
 
-# ------------------------------------------------------------------ expert exchange (issue 17)
+# ------------------------------------------------------------------ expert exchange
 def all_to_all_bytes(hlo: str) -> tuple[int, int]:
     """(main path, spill) all-to-all bytes per call of a compiled per-device HLO module.
 
@@ -139,14 +139,14 @@ def all_to_all_bytes(hlo: str) -> tuple[int, int]:
 
 def ideal_exchange_bytes(tokens_per_device: int, hidden: int, itemsize: int) -> int:
     """Dispatch + combine, forward + backward, of exactly the tokens a device holds: 4 x T x d x
-    itemsize per MoE block (the target of issue 17)."""
+    itemsize per MoE block (the exchange's target)."""
     return 4 * tokens_per_device * hidden * itemsize
 
 
 def expert_exchange(c, factors: Sequence[float], devices: Sequence[Any]) -> list[dict[str, Any]]:
     """All-to-all bytes per MoE block of config `c`'s compiled train step on `devices`, for each
-    dropless exchange capacity factor (a factor of mesh.expert or more is the C = T exchange that
-    main had before issue 17), against the ideal 4 x T x d x itemsize."""
+    dropless exchange capacity factor (a factor of mesh.expert or more is the C = T exchange, every
+    token's slot sent to every peer), against the ideal 4 x T x d x itemsize."""
     import jax.numpy as jnp
 
     from zaya_jax.dry_run import compile_step

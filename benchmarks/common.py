@@ -57,8 +57,8 @@ VECTOR_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")  # what moves a CP
 
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> dict[str, Any]:
     """The CPU's model name and which of VECTOR_FLAGS it has: two machines with the same core count
-    can differ 2-3x in matmul speed (benchmarks/README.md: 140-217 against 477 GFLOP/s fp32), so
-    every report says which one it ran on."""
+    can differ 2-3x in matmul speed (docs/performance.md: 315 against 477 GFLOP/s fp32), so every
+    report says which one it ran on."""
     try:
         with open(cpuinfo) as f:
             first = f.read().split("\n\n")[0]  # the first processor's block

@@ -5,8 +5,7 @@ round trip is well under a millisecond).
     side.run(n); side.loss(); side.close()                           # close: the child's peak RSS
 
 Why a process each: in one process with jax (its compiled programs, buffers and thread pool) torch's
-CPU step ran 10-15% slower than alone (benchmarks/README.md, "Page faults"), which flattered every
-ratio; and a process' peak RSS is only a side's own when the side is alone in it. `env` is set in the
+CPU step ran 10-15% slower than alone, which flattered every ratio; and a process' peak RSS is only a side's own when the side is alone in it. `env` is set in the
 child before anything reads it (OMP_WAIT_POLICY for torch).
 
 How the child starts follows what the side imports:

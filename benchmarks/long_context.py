@@ -1,4 +1,4 @@
-"""Attention at long sequences (issue 27): forward + backward of a model's loss with
+"""Attention at long sequences: forward + backward of a model's loss with
 attention_impl "xla" (the dense [S, T] softmax) against "blockwise" (kernels/blockwise_attention.py),
 by sequence length, each (impl, length) in a fresh process.
 
@@ -11,7 +11,7 @@ peak RSS (getrusage maxrss, compile included). The loss is the mean token cross-
 batch [B, S] with the config's model (no optimizer). A length that fails (out of memory) is a row
 with its error. `--block N` sets blockwise's block_q = block_k (default: the table's,
 zaya_jax/kernels/block_sizes.py) in the measuring processes. The measurement behind attention_impl="auto"'s BLOCKWISE_AUTO_MIN_SEQ
-(zaya_jax/kernels/block_sizes.py; benchmarks/README.md "Long context").
+(zaya_jax/kernels/block_sizes.py; numbers: docs/performance.md).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Both sides orthogonalise the same matrices (the report checks their FLOPs agree)
 its own spawned process, torch with its own defaults (threads, OMP_WAIT_POLICY unset), one at a time,
 the order flipped every repeat; a side's time is the median of `--iters` timed calls after one
 untimed call; the report takes the median over repeats. It tells how much of a train step is the
-optimizer on each side (benchmarks/README.md, issue 28).
+optimizer on each side (benchmarks/README.md; numbers: docs/performance.md).
 """
 
 from __future__ import annotations

@@ -22,14 +22,15 @@ ENV = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
 ENV.pop("ZAYA_DEBUG", None)
 
 
-def run_cli(module, *args, env=None):
+def run_cli(module, *args, env=None, cwd=ROOT, umask=-1):
     proc = subprocess.run(
         [sys.executable, "-m", f"zaya_jax.{module}", *map(str, args)],
         capture_output=True,
         text=True,
-        cwd=ROOT,
+        cwd=cwd,
         timeout=300,
         env={**ENV, **(env or {})},
+        umask=umask,
     )
     return proc
 
@@ -47,15 +48,16 @@ def assert_one_line_error(proc, *names):
 
 
 def tree_digest(path):
-    """{relative path: sha256 of the file, or 'dir'} of everything under `path`."""
+    """{relative path: (mode, sha256 of the file or 'dir')} of everything under `path`."""
     out = {}
     for root, dirs, files in os.walk(path):
         for d in dirs:
-            out[os.path.relpath(os.path.join(root, d), path)] = "dir"
+            p = os.path.join(root, d)
+            out[os.path.relpath(p, path)] = (os.lstat(p).st_mode, "dir")
         for f in files:
             p = os.path.join(root, f)
             with open(p, "rb") as fh:
-                out[os.path.relpath(p, path)] = hashlib.sha256(fh.read()).hexdigest()
+                out[os.path.relpath(p, path)] = (os.lstat(p).st_mode, hashlib.sha256(fh.read()).hexdigest())
     return out
 
 
@@ -188,7 +190,7 @@ def test_all_checkpoints_quarantined_refuses_a_fresh_start(trained, tmp_path):
     "module, args, names",
     [
         ("export", ["--checkpoint", "{w}/checkpoints/999", "--out", "{tmp}/hf"], ["{w}/checkpoints", "999"]),
-        ("reshard", ["--src", "{w}", "--dst", "{w}"], ["{w}/checkpoints/6", "already exists"]),
+        ("reshard", ["--src", "{w}", "--dst", "{w}"], ["--dst {w} is the workdir of --src {w}"]),
         ("evaluate", ["--checkpoint", "{w}", "--data", "{tmp}/missing.txt"], ["{tmp}/missing.txt"]),
         ("generate", ["--checkpoint", "{w}", "--prompt", "Hi", "--batch-size", "0"], ["--batch-size"]),
         ("generate", ["--checkpoint", "{w}", "--prompts-file", "{tmp}/none.txt"], ["{tmp}/none.txt"]),
@@ -235,6 +237,89 @@ def test_evaluate_and_lm_eval_windows_default_to_the_trained_seq_len(trained, tm
 
 
 # ---------------------------------------------------------------------------------------------
+# export, reshard, import_hf and prepare never write over what the user has
+
+
+def _user_dirs(tmp_path):
+    """Beside the run: a directory of the user's (a file of mode 0o640 in it) and a file."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    os.chmod(mine / "notes.txt", 0o640)
+    (tmp_path / "notes.txt").write_text("keep")
+
+
+OVER = "write to a directory outside it (--overwrite never replaces what is being read)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "module, args, cwd, names",
+    [
+        ("export", "--checkpoint {w} --out {w}", None, ["--out {w} is the workdir of", OVER]),
+        ("export", "--checkpoint {w} --out {w} --overwrite", None, ["--out {w} is the", OVER]),
+        ("export", "--checkpoint {w} --out {tmp}", None, ["--out {tmp} contains the workdir", OVER]),
+        ("export", "--checkpoint {w} --out {tmp}/mine", None, ["{tmp}/mine is a directory", "--overwrite"]),
+        (
+            "export",
+            "--checkpoint {w} --out {tmp}/notes.txt",
+            None,
+            ["{tmp}/notes.txt is a file", "--overwrite"],
+        ),
+        ("export", "--checkpoint {w} --out .", "{tmp}/mine", ["--out . is the current directory"]),
+        ("export", "--checkpoint {w} --out . --overwrite", "{tmp}/mine", ["--out . is the current"]),
+        ("export", "--checkpoint . --out .", "{w}", ["--out . is the workdir of --checkpoint", OVER]),
+        ("export", "--checkpoint {w}/checkpoints/6 --out {w}/checkpoints/6/hf", None, ["is inside", OVER]),
+        (
+            "export",
+            "--checkpoint {w} --out {w}/checkpoints/3 --overwrite",
+            None,
+            ["/checkpoints/3 is inside"],
+        ),
+        ("reshard", "--src {w}/checkpoints/3 --dst {tmp} --overwrite", None, ["--dst {tmp} contains", OVER]),
+        ("reshard", "--src {w} --dst {tmp}/mine", None, ["--dst {tmp}/mine is a directory", "--overwrite"]),
+        ("import_hf", "--hf {w} --out {w} --overwrite", None, ["--out {w} is --hf {w}", OVER]),
+        ("import_hf", "--hf {w} --out {tmp}/mine", None, ["--out {tmp}/mine is a directory", "--overwrite"]),
+        ("import_hf", "--hf {w} --out {tmp}/notes.txt", None, ["{tmp}/notes.txt is a file", "--overwrite"]),
+    ],
+)
+def test_an_output_never_replaces_what_the_user_has(trained, tmp_path, module, args, cwd, names):
+    """Each refused before anything is read, in one line naming the path and the remedy; nothing under
+    tmp_path (the run, its parent, the user's directory and file) changes, modes included."""
+    w = copy_run(trained, tmp_path)
+    _user_dirs(tmp_path)
+    fill = lambda s: s.format(w=w, tmp=tmp_path)
+    before = tree_digest(tmp_path)
+    proc = run_cli(module, *map(fill, args.split()), cwd=fill(cwd) if cwd else ROOT)
+    assert_one_line_error(proc, *map(fill, names))
+    assert tree_digest(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_export_overwrite_empty_dir_and_umask(trained, tmp_path):
+    """--overwrite replaces an unrelated non-empty directory, an empty directory is written into,
+    and what export creates (new parents included) follows the umask; the run is never touched."""
+    _user_dirs(tmp_path)
+    run_before = tree_digest(trained)
+    proc = run_cli("export", "--checkpoint", trained, "--out", tmp_path / "mine", "--overwrite")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hf_files = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                "tokenizer_config.json", "zaya_tokenizer.json"]  # fmt: skip
+    assert sorted(os.listdir(tmp_path / "mine")) == hf_files
+    (tmp_path / "empty").mkdir()
+    proc = run_cli("export", "--checkpoint", trained, "--out", tmp_path / "empty")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "empty")) == hf_files
+    proc = run_cli("export", "--checkpoint", trained, "--out", tmp_path / "new" / "hf", umask=0o027)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for d in (tmp_path / "new", tmp_path / "new" / "hf"):
+        assert oct(os.stat(d).st_mode & 0o777) == oct(0o750), d
+    assert {oct(os.stat(f).st_mode & 0o777) for f in (tmp_path / "new" / "hf").iterdir()} == {oct(0o640)}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "mine", "new", "notes.txt"]  # no temp dirs
+    assert tree_digest(trained) == run_before
+
+
+# ---------------------------------------------------------------------------------------------
 # the other CLIs, without a run
 
 
@@ -265,9 +350,35 @@ def test_prepare_bad_inputs(tmp_path):
     )
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "mine.txt").write_text("keep")
+    before = tree_digest(tmp_path)
     assert_one_line_error(run_cli("data.prepare", "--input", good, "--out", tmp_path / "d"), "--overwrite")
+    assert_one_line_error(run_cli("data.prepare", "--input", good, "--out", good), f"--out {good} is --input")
+    assert_one_line_error(
+        run_cli("data.prepare", "--input", good, "--out", ".", cwd=tmp_path / "d"), "--out . is the current"
+    )
+    assert_one_line_error(  # the directory holding an input, even with --overwrite
+        run_cli("data.prepare", "--input", "a.txt", "--out", ".", "--overwrite", cwd=tmp_path),
+        "--out . contains --input a.txt",
+    )
+    assert tree_digest(tmp_path) == before
     assert os.listdir(tmp_path / "d") == ["mine.txt"]
     assert_one_line_error(run_cli("data.prepare", "--out", tmp_path / "d"), "--input")
+
+
+def test_prepare_overwrite_and_umask(tmp_path):
+    """--overwrite replaces an unrelated file; a new dataset directory follows the umask."""
+    good = tmp_path / "a.txt"
+    good.write_text("some text " * 100)
+    (tmp_path / "f").write_text("mine")
+    proc = run_cli("data.prepare", "--input", good, "--out", tmp_path / "f", "--overwrite")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "f" / "meta.json").is_file()
+    proc = run_cli("data.prepare", "--input", good, "--out", tmp_path / "new" / "d", umask=0o027)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    made = [tmp_path / "new", tmp_path / "new" / "d", *(tmp_path / "new" / "d").rglob("*")]
+    assert {oct(os.stat(p).st_mode & 0o777) for p in made if p.is_dir()} == {oct(0o750)}
+    assert {oct(os.stat(p).st_mode & 0o777) for p in made if p.is_file()} == {oct(0o640)}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "f", "new"]  # no temp dirs left
 
 
 def test_prepare_one_text_file_gets_an_eval_split(tmp_path):

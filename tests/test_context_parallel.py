@@ -384,9 +384,8 @@ def test_cli_trains_with_a_context_axis(tmp_path):
     """`python -m zaya_jax.train` on 8 devices with data=4 x context=2 and batch 4 (one sequence per
     data rank, split over two context ranks), and in the zigzag layout on data=2 x context=4, trains,
     evaluates and checkpoints with the losses of the same run on 4 devices without a context axis.
-    The batch ramp's check divided by all 8 devices and stopped the first at start-up (issue 27 item
-    5); its eval.batch_size 2 is rounded up to the 4 row devices (the first evaluation failed to
-    shard it), as on data=4."""
+    The batch checks (batch size, ramp) divide by the devices that split rows (8 / context), and
+    eval.batch_size 2 is rounded up to the 4 row devices, as on data=4."""
     args = ["--config.train.steps=3", "--config.train.batch_size=4", "--config.eval.batch_size=2"]
     run_train(tmp_path / "c2", *args, "--config.mesh.context=2", "--config.mesh.data=4", devices=8)
     run_train(tmp_path / "c1", *args, "--config.mesh.data=4", devices=4)

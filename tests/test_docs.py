@@ -7,6 +7,8 @@
   section in docs/model.md, under the same number, so rewriting "SPEC §N" to "docs/model.md §N"
   keeps every reference true.
 - Inside docs/, citations "model.md §N" and links to other docs files resolve.
+- In docs/ and every README, a relative link resolves to a file, and its #anchor to a heading there.
+- README.md stays a front door (<= 150 lines) and benchmarks/README.md a manual (<= 600 lines).
 """
 
 from __future__ import annotations
@@ -99,6 +101,44 @@ def docs_problems(root: pathlib.Path) -> list[str]:
     return problems
 
 
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(doc: pathlib.Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.MULTILINE | re.DOTALL)
+    return {anchor(h) for h in re.findall(r"^#{1,6}\s+(.+)$", text, re.MULTILINE)}
+
+
+def link_problems(root: pathlib.Path) -> list[str]:
+    """Relative links of docs/ and the READMEs whose file or #anchor does not exist, one line each."""
+    problems = []
+    files = sorted((root / "docs").rglob("*.md")) + sorted(root.glob("*.md")) + sorted(root.glob("*/README.md"))
+    for path in files:
+        text = path.read_text()
+        for m in re.finditer(r"\]\(([^)\s]*)\)", text):
+            target, _, frag = m.group(1).partition("#")
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            dest = (path.parent / target) if target else path
+            if not dest.exists():
+                problems.append(f"{_where(path, root, text, m.start())}: link to {m.group(1)} does not resolve")
+            elif frag and dest.suffix == ".md" and frag not in anchors(dest):
+                problems.append(f"{_where(path, root, text, m.start())}: {dest.name} has no heading #{frag}")
+    return problems
+
+
+def test_links_resolve():
+    problems = link_problems(REPO)
+    assert not problems, "\n".join(problems)
+
+
+def test_readmes_stay_short():
+    lines = {p: len((REPO / p).read_text().splitlines()) for p in ("README.md", "benchmarks/README.md")}
+    assert lines["README.md"] <= 150 and lines["benchmarks/README.md"] <= 600, lines
+
+
 def test_code_references_to_docs_resolve():
     problems = code_problems(REPO)
     assert not problems, "\n".join(problems)
@@ -137,3 +177,9 @@ def test_broken_references_are_caught(tmp_path):
         "zaya_jax/a.py:3: SPEC §2.1.5 is not a section of docs/model.md",
     ]
     assert docs_problems(tmp_path) == ["docs/model.md:7: link to gone.md does not resolve"]
+    (tmp_path / "README.md").write_text("[m](docs/model.md#1-sizes) [p](docs/model.md#gone) [q](nothere.md)\n")
+    assert link_problems(tmp_path) == [
+        "docs/model.md:7: link to gone.md does not resolve",
+        "README.md:1: model.md has no heading #gone",
+        "README.md:1: link to nothere.md does not resolve",
+    ]

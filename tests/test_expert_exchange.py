@@ -238,8 +238,8 @@ def test_train_step_all_to_all_bytes_near_ideal(tmp_path, capsys):
     slots per peer (1.5 x T/n, rounded to 8) each way, forward and backward, i.e. 1.5x the ideal
     plus one byte per slot for the expert ids: 4 exchanges, as without remat (the backward reuses
     what the forward received). The spill (in the cond) has T - C = 40 slots and is replayed
-    when taken (6 exchanges: its outputs are not kept). The C = T exchange (factor 4 = n, main
-    before issue 17) moves 4x the ideal."""
+    when taken (6 exchanges: its outputs are not kept). The C = T exchange (factor 4 = n, every
+    token's slot to every peer) moves 4x the ideal."""
     (tmp_path / "exchange.py").write_text(EXCHANGE_CONFIG)
     argv = ["--expert-exchange", str(tmp_path / "exchange.py"), "--exchange-mesh", "2,1,4"]
     rows = collectives.main([*argv, "--out", str(tmp_path)])["results"]

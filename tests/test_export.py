@@ -162,7 +162,10 @@ def test_transformers_generate_with_exported_tokenizer_matches_ours(trained, tmp
 @pytest.mark.slow
 def test_import_hf_then_init_from(trained, tmp_path):
     export(str(trained), str(tmp_path / "hf"), dtype="float32")
-    info = import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"), tiny_config())
+    (tmp_path / "imported").mkdir()
+    (tmp_path / "imported" / "old.txt").write_text("replaced")
+    info = import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"), tiny_config(), overwrite=True)
+    assert not (tmp_path / "imported" / "old.txt").exists()
     assert info["step"] == 0 and info["tokenizer"] == "byte"
     # the tokenizer files come back: exporting the imported checkpoint writes the same ones
     export(str(tmp_path / "imported"), str(tmp_path / "hf2"), dtype="float32")

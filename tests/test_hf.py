@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_reference import Case, hf_logits, random_case, random_hf_model, random_inputs
 from zaya_jax import hf, model
+from zaya_jax.cli import UserError
 from zaya_jax.hf import names
 from zaya_jax.hf.safetensors_io import SafetensorsError, write_file
 
@@ -156,6 +157,13 @@ def test_round_trip_is_exact_and_loads_in_transformers(tmp_path):
     reloaded, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "dst"), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert type(reloaded).__name__ == "ZayaForCausalLM"
+    # a non-empty directory is replaced only with overwrite=True
+    written = (tmp_path / "dst/model.safetensors").read_bytes()
+    with pytest.raises(UserError, match="is a directory that is not empty.*overwrite=True"):
+        hf.save_pretrained(cfg, variables, str(tmp_path / "dst"), dtype="bfloat16")
+    assert (tmp_path / "dst/model.safetensors").read_bytes() == written
+    hf.save_pretrained(cfg, variables, str(tmp_path / "dst"), dtype="bfloat16", overwrite=True)
+    assert (tmp_path / "dst/model.safetensors").read_bytes() != written
 
 
 def test_bf16_sharded_export_loads_in_transformers(tmp_path):

@@ -41,6 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "zaya_jax.xla_flags",
             "zaya_jax.gpu_target",
             "zaya_jax.gpu_plugins",
+            "zaya_jax.output_dir",
         ),
     ),
     ("kernels", ("zaya_jax.kernels",)),
@@ -72,7 +73,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "zaya_jax.lm_eval",
         ),
     ),
-    ("trainer", ("zaya_jax.train", "zaya_jax.trainer", "zaya_jax.train_eval")),
+    ("trainer", ("zaya_jax.train", "zaya_jax.train_eval")),
 )
 
 # (importer, imported, why it is allowed for now). Each is an upward import or an edge of a cycle

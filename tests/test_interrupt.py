@@ -46,6 +46,7 @@ class Running:
             text=True,
             cwd=ROOT,
             env=env or ENV,
+            start_new_session=True,  # its own process group (the prepare test signals all of it)
         )
         self.out, self.err = [], []
         for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
@@ -82,11 +83,14 @@ class Running:
         return code, seconds, lines
 
 
-def assert_interrupted(result, signum: int, kept: str = "") -> None:
+def assert_interrupted(result, signum: int, kept: str = "", after: str | None = None) -> None:
+    """Exit 128 + signum within STOP_S and the one line; before it only lines starting with
+    `after` (a command's progress lines), no traceback."""
     code, seconds, lines = result
     name = signal.Signals(signum).name
     assert code == 128 + signum and seconds < STOP_S, (code, seconds, lines[-20:])
-    assert lines == [f"interrupted by {name}" + (f": {kept}" if kept else "")], lines
+    assert lines[-1:] == [f"interrupted by {name}" + (f": {kept}" if kept else "")], lines
+    assert all(after and line.startswith(after) for line in lines[:-1]), lines
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,12 +161,14 @@ def test_prepare_stops_on_a_signal_and_leaves_nothing(tmp_path, signum):
     src.write_text((row + "\n") * 120_000)
     parent = tmp_path / "data"
     parent.mkdir()
-    run = Running("data.prepare", "--input", src, "--out", parent / "ds")
+    run = Running("data.prepare", "--input", src, "--out", parent / "ds", "--workers", 2)
     deadline = time.monotonic() + 120
     while not os.listdir(parent):  # the temporary directory: tokenising has begun
         assert run.proc.poll() is None and time.monotonic() < deadline, "".join(run.err)[-3000:]
         time.sleep(0.05)
-    assert_interrupted(run.stop(signum), signum, f"nothing written to {parent / 'ds'}")
+    if signum == signal.SIGINT:  # to the process group, as a terminal's Ctrl-C: the workers get it too
+        run.proc.send_signal = lambda s: os.killpg(os.getpgid(run.proc.pid), s)
+    assert_interrupted(run.stop(signum), signum, f"nothing written to {parent / 'ds'}", after="prepare: ")
     assert os.listdir(parent) == []
 
 

@@ -298,8 +298,7 @@ def test_xla_attention_matches_per_head_reference():
 def test_xla_attention_keeps_only_the_probabilities_for_the_backward():
     """The hand-written backward's residuals: q, k, v, the [b, s, t] mask and one [b, k, m, t]
     tensor, the probabilities. Autodiff of the softmax kept three (masked logits, exponentials,
-    probabilities) and a broadcast mask, and XLA kept more still: 191 -> 159 MB of tiny's train
-    step temporaries (benchmarks/README.md, "Peak memory")."""
+    probabilities) and a broadcast mask, and XLA kept more still (docs/design/host-memory.md)."""
     from jax._src.ad_checkpoint import saved_residuals
 
     b, s, nq, nkv, hd = 2, 16, 4, 2, 8

@@ -66,8 +66,11 @@ def test_reshard_to_other_meshes(tmp_path):
         for s in got:
             assert abs(got[s] - ref_losses[s]) < 1e-5, (name, s, got[s], ref_losses[s])
 
-    # One device: the CLI, then training resumed from the resharded checkpoint, in a subprocess.
+    # One device: the CLI (replacing an unrelated directory), then training resumed from the
+    # resharded checkpoint, in a subprocess.
     one = tmp_path / "one"
+    one.mkdir()
+    (one / "old.txt").write_text("replaced by --overwrite")
     env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
     subprocess.run(
         [
@@ -80,6 +83,7 @@ def test_reshard_to_other_meshes(tmp_path):
             str(one),
             "--config.mesh.data=1",
             "--config.mesh.expert=1",
+            "--overwrite",
         ],
         check=True,
         cwd=ROOT,
@@ -94,6 +98,7 @@ def test_reshard_to_other_meshes(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (one / "old.txt").exists()
     saved = np.load(tmp_path / "one.npz")
     for i, a in enumerate(jax.tree.leaves(ref_params)):
         np.testing.assert_array_equal(a, saved[f"arr_{i}"])

@@ -1,40 +1,6 @@
 """Aux-loss-free load balancing of the ZAYA1 router (docs/model.md §2.2.4).
 
-Each block's router picks ``argmax(stop_gradient(p) + balancing_biases)``; the biases [E+1] change
-*which* class wins, never the routing weight, and get no gradient from the loss. After every
-training step they are moved by a separate AdamW step whose "gradient" for routed expert e is
-
-    g_e = f_e - 1/E,        f_e = count_e / (tokens of that block in the GLOBAL batch)
-
-so an overloaded expert (f_e > 1/E) gets a positive gradient and its bias goes *down*, an
-underloaded one goes up. Adam normalises g, so each step moves a bias by about ``lr`` whatever the
-size of the imbalance: a bounded-rate controller (Zyphra call it PID-like), not a jump to the
-balanced point. With the default lr 1e-3 a bias moves ~1e-3 per step.
-
-Everything here is pure and jit-able (pass the frozen :class:`BalancingConfig` as a static
-argument); shapes are per block, stacked over the scanned L axis: biases and counts are [L, E+1],
-class E being the skip class.
-
-**Counts must be global.** ``counts_le`` is ``ZayaOutput.expert_counts`` summed over the whole
-global batch (and over gradient-accumulation micro-batches). Under ``jit`` with globally sharded
-arrays the model's own sum already spans every data-parallel shard; under ``shard_map``/``pmap``
-the caller must ``psum`` the counts over the data axes before calling :func:`balancing_update`,
-or each shard would balance only its local slice and the replicas' biases would diverge.
-
-**The skip class (E).** Not updated by default (``update_skip=False``): its bias starts at -1 so
-that skipping stays rare, and pushing its share towards 1/E, as for an expert, would make a
-quarter of the tokens (E = 4) skip the MLP. Its bias and its AdamW moments stay exactly as they
-are (weight decay included). ``update_skip=True`` treats it as one more class with target
-``skip_target`` (default 1/E, i.e. exactly the spec formula applied to all E+1 classes).
-
-Skipped tokens still count in the denominator of f_e (``fraction_of="all"``, the spec's "fraction of
-tokens"). Then sum_e g_e = -skip_fraction <= 0, so while some tokens skip every routed bias drifts
-up together, which in turn makes skipping rarer. ``fraction_of="routed"`` divides by the routed
-tokens only, so the controller balances the experts among themselves and leaves the skip rate to
-the router.
-
-An empty batch (no tokens: all padding) leaves biases and optimizer state unchanged rather than
-reading "every expert is underloaded" into it.
+The controller, global counts and the skip class: docs/design/balancing.md.
 """
 
 from __future__ import annotations

@@ -1,87 +1,7 @@
 """The one training configuration schema (ml_collections), validated once at start-up.
 
 `configs/<name>.py` files call `base_config()` and change what they need; the command line
-overrides any key (`--config.train.steps=100`). Sections:
-
-  seed                      global seed (params, data order)
-  model.*                   every field of zaya_jax.model.ZayaConfig (sizes, dtypes, impls)
-  data.path                 directory written by `python -m zaya_jax.data.prepare`; unset = embedded corpus
-  data.mixture              "PATH:WEIGHT,PATH:WEIGHT,..." weighted mixture of prepared directories (instead of
-                            data.path; zaya_jax/data/mixture.py); unset = data.path alone
-  data.num_threads, data.prefetch
-  train.steps               optimizer steps of this run (phase)
-  train.batch_size          global batch, sequences per optimizer step (all devices and microbatches)
-  train.seq_len             tokens per sequence
-  train.grad_accum          microbatches per step (batch_size must divide by it)
-  train.grad_reduce         "step" (default): each data rank sums its microbatches' fp32 gradients and
-                            they are reduce-scattered once per optimizer step (ZeRO-1: least traffic,
-                            two full gradient buffers per device with grad_accum > 1); "microbatch":
-                            each microbatch's gradients reduce-scattered and only the rank's 1/n shard
-                            summed (ZeRO-2: one full buffer, grad_accum times the reduce-scatter).
-                            Changes nothing where the loop is not per rank (data = 1, or two of
-                            fsdp / expert / context > 1: zaya_jax/parallel/zero1.py loop_per_rank);
-                            docs/architecture.md "Data parallelism and ZeRO-1"
-  train.batch_ramp          "START,INCREMENT,RAMP_SEQUENCES": Megatron's batch-size ramp up to batch_size
-                            (zaya_jax/data/ramp.py); unset = batch_size from the first step
-  train.init_from           a checkpoint directory whose params start this run (phase chaining); unset = random
-  train.sync_every_step     read each step's loss before the next step is dispatched (the host then
-                            waits for the device every step); off = one step late (zaya_jax/train.py)
-  train.reuse_host_memory   XLA:CPU's per-step temporaries without 4 KiB page faults: glibc's
-                            huge-page tunable (the CLI re-executes itself once with it) or, where the
-                            kernel has no huge pages, malloc settings that keep freed buffers in the
-                            heap (zaya_jax/host_memory.py); with huge pages a one-device CPU step
-                            also runs on the calling thread and keeps its temporaries in the heap
-                            (host_memory.keep_step_buffers); applied by `python -m zaya_jax.train`
-  train.lean_cpu_compile    XLA:CPU compiles fusions with its element-wise emitter, not its MLIR
-                            fusion emitters (--xla_cpu_use_fusion_emitters=false): tiny's compile
-                            peak 485 MB instead of 880 MB, 20-45% longer compiles, the same steps;
-                            and schedules for memory (--xla_cpu_scheduler_type): tiny's step
-                            temporaries 134 MB instead of 159 MB; XLA_FLAGS naming a flag wins;
-                            applied by `python -m zaya_jax.train` (zaya_jax/host_memory.py)
-  optim.*                   see zaya_jax.optim.chain (lr, schedule, warmup, muon.*, adamw.*, clipping)
-  balancing.*               aux-loss-free router balancing: `enabled` plus one key per field of
-                            zaya_jax.balancing.BalancingConfig (lr, b1, b2, eps, weight_decay,
-                            update_skip, skip_target, fraction_of), derived from the dataclass
-  mesh.data / mesh.fsdp / mesh.expert / mesh.context   device mesh, one key per axis of
-                            zaya_jax.parallel.mesh.MESH_AXES; one may be -1 = the remaining devices;
-                            mesh.context splits every sequence over that many devices (context
-                            parallelism, zaya_jax/parallel/context.py; default 1)
-  mesh.context_layout       which positions a context rank holds: "contiguous" (default; rank r the
-                            r-th of R chunks) or "zigzag" (S cut into 2R chunks, rank r holds c_r and
-                            c_{2R-1-r}: equal causal attention work per rank; train.seq_len must
-                            split into 2R chunks of at least the CCA halo)
-  mesh.zero1                optimizer state split over the data axis (ZeRO-1)
-  checkpoint.every_steps, checkpoint.every_minutes   periodic saves under WORKDIR/checkpoints (by
-                            step count and/or wall time; 0 = off); the last step is always saved
-  checkpoint.keep, checkpoint.keep_period   keep the last `keep` (0 = all) plus every
-                            `keep_period`-th step for good (0 = none)
-  checkpoint.allow_fresh_start   start from step 0 in a workdir whose checkpoints were all moved
-                            to checkpoints.corrupt/ as unreadable (off: that is an error)
-  fault.step_timeout_s      watchdog: a step taking longer dumps all thread stacks and exits 3 (0 = off)
-  fault.spike_zscore, fault.spike_window, fault.spike_min_jump   a loss is anomalous when its robust
-                            z-score (median / MAD of the last `window` losses) is above `zscore` (0 =
-                            off) and it exceeds the median by more than `min_jump` (relative)
-  fault.spike_confirm       act only if the updated model's loss on the next batch is anomalous
-                            too (zaya_jax/fault.py); a spike rolls back to the last checkpoint and
-                            skips the batches since
-  fault.max_bad_steps       that many consecutive skipped (non-finite) updates -> roll back (0 = off)
-  fault.inject_nan_at_steps, fault.inject_spike_at_steps   test hooks: poison the batch of those
-                            steps (1-based) once (NaN loss / a large finite loss)
-  eval.every_steps, eval.batches, eval.batch_size   held-out evaluation (0 batches = the whole split;
-                            with data.mixture, per source; the batch rounded up to a multiple of
-                            the devices that split rows: zaya_jax/train_eval.py eval_rows)
-  eval.tasks                downstream tasks scored at every evaluation: data specs of
-                            `python -m zaya_jax.evaluate` (multiple-choice JSONL, text files, token data)
-  eval.task_limit, eval.task_max_len   examples/documents per task (0 = all); tokens per scored
-                            row (0 = train.seq_len); both apply to eval.harness_tasks too
-  eval.harness_tasks        lm-evaluation-harness tasks (names, as `--tasks`) run at every evaluation
-                            through the `zaya_jax` backend (zaya_jax/lm_eval/), logged as
-                            eval_harness/<task>/<metric>; needs the `interop` extra
-  eval.harness_include_path a directory of task YAML files for eval.harness_tasks (lm-eval's
-                            `--include_path`); unset = lm-eval's built-in tasks only
-  logging.every_steps, logging.tensorboard, logging.console
-  logging.dead_expert_window   steps without a token after which an expert counts as dead in the
-                            `expert_dead` metric (routing telemetry, zaya_jax/routing_telemetry.py)
+overrides any key (`--config.train.steps=100`). Every key and its meaning: docs/reference/config.md.
 """
 
 from __future__ import annotations
@@ -118,6 +38,9 @@ def base_config() -> ml_collections.ConfigDict:
         {
             "path": config_dict.placeholder(str),
             "mixture": config_dict.placeholder(str),
+            "tokenizer": config_dict.placeholder(str),
+            "eval_fraction": 0.01,
+            "split_seed": 0,
             "num_threads": 2,
             "prefetch": 4,
         }
@@ -470,13 +393,17 @@ def _validate_data(c: ml_collections.ConfigDict) -> None:
         ramp.check_divisible(devices=1, grad_accum=c.train.grad_accum)
     except ValueError as e:
         raise ValueError(f"config.train.batch_ramp: {e}") from None
+    fraction, seed = c.data.eval_fraction, c.data.split_seed
+    _check(0.0 <= fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {fraction}")
+    _check(isinstance(seed, int) and seed >= 0, "data.split_seed", f"must be an int >= 0, got {seed!r}")
     if not c.data.mixture:
         return
     _check(not c.data.path, "data.mixture", "set either data.path or data.mixture, not both")
-    from zaya_jax.data.mixture import check_sources, parse_mixture  # deferred: loads grain
+    from zaya_jax.data.megatron import MegatronOptions  # deferred: loads grain
+    from zaya_jax.data.mixture import check_sources, parse_mixture
 
     try:
-        check_sources(parse_mixture(c.data.mixture))
+        check_sources(parse_mixture(c.data.mixture), MegatronOptions.of(c.data))
     except (OSError, ValueError) as e:
         raise ValueError(f"config.data.mixture: {e}") from None
 

@@ -2,56 +2,12 @@
 [--dry_run_fit]`: compile the real train step of any config at full size for N devices, without
 allocating it.
 
-The step is the one the trainer jits (`train_state.train_program`: same optimizer, schedule,
-balancing, shardings and donation), traced from abstract shapes (`jax.eval_shape` of the initial
-state, `jax.ShapeDtypeStruct`s carrying the mesh's NamedShardings), lowered and compiled for a mesh of
-N devices of the target:
-
-  cpu (default)   N simulated CPU devices, XLA:CPU's compiler
-  mi300x, h100    N GPUs of that kind, deviceless (zaya_jax/gpu_target.py): XLA's GPU compiler
-                  (ROCm / CUDA) with its fusions, Triton kernels and vendor GEMMs; every backend
-                  choice (kernels' Triton vs interpret, the `auto` impls) follows the target
-  PATH            a GpuTargetConfig text file (another GPU kind or jaxlib; docs/conventions.md)
-
-It prints
-
-  Memory per device   XLA's buffer assignment of the compiled per-device program
-                      (`compiled.memory_analysis()`) next to `zaya_jax.sizing`'s estimate; for a GPU
-                      target also the device's memory, and a step that does not fit ends the run
-                      with one `error:` line naming the overshoot (XLA compiles it all the same)
-  Largest microbatch  with --dry_run_fit (GPU targets): the largest of 1, 2, 4, ... sequences per
-                      device per microbatch (train.grad_accum set to match) that fits, found by
-                      bisection (memory grows with the microbatch), with each size compiled
-  Collectives         every all-reduce / all-gather / reduce-scatter / all-to-all /
-                      collective-permute in the compiled HLO with its result bytes (per device), as
-                      written and as executed per step (ops inside the scanned layers run once per
-                      trip of their while loop; `zaya_jax.hlo` reads the HLO). Ops that run only in a
-                      conditional's non-default branch (the expert exchange's spill round, taken
-                      only when a bucket overflowed) get their own "(spill, only if taken)" rows,
-                      counted as if taken: "total (every step)" leaves them out, "total (with
-                      spill taken)" adds them. Groups of one device (an all-reduce over a mesh axis
-                      of size 1) move nothing and are left out. Then by the mesh axes each spans
-                      (its replica groups) and where it runs: in the model (per microbatch) or once
-                      per step, with the data-parallel bytes against the ZeRO-1 formula
-                      (zaya_jax/parallel/zero1.py `step_bytes`)
-  Newton-Schulz       Muon's once-per-step dot FLOPs per device (the optimizer update's named
-                      scope) against sizing's total over the devices
-  Compiled work       (GPU targets) the kernels the compiler made of the step: our Triton kernels,
-                      XLA's Triton fusions, vendor GEMM calls (cuBLAS / hipBLASLt), convolutions;
-                      the dot FLOPs per step (trip counts included) of the model's forward and
-                      backward against sizing's model FLOPs (6 x active params x tokens + attention,
-                      times the remat factor): the useful share; the experts' share against the
-                      routed work; the rest (the optimizer's Newton-Schulz)
-  Compile             tracing + lowering and XLA compile times
-
-Devices: N = `--dry_run_devices`, else the config's mesh size when no mesh axis is -1, else 8 (one
-node). For the CPU target the platform is made to simulate N devices by setting
-`XLA_FLAGS=--xla_force_host_platform_device_count=N` (and JAX_PLATFORMS=cpu) in this process before
-jax creates its backends; a GPU target also pins jax to CPU first (the CUDA plugin's driver check):
-jax reads both when the first device is requested, not at import, so this works from `main()`
-without re-executing the process (jax 0.10.2). XLA:CPU's numbers are not a GPU's (GPU compilers
-fuse and schedule differently, temporaries most of all): use a GPU target for those. Nothing is
-written to disk (the persistent compilation cache is switched off for the dry run).
+The step is the one the trainer jits (`train_state.train_program`), traced from abstract shapes and
+compiled for N simulated CPU devices or N deviceless GPUs (`mi300x`, `h100`, or a GpuTargetConfig
+file: zaya_jax/gpu_target.py). It prints memory per device (against sizing and the device), the
+largest microbatch that fits (--dry_run_fit), the collectives with their bytes, Muon's
+Newton-Schulz FLOPs, the compiled kernels and dot FLOPs (GPU targets) and compile times; nothing
+is written to disk. What each table means: docs/guides/dry-run.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`python -m zaya_jax.export --checkpoint WORKDIR[/checkpoints/STEP] --out HF_DIR [--dtype bfloat16]
-[--tokenizer byte|tokenizer.json|DIR] [--max-shard-bytes N]`
+[--tokenizer byte|tokenizer.json|DIR] [--max-shard-bytes N] [--overwrite]`
 
 Writes a training checkpoint as a transformers ZayaForCausalLM directory: config.json,
 generation_config.json, safetensors (sharded with an index past --max-shard-bytes) and the
@@ -9,6 +9,8 @@ config.json and generation_config.json carry the tokenizer's pad / bos / eos ids
 optimizer state); the model config is rebuilt from the training config saved with it. The
 safetensors are written tensor by tensor (zaya_jax.hf.save_pretrained). Without --tokenizer the
 training data's own tokenizer is written (the byte tokenizer for the embedded corpus).
+HF_DIR must be new or empty (`--overwrite` replaces an existing one) and outside the checkpoint's
+workdir; it appears complete or not at all (zaya_jax.output_dir).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import os
 import numpy as np
 from absl import logging
 
-from zaya_jax import cli, hf
+from zaya_jax import cli, hf, output_dir
+from zaya_jax.checkpoint import checkpoint_workdir
 from zaya_jax.pretrained import checkpoint_tokenizer, load_checkpoint_variables
 from zaya_jax.tokenizer import load_tokenizer, save_for_transformers
 
@@ -50,16 +53,24 @@ def export(
     dtype: str = "bfloat16",
     tokenizer: str | None = None,
     max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
 ) -> dict:
+    reading = [("the workdir of --checkpoint", checkpoint_workdir(checkpoint)[0])]
+    if tokenizer not in (None, "byte"):
+        reading.append(("--tokenizer", tokenizer))
+    output_dir.check(out, overwrite=overwrite, reading=reading)  # before the checkpoint is read
     c, cfg, variables, step = load_checkpoint_variables(checkpoint)
+    if tokenizer is None and c.data.path and os.path.isdir(c.data.path):  # its tokenizer is read
+        reading.append(("the training data", c.data.path))
     tok = checkpoint_tokenizer(c, checkpoint) if tokenizer is None else load_tokenizer(tokenizer)
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(f"tokenizer {tok.name} has {tok.vocab_size} tokens, the model {cfg.vocab_size}")
     # the special ids transformers' generate and pipelines use are the tokenizer's
     cfg = dataclasses.replace(cfg, pad_token_id=tok.pad_id, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
-    hf.save_pretrained(cfg, variables, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
-    tok.save(out)
-    save_for_transformers(tok, out)
+    with output_dir.staged(out, overwrite=overwrite, reading=reading, last=("config.json",)) as tmp:
+        hf.save_pretrained(cfg, variables, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        tok.save(tmp)
+        save_for_transformers(tok, tmp)
     warning = skip_bias_warning(variables)
     if warning:
         logging.warning("export %s: %s", out, warning)
@@ -82,6 +93,9 @@ def arg_parser() -> cli.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=sorted(hf.EXPORT_DTYPES))
     p.add_argument("--tokenizer", default=None, help="byte, a tokenizer.json or a saved tokenizer dir")
     p.add_argument("--max-shard-bytes", type=cli.Int(min=1), default=hf.DEFAULT_MAX_SHARD_BYTES)
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace --out if it exists (never the checkpoint)"
+    )
     return p
 
 
@@ -91,7 +105,12 @@ def main(argv=None):
     print(
         json.dumps(
             export(
-                a.checkpoint, a.out, dtype=a.dtype, tokenizer=a.tokenizer, max_shard_bytes=a.max_shard_bytes
+                a.checkpoint,
+                a.out,
+                dtype=a.dtype,
+                tokenizer=a.tokenizer,
+                max_shard_bytes=a.max_shard_bytes,
+                overwrite=a.overwrite,
             )
         )
     )

@@ -5,26 +5,7 @@
     devices = target_devices(target, 64)       # 8 hosts x 8 GPUs, deviceless
     jax.jit(f, in_shardings=...).lower(*abstract_args).compile()   # XLA's GPU compiler
 
-jax 0.10.2 compiles for a GPU topology described by a `GpuTargetConfigProto` (XLA's device info:
-compute capability or gfx arch, shared memory, core counts) through the CUDA / ROCm PJRT plugin, with
-no GPU, driver or runtime: `jax.experimental.topologies.get_topology_desc`. The devices it returns
-build a mesh like real ones; programs lowered on it go through XLA:GPU's whole pipeline (fusion,
-Triton and vendor GEMMs, scheduling, buffer assignment) and come back with `memory_analysis()` and
-their HLO; nothing can run. Facts this module rests on (measured, docs/conventions.md "Compiling
-for a GPU without one"):
-
-* The CUDA plugin checks the driver when jax starts unless the platforms exclude CUDA, and then is
-  never registered: `prepare_process` pins jax to CPU before its backends exist (the compiled
-  program's platform comes from the topology's devices, zaya_jax.parallel.mesh.device_platform).
-* The ROCm plugin refuses to register on a machine without an AMD GPU ("No AMD GPUs were found",
-  it counts /sys/class/kfd nodes): `_register_rocm` registers it with the count taken as one, which
-  is all a compile needs. Its library links the ROCm 7 runtime libraries (HIP, hipBLASLt, rocBLAS,
-  MIOpen, RCCL, ...): with them installed (a cluster login node) that is the whole path; without
-  them the target is an error naming the missing libraries.
-* Target configs ship in zaya_jax/gpu_targets/ (from openxla/xla's specs, Apache-2.0); the memory
-  a step must fit is the product's (an MI300X has 192 GiB of HBM3, whatever the spec file says).
-
-Only jax is imported here (base layer); the dry run (zaya_jax/dry_run.py) builds the step on it.
+How it works and the facts it rests on: docs/design/gpu-compile.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ GEMM calls, convolutions, Triton kernels (ours, and XLA's Triton fusions); and t
 each instruction came from (`op_names`).
 
 Read by `zaya_jax.dry_run` (the collectives, kernels and FLOPs of `train --dry_run`),
-`benchmarks/collectives.py` (the expert exchange's all-to-all bytes, issue 17) and
+`benchmarks/collectives.py` (the expert exchange's all-to-all bytes) and
 `benchmarks/profile_step.py` (a profile's ops named by the model code that made them).
 
 Operand shapes: XLA:CPU's text writes every operand with its shape; XLA:GPU's names operands only

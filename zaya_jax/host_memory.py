@@ -1,47 +1,13 @@
 """Host memory of a long-running step loop: glibc malloc's settings and releasing what compiling
 left behind.
 
-XLA:CPU allocates each run's temporary buffers (201 MiB for configs/tiny.py's train step, about
-1.6 GB for configs/mid.py's) from worker threads, and glibc serves buffers above its mmap threshold
-(32 MiB at most) with a fresh `mmap`, unmapped when the run ends: with 4 KiB pages the next step
-page-faults all of it back in. Measured on the 2-core CPU: 52k minor faults and 0.11 s of kernel
-time per tiny step, 407k and 0.76 s per mid step (benchmarks/README.md, "Page faults").
-
-Two cures, best first (`mode()` says which one a process has):
-
-- "huge_pages": glibc's `glibc.malloc.hugetlb=1` tunable (glibc >= 2.35) asks the kernel for
-  transparent huge pages on everything malloc maps, so a step's buffers fault in 2 MiB at a time
-  (tiny: ~500 faults a step instead of 52k, the same step time as "reuse") while freed buffers still
-  go back to the system. glibc reads tunables only at start-up, so `python -m zaya_jax.train`
-  re-executes itself once with the tunable set (`reexec_with_huge_pages`); it needs a kernel with
-  THP in "always" or "madvise" mode.
-- "reuse" (kernels without THP): one arena, no mmap, no trimming, so freed temporaries stay in the
-  heap for the next run: no faults, but the heap fragments and resident memory grows by a few
-  temporaries' worth (tiny: 1.66 GB against 0.66 GB with huge pages).
-
-Huge pages still leave the kernel zeroing every fresh page: a step's temporaries are one
-allocation (114 MiB for tiny), made on an XLA:CPU worker thread whose malloc arena cannot hold a
-chunk above 64 MiB, so it is mapped and unmapped every step (tiny: ~450 faults and ~20 ms of
-kernel time a step, `clear_page_erms` ~10% of the process' CPU samples). "huge_pages" cures that
-too, for a step on one CPU device: jax's CPU client runs it on the thread that calls it
-(`run_cpu_programs_inline`: `jax_cpu_enable_async_dispatch` off), so the temporaries come from the
-main arena, which grows to any size, and with mmap and trimming off (KEEP_SETTINGS,
-`keep_step_buffers`) they stay there for the next step while the worker threads keep their own
-arenas. Tiny's bare step: 118 -> 99 ms over four alternated pairs of processes, kernel time
-~20 -> ~3 ms a step, the same peak RSS (benchmarks/README.md, "The step's temporaries stay mapped").
-
-Either way compiling a step leaves ~400 MB of freed compiler memory in the heap (tiny);
-`release_freed_memory` (glibc's `malloc_trim`) hands it back after a new program is compiled.
-
-Compiling is also the process' peak on a small model: XLA:CPU's MLIR fusion emitters (its default)
-took 880 MB above the set-up to compile tiny's train step, its older element-wise emitter 485 MB,
-for a 20-45% longer compile and the same step time (benchmarks/README.md, "The compiler's peak").
-And XLA:CPU's default scheduler runs a backward computation as soon as its forward inputs exist
-(the rematerialised ones too), so many layers' backward temporaries are alive at once; its
-memory-optimized scheduler took tiny's step temporaries from 159 to 134 MB and mid's from 1,211 to
-1,057 MB, for a tiny step ~5% slower and a mid step no slower (benchmarks/README.md, "Peak memory"). `lean_compile` asks for both
-through XLA_FLAGS (LEAN_FLAGS), which XLA reads once, when jax creates its first backend; a flag the
-user set in XLA_FLAGS stands.
+XLA:CPU maps each step's temporary buffers afresh, and with 4 KiB pages every step page-faults
+them back in. Two cures, best first (`mode()` says which one a process has): "huge_pages" (glibc's
+`glibc.malloc.hugetlb=1` tunable; `python -m zaya_jax.train` re-executes itself once with it, and a
+one-device CPU step keeps its temporaries in the main heap: `keep_step_buffers`) and "reuse" (one
+arena, no mmap, no trimming). `release_freed_memory` hands back what a compile freed; `lean_compile`
+sets XLA:CPU's leaner fusion emitter and memory-optimized scheduler (LEAN_FLAGS). The design and
+its measurements: docs/design/host-memory.md, docs/performance.md.
 """
 
 from __future__ import annotations
@@ -63,7 +29,7 @@ NEVER = -1  # M_TRIM_THRESHOLD -1: never trim (mallopt takes a C int; glibc read
 
 SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER))
 # Huge pages' complement: mmap and trimming off, one arena per thread kept (with SETTINGS' one shared
-# arena tiny's step took ~40 ms more CPU time: its worker threads contend for the arena's lock).
+# arena the step's worker threads contend for the arena's lock; docs/performance.md).
 KEEP_SETTINGS = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER))
 ASYNC_DISPATCH = "jax_cpu_enable_async_dispatch"
 

@@ -1,4 +1,5 @@
-"""`python -m zaya_jax.import_hf --hf HF_DIR --out CKPT_WORKDIR [--config configs/x.py] [--config.k=v ...]`
+"""`python -m zaya_jax.import_hf --hf HF_DIR --out CKPT_WORKDIR [--config configs/x.py] [--config.k=v ...]
+[--overwrite]`
 
 Writes a transformers ZayaForCausalLM directory as an Orbax training checkpoint: a TrainState at
 step 0 with the HF params and balancing biases and a fresh optimizer state, under
@@ -6,7 +7,8 @@ CKPT_WORKDIR/checkpoints/0, which a run starts from with `--config.train.init_fr
 The directory's tokenizer (ours or a transformers tokenizer.json + tokenizer_config.json) is stored
 as CKPT_WORKDIR/tokenizer, which evaluate, generate and export then use.
 With --config the model section must describe the same parameter shapes (its compute settings are
-kept); without it the model section comes from the HF config.json.
+kept); without it the model section comes from the HF config.json. CKPT_WORKDIR must be new or
+empty (`--overwrite` replaces an existing one, never HF_DIR) and appears complete or not at all.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zaya_jax import cli, hf
+from zaya_jax import cli, hf, output_dir
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer
 from zaya_jax.parallel.mesh import mesh_from_config
@@ -29,7 +31,9 @@ from zaya_jax.tokenizer import CONFIG_FILENAME, HF_FILENAME, load_tokenizer
 from zaya_jax.train_state import train_program
 
 
-def import_hf(hf_dir: str, out: str, c=None) -> dict:
+def import_hf(hf_dir: str, out: str, c=None, *, overwrite: bool = False) -> dict:
+    reading = [("--hf", hf_dir)]
+    output_dir.check(out, overwrite=overwrite, reading=reading)  # before the weights are read
     hf_cfg, variables = hf.load_pretrained(hf_dir)
     has_tokenizer = any(os.path.isfile(os.path.join(hf_dir, f)) for f in (CONFIG_FILENAME, HF_FILENAME))
     tok = load_tokenizer(hf_dir) if has_tokenizer else None
@@ -56,18 +60,17 @@ def import_hf(hf_dir: str, out: str, c=None) -> dict:
         params=jax.tree.map(cast, variables["params"], state.params, program.shardings.params),
         balancing=jax.tree.map(cast, variables["balancing"], state.balancing, program.shardings.balancing),
     )
-    ck = Checkpointer(out, keep=0, async_save=False)
-    if ck.latest_step() is not None:
-        raise FileExistsError(f"{ck.directory} already holds checkpoints")
-    ck.save(0, state, {}, json.loads(c.to_json_best_effort()))
-    ck.wait()
-    ck.close()
-    if tok is not None:
-        tok.save(os.path.join(out, TOKENIZER_DIR))
+    with output_dir.staged(out, overwrite=overwrite, reading=reading, last=("checkpoints",)) as tmp:
+        ck = Checkpointer(tmp, keep=0, async_save=False)
+        ck.save(0, state, {}, json.loads(c.to_json_best_effort()))
+        ck.wait()
+        ck.close()
+        if tok is not None:
+            tok.save(os.path.join(tmp, TOKENIZER_DIR))
     return {
         "out": os.path.abspath(out),
         "step": 0,
-        "checkpoint": os.path.join(ck.directory, "0"),
+        "checkpoint": os.path.join(os.path.abspath(out), "checkpoints", "0"),
         "tokenizer": None if tok is None else tok.name,
     }
 
@@ -83,6 +86,7 @@ def _define_flags(fv=None) -> None:
     )
     flags.DEFINE_string("hf", None, "transformers ZayaForCausalLM directory", flag_values=fv)
     flags.DEFINE_string("out", None, "the new checkpoint WORKDIR", flag_values=fv)
+    flags.DEFINE_bool("overwrite", False, "replace --out if it exists (never --hf)", flag_values=fv)
 
 
 def main(argv):
@@ -91,7 +95,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     if not FLAGS.hf or not FLAGS.out:
         raise app.UsageError("--hf and --out are required")
-    print(json.dumps(import_hf(FLAGS.hf, FLAGS.out, FLAGS.config)))
+    print(json.dumps(import_hf(FLAGS.hf, FLAGS.out, FLAGS.config, overwrite=FLAGS.overwrite)))
 
 
 if __name__ == "__main__":

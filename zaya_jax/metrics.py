@@ -5,38 +5,7 @@
                              "expert_load_max_over_mean": load_l})        # load_l: [L]
         log.log_eval(step, {"loss": eval_loss})
 
-Outputs under ``workdir``:
-
-* ``metrics.jsonl`` — one JSON object per line, flushed on every write, the source of truth that
-  :mod:`zaya_jax.plot` and :func:`read_metrics` read back::
-
-      {"step": 100, "split": "train", "time": 1718000000.0, "loss": 3.2, "lr": 0.001, ...}
-      {"step": 100, "split": "eval", "time": ..., "eval_loss": 3.4, "eval_perplexity": 29.96}
-
-  Values are converted to plain Python: numpy/jax scalars to float (int for integer dtypes, bool
-  for bool), arrays (e.g. per-layer values [L]) to (nested) lists; a float32 (or narrower) value
-  is written with the fewest digits that read back as the same float32 (0.1, not
-  0.10000000149011612: a ZAYA1-size record of routing telemetry takes 18 KB instead of 31 KB);
-  nested dicts are flattened to "a/b" keys. Non-finite floats are written as NaN/Infinity, which Python's json reads back (a
-  diverged loss is worth recording). Eval keys get an ``eval_`` prefix if they lack one, and
-  ``eval_perplexity = exp(eval_loss)`` is added when not given.
-* ``tensorboard/`` — tensorboardX event files: ``train/<key>``, ``eval/<key>``; per-layer arrays
-  [L] as ``<split>/<key>/layer_{l}``, per-layer per-expert arrays [L, E] (routing telemetry,
-  zaya_jax/routing_telemetry.py) as ``<split>/<key>/layer_{l}/expert_{e}``. One event per record
-  holds all of its scalars (tensorboardX's add_scalar writes an event per value: 0.19 s for the
-  1483 scalars of a ZAYA1-size record, against ~30 ms for the whole record this way, JSONL line
-  included; measured on a shared 2-core machine).
-* stdout — one progress line per ``log_train`` (step/total, loss, lr, tokens/s, MFU, ETA):
-  redrawn in place with ``\\r`` and a bar on a TTY, one plain line per call otherwise (CI logs).
-
-**Resume.** A run restored from the checkpoint of step ``s`` re-runs steps > s, so the logger is
-created with ``resume_step=s``: records with step > s are dropped from ``metrics.jsonl`` first (no
-duplicate steps), the file is then appended to, and TensorBoard is told to purge events from step
-s+1 on (``purge_step``). :meth:`MetricsLogger.truncate_after` does the JSONL part on demand.
-
-Only one process should log (process 0 in multi-host runs); the caller decides. Console keys
-recognised in ``log_train``: loss, lr (or learning_rate), tokens_per_sec (or tokens_per_second),
-mfu (a fraction, shown in %). Everything else goes to the file and TensorBoard only.
+The files it writes and their format: docs/reference/metrics.md.
 """
 
 from __future__ import annotations

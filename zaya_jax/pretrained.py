@@ -101,9 +101,10 @@ def checkpoint_tokenizer(c, path: str) -> Tokenizer:
     stored = os.path.join(checkpoint_workdir(path)[0], TOKENIZER_DIR)
     if os.path.isdir(stored):
         return load_tokenizer(stored)
+    from zaya_jax.data.megatron import MegatronOptions
     from zaya_jax.data.pipeline import source_tokenizer
 
-    return source_tokenizer(c.data.path)
+    return source_tokenizer(c.data.path, MegatronOptions.of(c.data))
 
 
 def _hf_tokenizer(path: str, vocab_size: int) -> Tokenizer:

@@ -1,4 +1,5 @@
-"""`python -m zaya_jax.reshard --src CKPT --dst CKPT2 [--step N] --config.mesh.data=4 --config.mesh.expert=2`
+"""`python -m zaya_jax.reshard --src CKPT --dst CKPT2 [--step N] --config.mesh.data=4 --config.mesh.expert=2
+[--overwrite]`
 
 Restores a training checkpoint (WORKDIR, WORKDIR/checkpoints or .../<step>) onto a different device
 mesh and saves it under DST (same step, same data position; the saved config gets the new mesh).
@@ -6,6 +7,8 @@ Orbax reads each array straight into the shards of the new layout: the restore t
 abstract TrainState of the new mesh (`train_state.abstract_train_state`). Mesh keys not given keep
 the source's values. `--config.mesh.zero1` may be changed too. A run on the new mesh then
 resumes from DST (`python -m zaya_jax.train --workdir DST ...` with the same config and new mesh).
+DST must be new or empty (`--overwrite` replaces an existing one, never the source's workdir) and
+appears complete or not at all (zaya_jax.output_dir).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_dict, config_flags
 
-from zaya_jax import cli
+from zaya_jax import cli, output_dir
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, checkpoint_workdir
 from zaya_jax.parallel.mesh import check_mesh_sizes, mesh_from_config
@@ -27,8 +30,12 @@ from zaya_jax.train_state import abstract_train_state
 MESH_KEYS = ("data", "fsdp", "expert", "zero1")
 
 
-def reshard(src: str, dst: str, mesh: dict[str, Any], *, step: int | None = None) -> dict[str, Any]:
+def reshard(
+    src: str, dst: str, mesh: dict[str, Any], *, step: int | None = None, overwrite: bool = False
+) -> dict[str, Any]:
     workdir, path_step = checkpoint_workdir(src)
+    reading = [("the workdir of --src", workdir)]
+    output_dir.check(dst, flag="--dst", overwrite=overwrite, reading=reading)  # before anything is read
     ck = Checkpointer(workdir, read_only=True)
     step = step if step is not None else path_step if path_step is not None else ck.latest_step()
     if step is None:
@@ -43,16 +50,17 @@ def reshard(src: str, dst: str, mesh: dict[str, Any], *, step: int | None = None
     target = abstract_train_state(c, cfg, new_mesh)
     state, data_state, _ = ck.restore(step, target)
     ck.close()
-    out = Checkpointer(dst, keep=0, async_save=False)
-    if step in out.all_steps():
-        raise FileExistsError(f"{out.directory}/{step} already exists")
-    out.save(step, state, data_state, json.loads(c.to_json_best_effort()))
-    out.wait()
-    out.close()
+    with output_dir.staged(
+        dst, flag="--dst", overwrite=overwrite, reading=reading, last=("checkpoints",)
+    ) as tmp:
+        out = Checkpointer(tmp, keep=0, async_save=False)
+        out.save(step, state, data_state, json.loads(c.to_json_best_effort()))
+        out.wait()
+        out.close()
     return {
         "step": step,
         "src": os.path.join(ck.directory, str(step)),
-        "dst": os.path.join(out.directory, str(step)),
+        "dst": os.path.join(os.path.abspath(dst), "checkpoints", str(step)),
         "from_mesh": old_mesh,
         "to_mesh": dict(new_mesh.shape),
         "zero1": c.mesh.zero1,
@@ -73,6 +81,7 @@ def _define_flags(fv=None) -> None:
     flags.DEFINE_string("src", None, "source checkpoint", flag_values=fv)
     flags.DEFINE_string("dst", None, "destination WORKDIR", flag_values=fv)
     cli.define_flag("step", None, "source step (default: from --src, else the latest)", cli.Int(min=0), fv)
+    flags.DEFINE_bool("overwrite", False, "replace --dst if it exists (never --src)", flag_values=fv)
 
 
 def main(argv):
@@ -86,7 +95,7 @@ def main(argv):
         check_mesh_sizes({k: v for k, v in mesh.items() if k != "zero1" and v is not None})
     except ValueError as e:
         raise ValueError(f"--config.{e}") from None
-    print(json.dumps(reshard(FLAGS.src, FLAGS.dst, mesh, step=FLAGS.step)))
+    print(json.dumps(reshard(FLAGS.src, FLAGS.dst, mesh, step=FLAGS.step, overwrite=FLAGS.overwrite)))
 
 
 if __name__ == "__main__":

@@ -1,31 +1,6 @@
 """Routing telemetry: what ZAYA1's router did at a training step, per layer and per expert.
 
-The train step (zaya_jax/train_state.py) returns these with its metrics; the trainer logs them at
-`logging.every_steps` to metrics.jsonl and TensorBoard (zaya_jax/metrics.py), and
-`python -m zaya_jax.plot` draws them (zaya_jax/plot.py). Names, shapes and meaning (L layers, E
-routed experts; class E of the router is the skip class; README "Metrics" lists them too):
-
-  expert_load [L, E]         share of layer l's tokens routed to expert e at this step (the global
-                             batch, every microbatch); a row plus expert_skip_fraction sums to 1, and
-                             1/E is the balancing controller's target (zaya_jax/balancing.py)
-  expert_skip_fraction [L]   share of the layer's tokens routed to the skip class (no expert MLP)
-  expert_load_max_over_mean [L]   max_e / mean_e of the routed experts' loads (1 = balanced)
-  expert_dead [L]            experts of the layer that got no token in any of the last
-                             `logging.dead_expert_window` steps (counted by the trainer from every
-                             step's expert_load, see `DeadExperts`; 0 until that many steps were seen)
-  router_entropy [L]         mean over the layer's tokens of the entropy (nats) of the router's
-                             softmax over the E+1 classes: ln(E+1) = uniform, 0 = certain
-  balancing_bias [L, E]      the routed experts' balancing biases after the step's controller update
-  balancing_skip_bias [L]    the skip class's bias (constant unless balancing.update_skip)
-
-In metrics.jsonl an [L, E] value is a list of L lists of E numbers (`r["expert_load"][l][e]`); in
-TensorBoard it is one scalar per layer and expert, `train/expert_load/layer_<l>/expert_<e>`; an [L]
-value is `train/<name>/layer_<l>`. Other per-layer [L] metrics of the step (e.g. an expert
-exchange's spill) follow the same rules without changes here.
-
-Cost: the step computes a scalar entropy per block (ZayaBlock, next to the expert counts) and a few
-[L, E] divisions; the trainer reads `expert_load` with each step's loss (one small transfer, in the
-read it already makes) for the dead-expert window.
+Every name, shape and meaning: docs/reference/metrics.md.
 """
 
 from __future__ import annotations

@@ -7,36 +7,7 @@ its latest checkpoint, data position included, read straight into the sharded ar
 of another model or optimizer is an error that moves nothing; an unreadable newest checkpoint is
 skipped with a warning; if none is readable the run stops with an error).
 
-Fault handling (config.fault, zaya_jax/fault.py; events in WORKDIR/events.jsonl): SIGTERM /
-SIGINT save at the next step boundary and exit 0; a step watchdog (fault.step_timeout_s) dumps
-all thread stacks and exits 3; non-finite updates are skipped and recorded; a loss spike or
-fault.max_bad_steps consecutive skipped updates roll back to the last checkpoint and skip the
-batches since then.
-
-The host never waits for the device inside the loop: step n + 1 is dispatched (its batch fetched and
-put on the devices while step n ran) before step n's loss and skip flag are read, so the read
-overlaps step n + 1, and step n + 1's train loss (computed before its update) is the updated
-model's loss on the next batch that confirms a spike at step n. A rollback decided then restores
-the checkpoint before step n and skips the batches since, step n's included, exactly as a
-synchronous loop would, and drops step n + 1's result. A step that is evaluated, saved or
-stopped at, and the last step, is read before anything else is dispatched (a checkpoint is never
-written for a step whose loss was not checked); its spike confirmation is an eval step on the
-next batch. `train.sync_every_step` reads every step that way. A logged step is logged when its
-verdict is read, from its own metrics and data position, so logging (even every step) never
-makes the loop wait. On one CPU device with `train.reuse_host_memory` (huge pages) jax runs the
-step on the calling thread, so that its temporaries stay in the heap (zaya_jax/host_memory.py,
-`keep_step_buffers`): the dispatch returns when the step ends, and only grain's threads read ahead.
-
-Where things are: this module holds the CLI and `Trainer` (set-up helpers, then a loop of next
-batch, step, faults, log, evaluate, save); zaya_jax/train_state.py the train state, its abstract
-sharded form and the jitted train / eval steps; zaya_jax/fault.py every fault decision
-(`FaultMonitor.after_step`); zaya_jax/train_eval.py the evaluations; zaya_jax/checkpoint.py the
-Orbax checkpoints; zaya_jax/metrics.py the metric records.
-
-`--dry_run` (no --workdir) compiles this train step at full size on simulated CPU devices, or with
-`--dry_run_target=mi300x|h100|FILE` for deviceless GPUs through XLA's GPU compiler, and prints
-memory per device, collectives, compiled kernels and FLOPs and compile time instead; a step that
-does not fit the GPU is an error (zaya_jax/dry_run.py).
+Fault handling, the one-step-late loss read, and where each part lives: docs/design/trainer.md.
 """
 
 from __future__ import annotations
@@ -58,6 +29,8 @@ from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
 from zaya_jax.cli import UserError
 from zaya_jax.data import mixture as mixture_lib
+from zaya_jax.data.megatron import MegatronOptions
+from zaya_jax.data.megatron_format import check_token_ids, megatron_prefix, stderr_progress
 from zaya_jax.data.pipeline import (
     Lookahead,
     batch_sequences,
@@ -429,17 +402,29 @@ def _checked_inputs(c: ml_collections.ConfigDict, workdir: str):
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise UserError(f"--workdir {workdir} is a file, not a directory")
     sources = mixture_lib.parse_mixture(c.data.mixture) if c.data.mixture else None
-    tokenizer = source_tokenizer(sources[0].path if sources else c.data.path)
+    tokenizer = source_tokenizer(sources[0].path if sources else c.data.path, MegatronOptions.of(c.data))
     check_eval_data(c, sources)  # before step 1, not at the first evaluation
     if c.train.init_from:
         _init_from_checkpoint(c.train.init_from)[0].close()  # it exists, checked before anything is built
-    os.makedirs(workdir, exist_ok=True)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ValueError(
             f"config.model.vocab_size={cfg.vocab_size} is smaller than the data's tokenizer "
             f"vocabulary ({tokenizer.vocab_size}, {tokenizer.name})"
         )
+    _check_megatron_tokens(c, sources, tokenizer.vocab_size)
+    os.makedirs(workdir, exist_ok=True)
     return cfg, sources, tokenizer
+
+
+def _check_megatron_tokens(c: ml_collections.ConfigDict, sources, vocab_size: int) -> None:
+    """Every token id of every Megatron source below the tokenizer's vocabulary (itself within the
+    model's): one scan of each .bin at start-up, with progress lines on stderr."""
+    paths = [s.path for s in sources] if sources else [c.data.path]
+    progress = stderr_progress if jax.process_index() == 0 else None
+    for path in paths:
+        prefix = megatron_prefix(path)
+        if prefix is not None:
+            check_token_ids(prefix, vocab_size, progress)
 
 
 def _batch_ramp(c: ml_collections.ConfigDict, devices: int) -> BatchRamp:
@@ -472,9 +457,11 @@ def _train_dataset(c: ml_collections.ConfigDict, sources, ramp: BatchRamp):
         num_threads=c.data.num_threads,
         prefetch_buffer_size=c.data.prefetch,
     )
+    kwargs["megatron"] = MegatronOptions.of(c.data)
     if sources is None:
         return make_dataset(c.data.path, seq_len=c.train.seq_len, seed=c.seed, **kwargs), None
-    mixture = mixture_lib.mixed_sequences(sources, seq_len=c.train.seq_len, seed=c.seed)
+    megatron = kwargs.pop("megatron")
+    mixture = mixture_lib.mixed_sequences(sources, seq_len=c.train.seq_len, seed=c.seed, megatron=megatron)
     return batch_sequences(mixture, **kwargs), mixture
 
 
@@ -494,7 +481,7 @@ def check_eval_data(c: ml_collections.ConfigDict, sources) -> None:
     data.path, or of every data.mixture source."""
     keyed = [("data.mixture", s.path) for s in sources] if sources else [("data.path", c.data.path)]
     for key, path in keyed:
-        if load_documents(path, "eval").num_docs == 0:
+        if load_documents(path, "eval", MegatronOptions.of(c.data)).num_docs == 0:
             raise UserError(
                 f"config.{key}={path}: the 'eval' split has no documents, and the run evaluates "
                 "at its last step; prepare the data again with a held-out split (--eval-fraction > 0)"

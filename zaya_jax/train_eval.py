@@ -11,6 +11,7 @@ import jax
 import ml_collections
 
 from zaya_jax.data import mixture as mixture_lib
+from zaya_jax.data.megatron import MegatronOptions
 from zaya_jax.data.pipeline import make_eval_dataset
 from zaya_jax.parallel.context import row_devices
 from zaya_jax.parallel.distributed import barrier
@@ -49,6 +50,7 @@ def _held_out_loss(eval_step, variables, c: ml_collections.ConfigDict, mesh, pat
         process_index=jax.process_index(),
         process_count=jax.process_count(),
         num_threads=c.data.num_threads,
+        megatron=MegatronOptions.of(c.data),
     )
     loss_sum, weight = 0.0, 0.0
     for i, batch in enumerate(ds):

@@ -349,8 +349,8 @@ def balancing_config(c: ml_collections.ConfigDict) -> bal.BalancingConfig | None
 
 def run_once(fn: Callable[[], Any], out_shardings: Any) -> Any:
     """fn() jit-compiled with `out_shardings`, run, and its executable dropped: jax.jit(fn)() would
-    keep it in jax's caches for as long as `fn` lives. A program run once (the initializer) held
-    ~70 MB of a tiny run's memory from start to end that way (benchmarks/README.md, "Peak memory")."""
+    keep it in jax's caches for as long as `fn` lives. A program run once (the initializer) would hold
+    its memory from start to end that way (docs/design/host-memory.md)."""
     # jax's tracing, lowering and compilation caches hold their entries weakly, keyed by the
     # function: a wrapper that dies here takes them along (reference cycles hold it until a
     # collection, hence the gc.collect()).

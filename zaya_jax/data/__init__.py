@@ -94,6 +94,17 @@ def is_eval_document(index: int, eval_fraction: float, seed: int) -> bool:
     return math.floor((index + 1) * eval_fraction + phase) > math.floor(index * eval_fraction + phase)
 
 
+def eval_document_mask(num_docs: int, eval_fraction: float, seed: int) -> np.ndarray:
+    """`is_eval_document` of documents 0 .. num_docs - 1 at once: bool [num_docs] (the same float64
+    arithmetic, vectorised, for indexes of millions of documents)."""
+    is_eval_document(0, eval_fraction, seed)  # validates eval_fraction
+    if eval_fraction == 0.0:
+        return np.zeros(num_docs, bool)
+    phase = _split_phase(seed)
+    index = np.arange(num_docs, dtype=np.float64)
+    return np.floor((index + 1) * eval_fraction + phase) > np.floor(index * eval_fraction + phase)
+
+
 @lru_cache(maxsize=16)
 def _split_phase(seed: int) -> float:
     # Cached: `prepare` asks once per document.
@@ -116,6 +127,7 @@ def split_documents(docs: Sequence[str], eval_fraction: float, seed: int = 0) ->
 __all__ = [
     "EMBEDDED_EVAL_FRACTION",
     "EMBEDDED_SPLIT_SEED",
+    "eval_document_mask",
     "is_eval_document",
     "load_embedded_corpus",
     "split_documents",

@@ -1,4 +1,5 @@
-"""Weighted mixtures of prepared datasets (`data.mixture = "PATH:WEIGHT,PATH:WEIGHT,..."`).
+"""Weighted mixtures of datasets (`data.mixture = "PATH:WEIGHT,PATH:WEIGHT,..."`): prepared
+directories and Megatron dataset prefixes (zaya_jax.data.megatron), mixed freely.
 
 A mixture is one endless random-access sequence source, like a single dataset's PackedSequences:
 global sequence index i -> (source k, index j within source k) -> source k's packed sequence j.
@@ -28,13 +29,14 @@ import sys
 
 import numpy as np
 
-from zaya_jax.data.pipeline import PackedSequences, load_documents
-from zaya_jax.data.prepare import read_meta
+from zaya_jax.data.megatron import MegatronOptions
+from zaya_jax.data.megatron_format import megatron_prefix
+from zaya_jax.data.pipeline import PackedSequences, load_documents, tokenizer_info
 
 
 @dataclasses.dataclass(frozen=True)
 class MixtureSource:
-    name: str  # the directory's basename: `mixture/<name>`, `eval_loss/<name>`
+    name: str  # the directory's (Megatron prefix's) basename: `mixture/<name>`, `eval_loss/<name>`
     path: str
     weight: float  # normalised: the weights of a mixture sum to 1
 
@@ -54,7 +56,7 @@ def parse_mixture(spec: str) -> tuple[MixtureSource, ...]:
         if not sep or not path or not math.isfinite(w) or w <= 0:
             raise ValueError(f"{entry!r}: expected PATH:WEIGHT with a weight > 0")
         parsed.append((path, w))
-    names = [os.path.basename(os.path.normpath(p)) for p, _ in parsed]
+    names = [os.path.basename(os.path.normpath(megatron_prefix(p) or p)) for p, _ in parsed]
     for name in names:
         if names.count(name) > 1:
             raise ValueError(f"two sources are named {name!r} (a source's name is its directory's basename)")
@@ -62,11 +64,12 @@ def parse_mixture(spec: str) -> tuple[MixtureSource, ...]:
     return tuple(MixtureSource(n, p, w / total) for n, (p, w) in zip(names, parsed))
 
 
-def check_sources(sources: tuple[MixtureSource, ...]) -> None:
-    """Every source is a prepared dataset and all share one tokenizer (an error names both)."""
-    first = read_meta(sources[0].path)["tokenizer"]
+def check_sources(sources: tuple[MixtureSource, ...], megatron: MegatronOptions | None = None) -> None:
+    """Every source is a prepared dataset or a Megatron prefix (whose tokenizer is data.tokenizer),
+    and all share one tokenizer (an error names both)."""
+    first = tokenizer_info(sources[0].path, megatron)
     for s in sources[1:]:
-        tok = read_meta(s.path)["tokenizer"]
+        tok = tokenizer_info(s.path, megatron)
         if tok != first:
             raise ValueError(
                 f"{sources[0].path} and {s.path} were prepared with different tokenizers "
@@ -119,11 +122,13 @@ class MixedSequences:
         return self.sequences[k][j]
 
 
-def mixed_sequences(sources: tuple[MixtureSource, ...], *, seq_len: int, seed: int) -> MixedSequences:
+def mixed_sequences(
+    sources: tuple[MixtureSource, ...], *, seq_len: int, seed: int, megatron: MegatronOptions | None = None
+) -> MixedSequences:
     """The training mixture: each source's train split packed with its own seed (from `seed`)."""
     packed = [
         PackedSequences(
-            load_documents(s.path, "train"),
+            load_documents(s.path, "train", megatron),
             seq_len=seq_len,
             seed=int(np.random.SeedSequence([seed, k]).generate_state(1)[0]),
         )

@@ -5,35 +5,7 @@ Batch format (numpy, B = global_batch_size // process_count local rows, S = seq_
     targets    int32   [B, S]   targets[:, t] is the token that follows input_ids[:, t]
     loss_mask  float32 [B, S]   1 for real targets, 0 for padding
 
-Packing (concat-then-split with a one-token overlap). For each epoch the documents are shuffled
-(permutation seeded by (seed, epoch)), each followed by its EOS, and concatenated into one stream
-x[0..T), preceded by one extra EOS at position -1 so that the first document is predicted from a
-document boundary exactly like all others. Sequence i of the epoch is the window x[i*S-1 : (i+1)*S]
-of S+1 tokens: input_ids = window[:-1], targets = window[1:]. Consecutive windows overlap by one
-token, so every token of the epoch is a target exactly once: nothing is lost, nothing duplicated,
-and a document that does not fit continues at the start of the next sequence (documents are only
-ever split at sequence boundaries). An epoch has ceil(T / S) sequences; the end of the last one is
-filled with pad_id with loss_mask 0 (at most S-1 padded positions per epoch; the next epoch starts
-afresh rather than carrying over, which keeps every sequence addressable by index). Attention is
-not masked between packed documents: the EOS separator is the only boundary signal.
-
-Why random access instead of grain's ConcatThenSplitIterDataset: the packing above is a pure
-function of (seed, global sequence index), computed with a binary search over the epoch's
-cumulative document lengths. That gives
-    * exact sharding: process p reads only the sequences p, p+P, p+2P, ... (a grain slice), and
-      never tokenizes or packs the other processes' data;
-    * O(1) checkpoints: the iterator state is grain's {"next_index": n} (JSON-serialisable), and
-      restoring it does not replay any packing;
-    * the one-token overlap above, which iterator-based packing into disjoint chunks cannot do
-      (it would silently drop one target per sequence).
-
-Sharding: global batch k consists of the sequences k*G .. k*G+G-1 (G = global_batch_size). Process
-p gets the rows with (index mod P) == p, in order, so row r of process p's batch is row r*P + p of
-the single-process global batch (`interleave_process_batches` reassembles it). The global sequence
-count is padded to a multiple of G with all-padding sequences (loss_mask 0), so every process yields
-the same number of batches and no real sequence is dropped. With a batch-size ramp (zaya_jax.data.ramp)
-batch k holds the next ramp.size(k) sequences instead of G; a weighted mixture of datasets
-(zaya_jax.data.mixture) is one more random-access sequence source; both go through `batch_sequences`.
+Packing, sharding and the checkpointed data position: docs/design/data-pipeline.md.
 """
 
 from __future__ import annotations
@@ -51,6 +23,8 @@ import grain
 import numpy as np
 
 from zaya_jax.data import EMBEDDED_EVAL_FRACTION, EMBEDDED_SPLIT_SEED, load_embedded_corpus, split_documents
+from zaya_jax.data.megatron import MegatronOptions, load_megatron_split, tokenizer_of, tokenizer_record
+from zaya_jax.data.megatron_format import megatron_prefix
 from zaya_jax.data.prepare import SPLITS, TokenDocuments, load_split, read_meta
 from zaya_jax.data.ramp import BatchRamp, RampBatches
 from zaya_jax.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -78,21 +52,45 @@ def _embedded_documents(split: str) -> TokenDocuments:
     )
 
 
-def load_documents(source: Source, split: str = "train") -> TokenDocuments:
-    """Token documents of `split`: from a prepared data dir, or the embedded corpus (None/"embedded")."""
+def load_documents(
+    source: Source, split: str = "train", megatron: MegatronOptions | None = None
+) -> TokenDocuments:
+    """Token documents of `split`: from a prepared data dir, a Megatron dataset prefix (read as
+    `megatron` says: its tokenizer and eval split), or the embedded corpus (None/"embedded")."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     if _is_embedded(source):
         return _embedded_documents(split)
+    prefix = megatron_prefix(source)
+    if prefix is not None:
+        return load_megatron_split(prefix, split, megatron or MegatronOptions())
     return load_split(source, split)
 
 
-def source_tokenizer(source: Source) -> Tokenizer:
-    """The tokenizer that produced `source` (the byte tokenizer for the embedded corpus)."""
+def source_tokenizer(source: Source, megatron: MegatronOptions | None = None) -> Tokenizer:
+    """The tokenizer of `source`: the one that prepared it, data.tokenizer for a Megatron dataset
+    (which a prepared source must then match), the byte tokenizer for the embedded corpus."""
     if _is_embedded(source):
         return ByteTokenizer()
-    read_meta(source)  # clear error if this is not a prepared dataset
+    prefix = megatron_prefix(source)
+    if prefix is not None:
+        return tokenizer_of(megatron, prefix)
+    stored = read_meta(source)["tokenizer"]  # clear error if this is not a prepared dataset
+    if megatron is not None and megatron.tokenizer is not None:
+        named = tokenizer_record(tokenizer_of(megatron, str(source)))
+        if named != stored:
+            raise ValueError(
+                f"{source} was prepared with tokenizer {stored}, config.data.tokenizer is {named}"
+            )
     return load_tokenizer(Path(source))
+
+
+def tokenizer_info(source: Source, megatron: MegatronOptions | None = None) -> dict:
+    """The tokenizer record (name, vocab_size, special ids) of a prepared or Megatron source."""
+    prefix = megatron_prefix(source)
+    if prefix is not None:
+        return tokenizer_record(tokenizer_of(megatron, prefix))
+    return read_meta(source)["tokenizer"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,12 +255,13 @@ def make_dataset(
     num_threads: int = 2,
     prefetch_buffer_size: int = 4,
     ramp: BatchRamp | None = None,
+    megatron: MegatronOptions | None = None,
 ) -> grain.IterDataset:
     """grain IterDataset of this process' share of the packed batches (format in the module doc).
 
     Args:
-      source: a directory written by `python -m zaya_jax.data.prepare`, or None/"embedded" for the
-        embedded corpus (byte tokenizer).
+      source: a directory written by `python -m zaya_jax.data.prepare`, a Megatron dataset prefix
+        (read as `megatron` says), or None/"embedded" for the embedded corpus (byte tokenizer).
       seq_len: S, tokens per sequence.
       global_batch_size: sequences per step over all processes; must be divisible by process_count.
       seed: shuffling seed; the document order of epoch e is a function of (seed, e) only.
@@ -274,6 +273,7 @@ def make_dataset(
       num_threads, prefetch_buffer_size: grain read threads and how many batches they read ahead.
       ramp: batch k holds ramp.size(k) sequences (zaya_jax.data.ramp; global_batch_size is then the
         full size); None = every batch holds global_batch_size.
+      megatron: tokenizer and eval split of a Megatron source (zaya_jax.data.megatron).
 
     Iterate with `it = iter(ds)`; `it.get_state()` is a JSON-serialisable dict and
     `it.set_state(state)` on a fresh iterator of the same dataset resumes at the same batch.
@@ -288,7 +288,7 @@ def make_dataset(
         )
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} out of range for process_count {process_count}")
-    docs = load_documents(source, split)
+    docs = load_documents(source, split, megatron)
     if docs.num_docs == 0:
         raise ValueError(f"the {split!r} split of {source or _EMBEDDED} has no documents")
     if ramp is not None and num_epochs is not None:
@@ -383,4 +383,5 @@ __all__ = [
     "make_dataset",
     "make_eval_dataset",
     "source_tokenizer",
+    "tokenizer_info",
 ]

@@ -2,14 +2,24 @@
 
     python -m zaya_jax.data.prepare --input a.txt b.jsonl ... --out DIR \
         [--tokenizer byte|path/to/tokenizer.json] [--eval-fraction 0.01] [--shard-tokens N] \
-        [--doc-separator none|blank-line|form-feed|LITERAL] [--text-field text] [--overwrite]
+        [--doc-separator none|blank-line|form-feed|LITERAL] [--text-field text] [--overwrite] \
+        [--workers N] [--format zaya|megatron]
 
-Inputs (optionally gzip-compressed, `.txt.gz` / `.jsonl.gz`):
-    .txt    by default the whole file is one document; `--doc-separator` cuts it into several
-            (`blank-line`: one or more empty lines, `form-feed`: "\\f", anything else is taken as a
-            literal string with backslash escapes, e.g. '\\n\\n\\n').
-    .jsonl  one JSON object per line with a string field "text" (`--text-field`); blank lines are
-            skipped, anything else is an error naming file:line.
+Inputs (.txt / .jsonl optionally compressed: `.gz`, or `.zst` with the `data` extra):
+    .txt      by default the whole file is one document; `--doc-separator` cuts it into several
+              (`blank-line`: one or more empty lines, `form-feed`: "\\f", anything else is taken as a
+              literal string with backslash escapes, e.g. '\\n\\n\\n').
+    .jsonl    one JSON object per line with a string field "text" (`--text-field`); blank lines are
+              skipped, anything else is an error naming file:line.
+    .parquet  the `--text-field` column, streamed by record batches (zaya_jax.data.input_formats).
+    DIR       a Hugging Face dataset saved with `save_to_disk`: its `--text-field` column.
+The same documents give the same output whatever their input format. `--workers N` tokenizes on N
+processes (default: every core) and writes exactly what one writes (zaya_jax.data.encode); a
+progress line (documents, tokens, tokens/s, ETA) goes to stderr every few seconds. An interrupted
+run leaves nothing behind that looks complete, and is restarted from the beginning.
+`--format megatron` writes OUT.bin + OUT.idx instead (zaya_jax.data.megatron_format): every
+document in input order, each followed by the EOS token, no split (the reader holds out
+data.eval_fraction of them as `prepare` would).
 Whitespace-only documents are skipped. Documents are assigned to train/eval by systematic sampling
 (`zaya_jax.data.is_eval_document`), so the split streams and is deterministic. When that leaves
 the eval split empty (fewer than ~1 / eval_fraction documents, e.g. one .txt file read whole), the
@@ -23,32 +33,33 @@ Layout of DIR:
                                   every document followed by one EOS token
     train/shard_00000.offsets.npy int64 [num_docs + 1]; document d (incl. its EOS) is tokens[off[d]:off[d+1]]
     eval/...                      same for the held-out split
-Documents never straddle shards. The directory is built under a temporary name and renamed into
-place at the end, so an interrupted run never leaves a directory that looks complete.
+Documents never straddle shards. The directory is built under a temporary name and moved into
+place at the end, so an interrupted run never leaves a directory that looks complete. DIR must be
+new or empty; `--overwrite` replaces an existing one (never one holding an input).
 """
 
 from __future__ import annotations
 
-import argparse
 import codecs
 import dataclasses
 import gzip
 import io
 import json
 import math
+import multiprocessing
 import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from zaya_jax import cli, interrupt
-from zaya_jax.data import is_eval_document
+from zaya_jax import cli, interrupt, output_dir
+from zaya_jax.data import input_formats, is_eval_document
+from zaya_jax.data.encode import Progress, encode_documents
+from zaya_jax.data.megatron_format import MegatronWriter, megatron_dtype
 from zaya_jax.tokenizer import Tokenizer, load_tokenizer
 
 FORMAT_NAME = "zaya_jax.tokens"
@@ -56,6 +67,7 @@ FORMAT_VERSION = 1
 META_FILENAME = "meta.json"
 SPLITS = ("train", "eval")
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens = 128 MiB of uint16 per shard
+_SPAWN_MIN_BYTES = 4 << 20  # inputs smaller than this are tokenized in one process
 _ENCODE_BATCH = 256  # documents per tokenizer call (the HF tokenizer parallelises within a batch)
 
 
@@ -193,35 +205,50 @@ def parse_separator(spec: str | None) -> str | re.Pattern | None:
     return literal
 
 
-def _open_text(path: Path) -> io.TextIOBase:
+def _open_text(path: Path, raw: io.BufferedIOBase | None = None) -> io.TextIOBase:
+    """A text stream over `path` (decompressed), reading through `raw` when given (the caller
+    then closes it)."""
     if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
+        stream = gzip.GzipFile(fileobj=raw, mode="rb") if raw is not None else gzip.open(path, "rb")
+        return io.TextIOWrapper(stream, encoding="utf-8")
+    raw = raw or open(path, "rb")
+    if path.suffix == ".zst":
+        return input_formats.open_zst_text(raw, path)
+    return io.TextIOWrapper(raw, encoding="utf-8")
 
 
 def _input_kind(path: Path) -> str:
-    name = path.name[:-3] if path.name.endswith(".gz") else path.name
-    for kind in ("txt", "jsonl"):
-        if name.endswith("." + kind):
+    if input_formats.is_hf_dataset_dir(path):
+        return "hf"
+    name = path.name.removesuffix(".gz").removesuffix(".zst")
+    for kind in ("txt", "jsonl", "parquet"):
+        if name.endswith("." + kind) and not (kind == "parquet" and name != path.name):
             return kind
-    raise ValueError(f"unsupported input file {path}: expected .txt or .jsonl (optionally .gz)")
+    raise ValueError(
+        f"unsupported input {path}: expected .txt or .jsonl (optionally .gz / .zst), .parquet, "
+        "or a directory written by a Hugging Face dataset's save_to_disk"
+    )
 
 
 def iter_documents(
-    path: Path, *, separator: str | re.Pattern | None = None, text_field: str = "text"
+    path: Path,
+    *,
+    separator: str | re.Pattern | None = None,
+    text_field: str = "text",
+    raw: io.BufferedIOBase | None = None,
 ) -> Iterator[str]:
-    """Yields the raw documents of one input file (see the module docstring for the rules)."""
+    """Yields the raw documents of one input (see the module docstring for the rules); a text
+    file is read through `raw` (its compressed bytes) when given."""
     kind = _input_kind(path)
-    with _open_text(path) as f:
+    if kind == "parquet":
+        yield from input_formats.iter_parquet(path, text_field)
+        return
+    if kind == "hf":
+        yield from input_formats.iter_hf_dataset(path, text_field)
+        return
+    with _open_text(path, raw) as f:
         if kind == "txt":
-            text = f.read()
-            if separator is None:
-                parts = [text]
-            elif isinstance(separator, str):
-                parts = text.split(separator)
-            else:
-                parts = separator.split(text)
-            yield from parts
+            yield from _split_text(f.read(), separator)
             return
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -235,6 +262,53 @@ def iter_documents(
                     f"{path}:{lineno}: expected a JSON object with a string field {text_field!r}"
                 )
             yield record[text_field]
+
+
+def _split_text(text: str, separator: str | re.Pattern | None) -> list[str]:
+    if separator is None:
+        return [text]
+    if isinstance(separator, str):
+        return text.split(separator)
+    return separator.split(text)
+
+
+class _Inputs:
+    """The non-empty documents of every input in order (`texts()`), counting the empty ones
+    skipped, and how far through the input bytes the reading is (`position()`, 0..1)."""
+
+    def __init__(self, paths: list[Path], separator, text_field: str):
+        self.paths, self.separator, self.text_field = paths, separator, text_field
+        self.sizes = [_input_size(p) for p in paths]
+        self.skipped = 0
+        self._done_bytes = 0
+        self._raw: io.BufferedIOBase | None = None
+
+    def position(self) -> float:
+        current = self._raw.tell() if self._raw is not None and not self._raw.closed else 0
+        return (self._done_bytes + current) / max(sum(self.sizes), 1)
+
+    def texts(self) -> Iterator[str]:
+        for path, size in zip(self.paths, self.sizes):
+            self._raw = open(path, "rb") if path.is_file() else None
+            try:
+                for text in iter_documents(
+                    path, separator=self.separator, text_field=self.text_field, raw=self._raw
+                ):
+                    if text.strip():
+                        yield text
+                    else:
+                        self.skipped += 1
+            finally:
+                if self._raw is not None:
+                    self._raw.close()
+                self._raw = None
+            self._done_bytes += size
+
+
+def _input_size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 class _ShardWriter:
@@ -305,38 +379,43 @@ def prepare_dataset(
     doc_separator: str | None = None,
     text_field: str = "text",
     overwrite: bool = False,
+    workers: int = 1,
+    output_format: str = "zaya",
+    progress=None,
 ) -> dict:
-    """Tokenizes `inputs` into a prepared dataset at `out_dir` (layout in the module docstring).
+    """Tokenizes `inputs` into a prepared dataset at `out_dir` (layout in the module docstring),
+    on `workers` processes; `progress`: a stream for progress lines (None: none).
+    output_format "megatron" writes `out_dir`.bin + .idx instead (`_prepare_megatron`).
 
     Returns the meta dict that was written to meta.json.
     """
     paths = [Path(p) for p in inputs]
-    _check_inputs(paths, shard_tokens, eval_fraction, split_seed)
+    _check_inputs(paths, shard_tokens, eval_fraction, split_seed, text_field)
     separator = parse_separator(doc_separator)
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"output directory {out_dir} already exists (pass --overwrite to replace it)")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    reading = [("--input", str(p)) for p in paths]
+    if isinstance(tokenizer, (str, os.PathLike)) and str(tokenizer) != "byte":
+        reading.append(("--tokenizer", str(tokenizer)))
+    inputs_ = _Inputs(paths, separator, text_field)
+    # Small inputs are quicker on one process than spawning more; the output is the same.
+    encode = {"workers": 1 if sum(inputs_.sizes) < _SPAWN_MIN_BYTES else workers, "progress": progress}
+    if output_format == "megatron":
+        return _prepare_megatron(inputs_, str(out_dir), tok, overwrite=overwrite, reading=reading, **encode)
+    if output_format != "zaya":
+        raise ValueError(f"unknown output format {output_format!r} (zaya or megatron)")
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
-
-    # Build next to the destination (same filesystem, so the final rename is atomic).
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        tmp_dir.chmod(0o755)  # mkdtemp makes it owner-only; the dataset should be readable like a normal dir
+    # Built beside the destination and moved into place: meta.json, the last file, marks a complete dataset.
+    with output_dir.staged(str(out_dir), overwrite=overwrite, reading=reading, last=(META_FILENAME,)) as tmp:
+        tmp_dir = Path(tmp)
         splitter = _Splitter(
             tok,
             {s: _ShardWriter(tmp_dir / s, dtype, shard_tokens) for s in SPLITS},
             eval_fraction,
             split_seed,
         )
-        skipped = 0
-        for path in paths:
-            for text in iter_documents(path, separator=separator, text_field=text_field):
-                if text.strip():
-                    splitter.add(text)
-                else:
-                    skipped += 1
+        for ids in _encoded(inputs_, tok, **encode):
+            splitter.add(ids)
+        skipped = inputs_.skipped
         writers, held_out_tokens = splitter.finish()
         tok.save(tmp_dir)
         meta = _meta(tok, dtype, paths, doc_separator, text_field, eval_fraction, split_seed)
@@ -345,13 +424,46 @@ def prepare_dataset(
             eval_tail_tokens=held_out_tokens,
             splits={s: w.summary() for s, w in writers.items()},
         )
-        # meta.json is the last file written: its presence marks a complete dataset.
         (tmp_dir / META_FILENAME).write_text(json.dumps(meta, indent=2) + "\n")
-        _publish(tmp_dir, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
     return meta
+
+
+def _encoded(inputs: _Inputs, tok: Tokenizer, *, workers: int, progress) -> Iterator[np.ndarray]:
+    """Each non-empty input document's token ids, in order, with progress lines on `progress`."""
+    meter = Progress(inputs.position, out=progress) if progress is not None else None
+    for ids in encode_documents(inputs.texts(), tok, workers=workers, batch=_ENCODE_BATCH):
+        if meter is not None:
+            meter.add(len(ids))
+        yield ids
+    if meter is not None:
+        meter.report()
+
+
+def _prepare_megatron(
+    inputs: _Inputs, prefix: str, tok: Tokenizer, *, overwrite: bool, reading, **encode
+) -> dict:
+    """Every document, EOS appended, in input order into PREFIX.bin + PREFIX.idx (the two files
+    are checked as `--out` directories are: never over an input, replaced only with --overwrite)."""
+    for suffix in (".bin", ".idx"):
+        output_dir.check(prefix + suffix, overwrite=overwrite, reading=reading)
+    writer = MegatronWriter(prefix, megatron_dtype(tok.vocab_size))
+    try:
+        for ids in _encoded(inputs, tok, **encode):
+            writer.add(np.append(ids, tok.eos_id))
+        if len(writer.doc_ends) == 1:
+            raise ValueError("no documents to write (are the inputs empty?)")
+        counts = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    return {"format": "megatron", "prefix": prefix, "tokenizer": tokenizer_meta(tok),
+            "skipped_empty_docs": inputs.skipped, **counts}  # fmt: skip
+
+
+def tokenizer_meta(tok: Tokenizer) -> dict:
+    """meta.json's record of a tokenizer (mixture sources must agree on it)."""
+    return {"name": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+            "pad_id": tok.pad_id, "bos_id": tok.bos_id}  # fmt: skip
 
 
 def _meta(
@@ -362,13 +474,7 @@ def _meta(
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "created_unix": int(time.time()),
-        "tokenizer": {
-            "name": tok.name,
-            "vocab_size": tok.vocab_size,
-            "eos_id": tok.eos_id,
-            "pad_id": tok.pad_id,
-            "bos_id": tok.bos_id,
-        },
+        "tokenizer": tokenizer_meta(tok),
         "dtype": dtype.name,
         "inputs": [str(p) for p in paths],
         "doc_separator": doc_separator,
@@ -378,51 +484,47 @@ def _meta(
     }
 
 
-def _check_inputs(paths: list[Path], shard_tokens: int, eval_fraction: float, split_seed: int) -> None:
+def _check_inputs(
+    paths: list[Path], shard_tokens: int, eval_fraction: float, split_seed: int, text_field: str = "text"
+) -> None:
     """Every argument of prepare_dataset that can be wrong, checked before any work is done."""
     if not paths:
         raise ValueError("no input files given")
     for p in paths:
-        if not p.is_file():
+        if not p.is_file() and not input_formats.is_hf_dataset_dir(p):
             raise FileNotFoundError(f"input file not found: {p}")
-        _input_kind(p)
+        kind = _input_kind(p)
+        if kind in ("parquet", "hf"):
+            input_formats.check_text_column(p, kind, text_field)
     if shard_tokens <= 0:
         raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
     is_eval_document(0, eval_fraction, split_seed)  # validates eval_fraction
 
 
 class _Splitter:
-    """Documents -> EOS-terminated token documents, each to the train or eval writer by
-    is_eval_document. Texts are encoded in batches of _ENCODE_BATCH; the last train document is
-    written one document late, since it may give the eval split its tokens (finish)."""
+    """Token documents -> EOS-terminated documents, each to the train or eval writer by
+    is_eval_document. The last train document is written one document late, since it may give the
+    eval split its tokens (finish)."""
 
     def __init__(self, tok: Tokenizer, writers: dict, eval_fraction: float, split_seed: int):
         self.tok, self.writers = tok, writers
         self.eval_fraction, self.split_seed = eval_fraction, split_seed
         self.doc_index = 0
-        self.batch: list[str] = []
         self.last_train: list[np.ndarray] = []
 
-    def add(self, text: str) -> None:
-        self.batch.append(text)
-        if len(self.batch) >= _ENCODE_BATCH:
-            self._encode_batch()
-
-    def _encode_batch(self) -> None:
-        for ids in self.tok.encode_batch(self.batch):
-            doc = np.asarray(ids + [self.tok.eos_id], dtype=np.int64)
-            if is_eval_document(self.doc_index, self.eval_fraction, self.split_seed):
-                self.writers["eval"].add(doc)
-            else:
-                if self.last_train:
-                    self.writers["train"].add(self.last_train.pop())
-                self.last_train.append(doc)
-            self.doc_index += 1
-        self.batch.clear()
+    def add(self, ids: np.ndarray) -> None:
+        """One document's token ids (without EOS)."""
+        doc = np.append(np.asarray(ids, np.int64), self.tok.eos_id)
+        if is_eval_document(self.doc_index, self.eval_fraction, self.split_seed):
+            self.writers["eval"].add(doc)
+        else:
+            if self.last_train:
+                self.writers["train"].add(self.last_train.pop())
+            self.last_train.append(doc)
+        self.doc_index += 1
 
     def finish(self) -> tuple[dict, int]:
         """(the flushed writers, tokens of the last document held out as the eval split)."""
-        self._encode_batch()
         writers, held_out_tokens = self.writers, 0
         if self.last_train and writers["eval"].num_docs == 0 and self.eval_fraction > 0:
             # Too few documents for a whole one to fall to eval (e.g. one .txt file read whole):
@@ -440,18 +542,6 @@ class _Splitter:
         if writers["train"].num_docs == 0:
             raise ValueError("no documents ended up in the train split (are the inputs empty?)")
         return writers, held_out_tokens
-
-
-def _publish(tmp_dir: Path, out_dir: Path) -> None:
-    """Moves the finished dataset into place; an existing one (overwrite) is moved aside first and
-    deleted only afterwards."""
-    if out_dir.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        os.replace(out_dir, trash / out_dir.name)
-        os.replace(tmp_dir, out_dir)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp_dir, out_dir)
 
 
 def _format_summary(out_dir: Path, meta: dict) -> str:
@@ -511,7 +601,22 @@ def arg_parser() -> cli.ArgumentParser:
         "blank-line, form-feed, or a literal string such as '\\n\\n\\n'",
     )
     parser.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl")
-    parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace DIR if it exists (never one holding an input)"
+    )
+    parser.add_argument(
+        "--workers",
+        type=cli.Int(min=1),
+        default=multiprocessing.cpu_count(),
+        help="tokenizing processes (default: every core; one for inputs under 4 MiB); "
+        "the output is the same for any number",
+    )
+    parser.add_argument(
+        "--format",
+        choices=("zaya", "megatron"),
+        default="zaya",
+        help="zaya: DIR of train/eval shards (default); megatron: OUT.bin + OUT.idx, every document",
+    )
     return parser
 
 
@@ -520,28 +625,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # a signal raises at once: prepare_dataset removes its unfinished temporary directory
         with interrupt.handled("prepare", mode="raise", kept=lambda: f"nothing written to {args.out}"):
-            meta = _prepare(args)
+            meta = prepare_dataset(
+                args.input,
+                args.out,
+                tokenizer=args.tokenizer,
+                eval_fraction=args.eval_fraction,
+                split_seed=args.split_seed,
+                shard_tokens=args.shard_tokens,
+                doc_separator=args.doc_separator,
+                text_field=args.text_field,
+                overwrite=args.overwrite,
+                workers=args.workers,
+                output_format=args.format,
+                progress=sys.stderr,
+            )
     except interrupt.Interrupted as e:
         raise interrupt.Interrupted(e.signum, f"nothing written to {args.out}") from None
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(_format_summary(Path(args.out), meta))
+    if args.format == "megatron":
+        print(f"wrote {args.out}.bin + {args.out}.idx: {meta['num_docs']:,} docs, {meta['num_tokens']:,} "
+              f"tokens, {meta['dtype']} (tokenizer {meta['tokenizer']['name']}, "
+              f"eos {meta['tokenizer']['eos_id']})")  # fmt: skip
+    else:
+        print(_format_summary(Path(args.out), meta))
     return 0
-
-
-def _prepare(args: argparse.Namespace) -> dict:
-    return prepare_dataset(
-        args.input,
-        args.out,
-        tokenizer=args.tokenizer,
-        eval_fraction=args.eval_fraction,
-        split_seed=args.split_seed,
-        shard_tokens=args.shard_tokens,
-        doc_separator=args.doc_separator,
-        text_field=args.text_field,
-        overwrite=args.overwrite,
-    )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from typing import Any
 
 import flax
@@ -24,6 +22,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from zaya_jax import output_dir
 from zaya_jax.hf import config as hf_config
 from zaya_jax.hf.names import TensorMap, check_registered, is_legacy, legacy_map, native_map
 from zaya_jax.hf.safetensors_io import SafetensorsError, iter_tensors, plan_shards, read_header, write_file
@@ -152,12 +151,15 @@ def save_pretrained(
     *,
     dtype: str = "bfloat16",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
 ) -> None:
     """Writes `variables` as a transformers ZayaForCausalLM directory (native layout).
 
     config.json, generation_config.json and model.safetensors (or model-0000i-of-0000n.safetensors +
-    model.safetensors.index.json past `max_shard_bytes`). The directory is assembled beside `path`
-    and swapped in at the end, so an interrupted export never leaves a half-written checkpoint.
+    model.safetensors.index.json past `max_shard_bytes`). `path` must be new or an empty directory;
+    an existing file or non-empty directory is replaced only with `overwrite=True` (else
+    cli.UserError). The directory is assembled beside `path` and moved into place at the end
+    (zaya_jax.output_dir), so an interrupted export never leaves a half-written checkpoint.
     """
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"save_pretrained: dtype {dtype!r} not in {sorted(EXPORT_DTYPES)}")
@@ -183,15 +185,10 @@ def save_pretrained(
         return tuple(m.transform.to_hf(np.empty(slice_shape, np.float32)).shape)
 
     specs = [(m.hf, hf_shape(m), np.dtype(export_dtype(m))) for m in table]
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
-    try:
+    with output_dir.staged(
+        path, flag="save_pretrained: path", overwrite=overwrite, last=("config.json",)
+    ) as tmp:
         _write_directory(tmp, cfg, dtype, plan_shards(specs, max_shard_bytes), produce)
-        _swap_in(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _check_variables(cfg: ZayaConfig, flat: dict[tuple[str, ...], Any]) -> None:
@@ -236,14 +233,3 @@ def _write_json(path: str, obj: Any) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
-
-
-def _swap_in(tmp: str, path: str) -> None:
-    """Replaces `path` by the finished directory `tmp`; an existing `path` is kept until the end."""
-    if os.path.exists(path):
-        old = tmp + ".old"
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, path)

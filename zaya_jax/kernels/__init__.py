@@ -49,14 +49,14 @@ SUPPORTED: dict[str, dict[str, str]] = {
 
 
 GPU_PLATFORMS = ("cuda", "rocm")  # the platforms with a Pallas Triton lowering
-# Where optim.muon.ns_impl="auto" is the Pallas kernel: on an H200 XLA's cuBLAS GEMMs ran Muon's
-# Newton-Schulz 1.1-1.3x faster than the kernel on every measured shape, fp32 and bf16
-# (benchmarks/README.md, "Measured on one H200"); ROCm is not measured yet.
+# Where optim.muon.ns_impl="auto" is the Pallas kernel: on CUDA XLA's cuBLAS GEMMs run Muon's
+# Newton-Schulz faster than the kernel on every measured shape (docs/performance.md, `kernels`);
+# ROCm is not measured.
 NS_AUTO_PALLAS = ("rocm",)
 # Where the XLA Newton-Schulz iterates a stack's slices one after the other (`orthogonalize`'s
-# per_slice): XLA:CPU ran 2-D matmul chains 1.4-2.1x faster than one batched chain on Muon's expert
-# stacks ([16, 512, 1024] 0.91 vs 1.28 s, [32, 128, 256] 57 vs 118 ms; benchmarks/README.md), and
-# holds one slice's temporaries instead of the stack's. GPUs keep the batched chain.
+# per_slice): XLA:CPU runs 2-D matmul chains faster than one batched chain on Muon's expert stacks
+# (docs/performance.md, "Choices inside the code"), and holds one slice's temporaries instead of
+# the stack's. GPUs keep the batched chain.
 NS_PER_SLICE = ("cpu",)
 
 

@@ -3,52 +3,7 @@
     pick_blocks(kernel, shapes, dtype, platform=None) -> dict of block sizes (+ num_warps /
                                                            num_stages)
 
-kernel      shapes keys                         returns
-----------  ----------------------------------  -----------------------------------------------
-flash_attention  seq_q, seq_k, head_dim         block_q, block_k (forward), block_q_bwd,
-                                                block_k_bwd, num_warps, num_stages
-grouped_matmul   m (rows T), k, n, [groups]     block_m, block_n, block_k, num_warps, num_stages
-tgmm             m (rows T), k, n, [groups]     block_m (the reduction over rows), block_k,
-                                                block_n (the [K, N] output tile), num_warps, ...
-newton_schulz    m, n (after the wide transpose) block (square output tile), block_k, num_warps, ...
-blockwise_attention  seq_q, seq_k               block_q, block_k (plain XLA, zaya_jax/kernels/
-                                                blockwise_attention.py; no warps)
-
-Sizing rules (why these numbers)
---------------------------------
-* Powers of two, >= 16. Triton tensors must have power-of-two sizes and `tl.dot` needs every
-  dimension >= 16 (MFMA on CDNA3 and mma on Hopper are 16/32-wide). Dimensions of the problem
-  that are multiples of 64/128 (ZAYA1: d = I = 2048, hd = 128, S = 4096) then tile exactly.
-* Shared memory (LDS) is the binding limit. MI300X has 64 KiB of LDS per CU (H100/H200: up to
-  227 KiB of shared memory per SM), so the table is sized for the 64 KiB budget and is therefore
-  valid on both. A bf16 128x64 operand tile is 16 KiB; fp32 doubles every tile, so fp32 halves the
-  reduction block (block_k) instead of the output tile.
-* Attention forward: block_q = block_k = 128 for head_dim <= 128 (one 128x128 fp32 score tile in
-  registers per program, K and V tiles of 128 x hd bf16 = 32 KiB each); head_dim > 128 -> 64 so
-  K/V tiles stay within budget; fp32 -> block_k 64. Backward (dq, dk/dv) holds ~2x more live
-  tiles (q, k, v, do, the accumulators) -> 64 x 64. Short sequences clip every block to the
-  next power of two of the sequence (min 16) so a 20-token test runs one 32-row tile, not 128.
-* num_warps is counted in NVIDIA warps of 32 threads: 4 for tiles up to 64 x 64 (or head_dim
-  <= 64), else 8, i.e. 128 / 256 threads. On ROCm a Triton "warp" is a 64-lane wavefront, so the
-  same thread count is half the warps (platform="rocm": 2 / 4, the AMD Triton tutorials' 4 warps
-  for a 128 x 128 attention tile).
-* num_stages is None: the Pallas Triton lowering's backend default, 1 on ROCm (the AMD backend
-  does not multi-buffer through LDS; a deeper pipeline would not fit 64 KiB anyway) and 3 on CUDA
-  (3 x 32 KiB of staged bf16 tiles fits Hopper's shared memory).
-* Grouped matmul: 128 x 128 output tiles with block_k 64 (bf16) / 32 (fp32). When the average
-  group (tokens per expert) is below 128 rows, block_m drops to 64 (then 32, 16): a group smaller
-  than block_m wastes the padded rows of its tile, and every group boundary costs one partial
-  tile. tgmm (the weight gradient) reduces over rows, so its block_m is the pipelined reduction
-  block (64 bf16 / 32 fp32) and its output tile is block_k x block_n = 128 x 128; its last chunk
-  of every group is padded too, so block_m drops with the average group the same way (else at 32
-  experts of 16 tokens each the weight gradient ran 4x the routed rows; tests/test_gpu_compile.py).
-* Blockwise attention (plain XLA, any backend): block_q = block_k = 512, clipped to short
-  sequences like the rest. No shared memory to fit: the bound is the per-block logits [b, k, g*bq,
-  bk] fp32 (4 MiB per kv head at G = 2) against the loop overhead per block. Measured at 4096
-  tokens (configs/tiny.py, 2 CPU cores, forward + backward): blocks 256 4.3 s, 512 3.5 s, 1024
-  6.5 s, XLA's temporaries the same 0.34 GiB for all three.
-* Newton-Schulz: square 128 x 128 output tiles (64 for matrices whose short side is < 128), block_k
-  32 for fp32 (the default ns_dtype) / 64 for bf16.
+The design: docs/design/kernels.md.
 """
 
 from __future__ import annotations
@@ -58,9 +13,9 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 # attention_impl="auto" off GPUs: blockwise attention from this many key positions on, the dense
-# XLA softmax below (kernels.attention_choice). configs/tiny.py, batch 1, forward + backward on
-# 2 CPU cores (benchmarks/README.md "Long context"): at 512 one block, blockwise 0.36 s vs xla
-# 0.32 s; at 1024 0.50 s vs 1.04 s and 0.08 vs 0.26 GiB of temporaries; the gap grows with S.
+# XLA softmax below (kernels.attention_choice): at 512 keys blockwise is one block and no faster;
+# from 1024 on it wins on time and temporaries, more so as S grows (docs/performance.md,
+# `long_context`).
 BLOCKWISE_AUTO_MIN_SEQ = 1024
 
 KERNELS = ("flash_attention", "grouped_matmul", "tgmm", "newton_schulz", "blockwise_attention")

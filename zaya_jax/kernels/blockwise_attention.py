@@ -5,21 +5,7 @@
   head n // G. Masks from per-token inputs: positions of queries and keys (causal on positions),
   a key padding mask, packed-document segment ids, a sliding window (attention_allowed's).
 
-Schedule: a scan over query blocks of `block_q` rows; per query block a while loop over only the
-key blocks that can hold an allowed pair, found from per-block min / max of positions and segment
-ids and any() of the key mask (`_needed_blocks`, exact for any positions: a block is skipped only
-when no pair in it can be allowed). With training's arange positions that is the causal triangle
-(and the window's band); with a context rank's query chunk against the gathered keys, the keys up
-to the chunk's end. Within a block the mask is applied elementwise. Softmax is online (running max
-and sum in fp32); the backward (custom_vjp) saves only the output and the log-sum-exp per row and
-recomputes each visited block, so forward and backward hold O(S x block) besides q, k, v.
-
-A fully masked query row (no allowed key, e.g. a padding query) gets the mean of all T values and
-no q / k gradient, as xla_attention's finite MASK_VALUE softmax gives it: no NaN anywhere.
-
-Layout as xla_attention's: each kv head's G query heads are stacked as rows, m = g * block_q + s,
-so both products are batched matmuls over (b, k) and the logits [b, k, m, t] are already in the
-layout the second product reads.
+The schedule, masking and layout: docs/design/kernels.md.
 """
 
 from __future__ import annotations

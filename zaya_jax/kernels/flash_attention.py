@@ -5,53 +5,7 @@
                     q_offset=None)
       -> [B, Sq, Nq, hd] in q's dtype
 
-Same semantics as `zaya_jax.kernels.xla_attention.xla_attention` with the mask of `attention_allowed`
-(see `reference_attention`, the pure-XLA version used by the tests):
-
-  * positions are `arange`: key t sits at position t, query s at position s + q_offset, by default
-    q_offset = Sk - Sq (for Sq == Sk, the training case, both are arange; Sq < Sk is the "queries
-    are the last Sq tokens" convention of a KV cache). q_offset may be a traced int32 scalar: a
-    context rank's query chunk starts at rank * Sq inside the gathered keys (zaya_jax/parallel/
-    context.py), known only inside shard_map. The model's mask is built from its `positions`; the two
-    agree whenever positions increase by 1 from token to token inside each segment: the default
-    arange, and also positions that restart at every packed document when segment ids are given;
-  * causal: key position <= query position;
-  * key_mask [B, Sk] (1 = token, 0 = padding): keys with 0 are hidden;
-  * q_segment_ids [B, Sq] / kv_segment_ids [B, Sk] (packed documents): only equal ids attend;
-  * sliding_window w (Python int or traced int32 scalar, e.g. the per-layer value scanned over
-    layers; w <= 0 means no window): only keys with position > query position - w;
-  * GQA: query head j reads kv head j // (Nq // Nkv) (chosen in the BlockSpec index_map, no
-    repeat of K/V in memory);
-  * fp32 logits, fp32 online softmax, fp32 accumulation, output cast to q's dtype.
-
-Fully masked query rows (e.g. a padding query whose every earlier key is padding). The XLA path
-writes a finite MASK_VALUE into masked logits, so such a row's softmax is uniform over ALL Sk keys:
-its output is mean_t v[t] and its gradient reaches only v (dv += dout / Sk; dq = dk = 0). The
-kernel reproduces this convention exactly: it detects the rows (no allowed key seen, recorded as a
-+1e30 logsumexp), writes 0 for them, and the wrapper replaces them with mean_t v and adds the dv
-term in the backward (cheap [B, Nkv, hd] reductions outside the kernels).
-
-Kernels (all `pl.pallas_call` + `plgpu.CompilerParams`, i.e. the Triton lowering, which is the
-Pallas path that exists on ROCm as well as CUDA; nothing Mosaic/TPU-specific):
-
-  forward   grid (Sq/bq, B, Nq). Each program keeps a [bq, hd] query tile and loops over key
-            blocks [lo, hi) with the online softmax; causal and sliding-window block skipping
-            set lo/hi per query block (the window and the query offset may be traced scalars:
-            dynamic loop bounds);
-            writes o and the base-2 logsumexp (the residual for the backward).
-  dq        grid (Sq/bq, B, Nq): recomputes P = exp2(s - lse) per key block,
-            dS = P * (dP - delta), dq += dS k.
-  dk/dv     grid (Sk/bk, B, Nkv): one program owns a [bk, hd] K/V tile and loops over the G query
-            heads of its group and the query blocks that can see it: dv += P^T do,
-            dk += dS^T q. Summing the GQA group inside the kernel avoids a [B, Sk, Nq, hd] temp.
-  delta = rowsum(o * do) is a plain fused XLA reduction.
-
-Ragged edges: every ref is a whole [S, hd] slab per (batch, head) (squeezed BlockSpec dims) and
-tiles are read/written with `plgpu.load/store(ref.at[pl.ds(start, block)], mask=...)`, so Sq and
-Sk need not be multiples of the block sizes, and no row outside the array is touched (the Triton
-lowering adds no bounds checks of its own). Block sizes and the (padded) head dim are powers of
-two >= 16 (Triton's tensor-size and dot-shape rules); a head dim that is not a power of two is
-zero-padded outside the kernel (zero columns change neither q.k nor the kept output columns).
+The design: docs/design/kernels.md.
 """
 
 from __future__ import annotations

@@ -6,27 +6,7 @@
     tgmm(lhs [T, K], dout [T, N], group_sizes [G]) -> [G, K, N]
       out[g] = lhs_g^T dout_g (the weight gradient; an empty group gives zeros).
 
-Design (megablocks / Triton grouped-GEMM style, no scalar prefetch: the Triton lowering has none):
-
-* Outside the kernel, plain jnp computes the group offsets and a static-length tile list. The row
-  range is split into G + 1 groups: the G real ones and a "tail" pseudo-group covering the rows
-  past sum(group_sizes). Each group is cut into tiles of block_m rows starting at the group's first
-  row, so a tile never mixes two groups; a group smaller than block_m is one partial tile and an
-  empty group has no tile. The list has a static upper bound of T // block_m + G + 1 tiles;
-  unused trailing entries are empty (start = end) and do nothing. tile_group / tile_start /
-  tile_end are int32 arrays the kernel reads as scalars.
-* gmm grid (tiles, N / block_n). A program loads its group id and row range, loops over K in
-  block_k chunks (masked loads for ragged rows/K/N edges; rhs[g] is addressed by the loaded group
-  id, the whole rhs being one ref) and stores its [block_m, block_n] tile with a row mask, so
-  programs of neighbouring groups never write each other's rows. Tail tiles run zero K
-  iterations and store zeros: every output row is written exactly once, no memset needed.
-* tgmm grid (G, K / block_k, N / block_n). A program owns one [block_k, block_n] tile of out[g]
-  and loops over its group's rows in block_m chunks (dynamic trip count cdiv(size_g, block_m);
-  an empty group stores zeros).
-* custom_vjp: dlhs = gmm(dout, rhs^T) (the same kernel reading rhs transposed: no transposed
-  copy of the weights) and drhs = tgmm(lhs, dout). Operand tiles are cast in-kernel to the
-  compute dtype (the narrower operand dtype, see `_compute_dtype`: a bf16 x fp32-cotangent
-  product runs in bf16), fp32 accumulation; fp32 operands use IEEE fp32 dots (no TF32).
+The design: docs/design/kernels.md.
 """
 
 from __future__ import annotations

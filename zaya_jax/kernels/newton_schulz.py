@@ -4,29 +4,7 @@
         -> [..., m, n] in x.dtype          plain XLA: the optimizer's default and the reference
     newton_schulz(x, same keywords, block=..., interpret=...)       the Pallas kernels below
 
-Both: every leading axis is a batch axis (layers, experts: [l, e, d, f] stacks run as one batched
-matmul chain), each [m, n] slice is Frobenius-normalised (fp32, + eps) and iterated with its Gram
-matrix on the short side ([min, min]). No gradients: NS is an optimizer transform. The optimizer
-(`zaya_jax.optim.muon`) imports `orthogonalize` from here; kernels never import optim or model.
-
-The Pallas kernel transposes tall slices so it only needs the wide case; the XLA version instead
-contracts the long axis in place (A = X^T X, X <- a X + X (b A + c A^2)), so no transposed copy of
-the stack is made.
-
-In the Pallas version one step X <- a X + (b A + c A^2) X, A = X X^T, is three launches of one
-batched, tiled matmul kernel whose polynomial is fused into the epilogue (no separate elementwise
-passes over HBM):
-
-  A = X X^T           symmetric: only tiles i <= j are computed, each stored at (i, j) and
-                      mirrored (transposed) to (j, i) -> half the FLOPs of this product
-  B = b A + c A A     symmetric again (A A = A A^T): same triangle trick, epilogue b*A + c*acc
-  X = a X + B X       full grid, epilogue a*X + acc
-
-Each kernel program owns one [block, block] output tile of one batch matrix (grid (batch,
-rows/block, cols/block)), loops over the reduction in block_k chunks with fp32 accumulation
-(IEEE fp32 dots for fp32 operands: no TF32, like the reference's Precision.HIGHEST), masks ragged
-edges, and rounds once to ns_dtype when storing. The steps run in a `lax.fori_loop`, so the three
-kernels are compiled once whatever ns_steps is.
+The design: docs/design/kernels.md.
 """
 
 from __future__ import annotations
@@ -73,7 +51,7 @@ def orthogonalize(
     steep slope at 0 so small singular values grow fast.
 
     per_slice: iterate the slices one after the other (a loop of 2-D matmul chains) instead of as
-    one batched chain: on XLA:CPU 1.4-2.1x faster for Muon's expert stacks, and its temporaries are
+    one batched chain: faster on XLA:CPU for Muon's expert stacks (docs/performance.md), and its temporaries are
     one slice's, not the stack's (kernels.NS_PER_SLICE says where the optimizer asks for it).
     """
     if x.ndim < 2:

@@ -2,32 +2,10 @@
 
 XLA:CPU expands `jax.lax.ragged_dot` into masked dense matmuls (every group's weights meet every
 row: G times the work). Here each group's rows (consecutive, in group order) are cut into row
-tiles of tm rows and every tile is multiplied by its own group's weights only:
+tiles of tm rows and every tile is multiplied by its own group's weights only
+(`tiled_grouped_matmul`, and the experts' SwiGLU in one loop: `tiled_swiglu`).
 
-    tiled_grouped_matmul(lhs [T, K], rhs [G, K, N], group_sizes [G]) -> [T, N]
-        `jax.lax.ragged_dot`'s contract (rows past sum(group_sizes) are 0); custom_vjp, the
-        backward is tiled the same way:
-          dlhs[tile] = dout[tile] @ rhs[g]^T        drhs[g] = sum over g's tiles of lhs[tile]^T dout[tile]
-
-Two nested loops: over groups (each group's [K, N] weights sliced once, its drhs accumulated in
-the loop carry and emitted once), and over that group's ceil(size / tm) tiles. A tile is a window
-of tm rows of the sorted rows themselves, no padded copy: tile i of a group starting at row a
-reads rows [lo, lo + tm) with lo = a + i * tm, shifted back to T - tm where it would run past the
-last row (`tile_window`); the rows of the window outside [lo, group end) belong to an earlier
-tile or another group: they are read as zeros (`_rows`) and left out of the write, so no group's
-weights ever meet another group's rows (they act as megablox's zero padding). So every routed row
-is computed once per projection, and the work is at most (T / tm + G) tile products: it scales
-with T, not G * T.
-
-    tiled_swiglu(x [T, d], gate_up [G, d, 2f], down [G, f, d], group_sizes [G], act) -> fp32 [T, d]
-        the experts' SwiGLU on the same tiles, both projections and the activation in ONE loop
-        (the MoE's `tiled` path): half the loop trips of two tiled_grouped_matmul calls, and the
-        [tm, 2f] intermediate stays in the tile. Its backward is one loop too, on h [T, 2f] kept
-        from the forward.
-
-On XLA:CPU a loop trip costs more than its dot at these sizes, hence the fused loop and a tile
-about as big as a typical group (`pick_tile`). Axis letters: t (T) rows, r rows in a tile (tm),
-k contraction, m output columns, g groups; d model width and f expert FFN width in tiled_swiglu.
+The design: docs/design/kernels.md.
 """
 
 from __future__ import annotations
@@ -105,8 +83,8 @@ def _scan_groups(group, dy, x, weights, per_group):
     a [G, ...] gradient like its weight in `weights`. Returns (dx, (dw, ...)).
 
     Why not lax.scan's stacked outputs: their zero-filled [G, ...] buffers are constants, so XLA
-    built them (and a copy per layer) during the forward pass, and mid's 6 unrolled layers held
-    288 MiB of expert-weight-sized zeros through the step's peak (its fwd/bwd boundary). Here they
+    built them (and a copy per layer) during the forward pass, and the unrolled layers held
+    expert-weight-sized zeros through the step's peak (its fwd/bwd boundary). Here they
     are broadcast from a zero computed from dy: not a constant, so none of them is built before the
     backward reaches the layer, nor shared (and copied) across layers. (An optimization_barrier
     does not do it: XLA:CPU expands barriers before scheduling and the constant comes back.) Every

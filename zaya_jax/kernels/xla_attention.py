@@ -54,8 +54,8 @@ def xla_attention(
     are already in the layout the second dot reads, and the softmax runs over the contiguous last
     axis. Only q, k, v and the output (h wide) are transposed, never the [.., s, t] tensors; the
     mask is a broadcast XLA fuses into the softmax. (The other layout, logits [b, k, g, s, t] from
-    q [b, s, k, g, h], made XLA copy the logits around both dots and the softmax: ~2x slower on
-    CPU.) The core's gradient is written by hand (`_core_bwd`): it keeps q, k, v, the [b, s, t] mask
+    q [b, s, k, g, h], made XLA copy the logits around both dots and the softmax: slower on
+    CPU, docs/performance.md.) The core's gradient is written by hand (`_core_bwd`): it keeps q, k, v, the [b, s, t] mask
     and the probabilities for the backward, where autodiff of the softmax kept four to five
     [b, k, m, t] fp32 tensors a layer (docs/model.md §2.1.7).
     """
@@ -112,6 +112,6 @@ def contract_rows(x_bkmh: jax.Array, y_bkmt: jax.Array) -> jax.Array:
     """sum over m of y[.., m, t] x[.., m, h] -> [b, k, t, h] fp32: the backward's dk and dv.
 
     Written with the [m, h] operand first (a [b, k, h, t] product, then swapped): XLA:CPU runs
-    that 2-3x faster than "bkmt,bkmh->bkth" at h = 32 (tiny's [16, 2, 256, 128] probabilities:
-    0.40 against 1.10 ms), and no slower at h = 64."""
+    that faster than "bkmt,bkmh->bkth" at h = 32 and no slower at h = 64 (docs/performance.md,
+    "Choices inside the code")."""
     return jnp.einsum("bkmh,bkmt->bkht", x_bkmh, y_bkmt, preferred_element_type=jnp.float32).swapaxes(-1, -2)

@@ -181,7 +181,7 @@ def _grouped_conv_btc(x_btc: jax.Array, w_kic: jax.Array, groups: int, pad: int)
 def grouped_conv(x_btc: jax.Array, w_kic: jax.Array, groups: int) -> jax.Array:
     """Grouped 'valid' cross-correlation [B, T, C] -> [B, T-k+1, C] (fp32), one group per head.
 
-    On XLA:CPU the grouped convolution is ~3x faster forward than one einsum per tap, but
+    On XLA:CPU the grouped convolution is faster forward than one einsum per tap, but
     autodiff's backward of it is slow (fwd+bwd slower than the einsums). So the backward is
     written out: the input gradient is again a convolution (padded, with the kernel flipped in
     time and each group's block transposed), the weight gradient one matmul per tap."""

@@ -79,7 +79,7 @@ class ZayaConfig:
     remat: str = "none"
     # How the blocks run: "scan" = one lax.scan over the [l, ...] parameter stacks (one compiled block
     # whatever the depth), "unroll" = the same scan fully unrolled (straight-line blocks: no stacked
-    # loop buffers to zero-fill and copy; ~1.1-1.2x faster tiny CPU step, ~2x its compile time),
+    # loop buffers to zero-fill and copy: a faster CPU step for a longer compile, docs/performance.md),
     # "auto" = unroll on CPU up to 8 blocks, scan otherwise (zaya_jax/model/transformer.py; the CPU
     # configs tiny.py and mid.py set it). Parameters are [l, ...] either way.
     scan_layers: str = "scan"

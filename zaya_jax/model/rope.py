@@ -22,8 +22,8 @@ def rope_cos_sin(
     inv_freq = 1.0 / (jnp.asarray(theta, jnp.float32) ** exponent)  # [P / 2]
     freqs = positions_bs.astype(jnp.float32)[..., None] * inv_freq  # [B, S, P / 2]
     # transformers takes cos / sin of [freqs, freqs]; here each half once (the same values). XLA:CPU
-    # re-evaluated the concatenated form in every fusion that read it: tiny's step held 29 sin / cos
-    # of [B, S, P], now 3 of [B, S, P / 2].
+    # re-evaluates the concatenated form in every fusion that reads it (tiny's step: 29 sin / cos
+    # of [B, S, P] against 3 of [B, S, P / 2] this way).
     cos, sin = jnp.cos(freqs), jnp.sin(freqs)
     return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
 

@@ -13,36 +13,8 @@ registry does not list raises ValueError, so a new parameter can never silently
 land on the wrong optimizer.
 ``describe_routing(params)`` lists ``(path, shape, label)`` for inspection.
 
-Config fields (``default_optim_config()``; ``cfg`` may be the training config
-with an ``optim`` field or the optim ConfigDict itself)::
-
-    optim.lr                 peak learning rate (both optimizers, times their lr_multiplier)
-    optim.schedule           "wsd" | "cosine" | "constant"  (see zaya_jax.optim.schedules)
-    optim.warmup_steps       linear warmup length in steps
-    optim.decay_fraction     wsd: fraction of total_steps spent decaying
-    optim.decay_steps        wsd: decay length in steps; overrides decay_fraction if not None
-    optim.decay_shape        wsd: "linear" | "cosine" | "sqrt"
-    optim.final_lr_fraction  wsd/cosine: lr at the last step = lr * final_lr_fraction
-    optim.clip_grad_norm     max global grad norm (over ALL params); 0 or None disables
-    optim.adamw.b1, .b2, .eps
-    optim.adamw.weight_decay decoupled, times lr; only on params whose rule says decay
-    optim.adamw.lr_multiplier
-    optim.muon.beta          momentum (0.95)
-    optim.muon.nesterov      Nesterov look-ahead (True)
-    optim.muon.bias_correction  optax-style bias-corrected Nesterov mix (True)
-    optim.muon.ns_steps      Newton–Schulz iterations (5)
-    optim.muon.ns_coeffs     quintic NS coefficients (3.4445, -4.7750, 2.0315)
-    optim.muon.ns_dtype      "float32" | "bfloat16": dtype NS runs in
-    optim.muon.ns_impl       "xla" | "pallas" | "auto": who runs NS (auto = Pallas on ROCm, XLA's
-                             GEMMs elsewhere, kernels.NS_AUTO_PALLAS; on the `platform` of
-                             make_optimizer, the devices the step is compiled for)
-    optim.muon.mu_dtype      momentum buffer dtype ("float32")
-    optim.muon.eps           added to the Frobenius norm before NS
-    optim.muon.consistent_rms  0.2: update RMS matched to AdamW (lr/wd transfer);
-                             None: reference Muon scaling sqrt(max(1, out/in))
-    optim.muon.weight_decay  decoupled, times lr
-    optim.muon.lr_multiplier
-
+Config fields: ``default_optim_config()`` (``cfg`` may be the training config with an ``optim``
+field or the optim ConfigDict itself); every key and its meaning: docs/reference/config.md.
 ``total_steps`` is an argument of :func:`make_optimizer`, not a config field.
 """
 

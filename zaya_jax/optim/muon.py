@@ -1,28 +1,6 @@
 """Muon: momentum orthogonalised by a quintic Newton–Schulz iteration.
 
-Our own implementation (not a wrapper of ``optax.contrib.muon``), laid out like
-optax's so the two can be compared update-for-update:
-
-    muon(lr) = chain(scale_by_muon,          # Nesterov momentum + NS orthogonalisation
-                     scale_by_shape,         # per-matrix RMS scaling
-                     add_decayed_weights,    # decoupled weight decay
-                     scale_by_learning_rate) # -lr * (...)
-
-Tensor axes
------------
-The matrix of every parameter is its LAST TWO axes, ``[..., fan_in, fan_out]``
-(flax ``Dense`` kernels are ``[in, out]``). Every leading axis is a batch axis:
-scanned layer kernels are ``[L, in, out]`` and stacked expert tensors are
-``[L, E, in, out]``; each ``[in, out]`` slice is normalised and orthogonalised on
-its own, so one layer/expert never influences another's update.
-
-Differences from the reference Muon (github.com/KellerJordan/Muon) are opt-in:
-* ``bias_correction=True`` (default) reproduces optax's Adam-style bias-corrected
-  Nesterov mix; ``False`` gives the reference ``lerp(g, m, beta)``.
-* ``consistent_rms=0.2`` (default; optax's name for the option) gives the
-  Moonlight scaling ``0.2 * sqrt(max(fan_in, fan_out))`` so the update RMS matches
-  AdamW's and AdamW learning rates / weight decay transfer; ``None`` gives the
-  reference width scaling ``sqrt(max(1, fan_out / fan_in))``.
+Tensor axes and the differences from the reference Muon: docs/design/optimizer.md.
 """
 
 from __future__ import annotations

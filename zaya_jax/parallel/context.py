@@ -1,44 +1,10 @@
 """Context parallelism: every sequence split over the "context" mesh axis (docs/model.md §4: the 32k phase).
 
-Rank r of the R context ranks holds positions [r*S/R, (r+1)*S/R) of every sequence of its rows
-(batch [B, S] laid out P(ROW_AXES, "context")), or with the zigzag layout (below) two chunks of
-S/(2R) positions. Everything per token (projections, norms, RoPE,
-router, experts, loss) then runs locally; only two things in a block read other positions:
-
-  * CCA's causal convolution and value shift need the last few rows before the rank's first
-    position: `left_halo` sends each rank's last rows to the next rank (one collective-permute;
-    the zigzag layout below adds one the other way); rank 0 receives zeros, which is exactly the
-    global left zero-padding. The halo carries conv
-    INPUTS (the raw q0/k0 projections): the first conv's output inside the padding is its bias,
-    not zero, so the conv must be recomputed over the halo rather than receive outputs;
-  * attention reads every key: `gather_sequence` all-gathers keys and values (after conv, norm and
-    RoPE) over the axis, and queries keep their own positions (the causal mask is on GLOBAL
-    positions, so rank r's queries see the keys of ranks <= r).
-
-Reductions over tokens (loss, expert counts for balancing, dropped tokens) are sums over global
-arrays, so they already include every context rank. Where tokens are regrouped (the MoE's flat
-[B*S] tokens, the loss's chunks) `flatten_tokens` / `fold_sequences` order them so that no data
-moves: "context" is the LAST mesh axis, so the flat tokens are exactly P(MESH_AXES), the layout of
-the expert all-to-all (zaya_jax/parallel/expert.py), and the loss scans each rank's own chunks.
-
-Layouts (mesh.context_layout). "contiguous": rank r owns the r-th of R chunks. The XLA attention
-computes each rank's [S/R, S] scores in full (masked ones too), so ranks do equal work; the
-blockwise attention (attention_impl='blockwise', or 'auto' from BLOCKWISE_AUTO_MIN_SEQ keys) skips
-the key blocks after a rank's chunk, which leaves rank R-1 about (2R-1)/R times the average.
-"zigzag" (load-balanced, dual-chunk): S is cut into 2R chunks c_0..c_{2R-1} and rank r holds
-(c_r, c_{2R-1-r}), an early and a late chunk, so every rank's causal work is the same. Only the
-ORDER along S changes: the train / eval step gathers its token inputs into `to_layout`'s storage
-order once, with explicit positions (the permuted arange: zaya_jax/train_state.py layout_batch);
-the masks and RoPE read positions, the gathered keys come in storage order with their positions,
-and everything per token is order-agnostic. The halo follows the chunk order (`left_halo`: c_r's
-left context is the end of c_{r-1}, the previous rank's first chunk; c_{2R-1-r}'s the end of
-c_{2R-2-r}, the NEXT rank's second chunk, so a permute backward too; rank R-1's c_R follows its
-own c_{R-1}). With R = 1 both layouts are the identity. The Pallas kernel masks by token order:
-`rank_chunks` gives each of a rank's stored chunks its first position, a query offset traced
-inside shard_map (flash_attention's q_offset), and the gathered keys are put back in position order
-(`from_layout`) before it runs, once per chunk.
-The backward of the halo is a permute the other way and that of the all-gather a reduce-scatter
-(jax derives both), so gradients need nothing extra.
+Rank r holds a contiguous chunk of every sequence (or, with the zigzag layout, chunks c_r and
+c_{2R-1-r} of 2R); everything per token runs locally. CCA's convolution and value shift take a
+left halo from the neighbouring rank (`left_halo`), attention all-gathers keys and values
+(`gather_sequence`), and `flatten_tokens` / `fold_sequences` regroup tokens without moving data.
+The design: docs/design/long-context.md.
 """
 
 from __future__ import annotations

@@ -1,76 +1,10 @@
 """Expert parallelism: tokens travel to the device that owns their expert and back (all-to-all).
 
-Inside `shard_map` over the whole mesh, each device holds T tokens (its slice of the batch) and
-E/n experts (n = size of the "expert" axis; device r owns experts [r*E/n, (r+1)*E/n)):
-
-  1. bucket the T tokens by owner rank into a send buffer [n, C, d] (C slots per destination;
-     skip-class tokens go nowhere);
-  2. all_to_all over "expert": device r receives [n, C, d], the tokens every peer sent it;
-  3. run its local experts on them (the same `local_moe` dispatch as the single-device path:
-     tiled, ragged_dot or Pallas per `moe_impl`);
-  4. all_to_all the results back into the senders' slots and un-bucket.
-
-Dropless (the default): fixed capacity with spill. The main exchange has C = ceil(f T / n) slots
-per destination, rounded up to 8 (f = `exchange_factor`, config `moe_exchange_capacity_factor`,
-default 1.5): with balanced top-1 routing a peer needs T/n slots, so this moves ~f x T x d per
-all-to-all instead of n x T x d. A token whose bucket is full (slot >= C) takes the spill exchange,
-the same four steps with T - C slots per destination (a bucket never holds more than T tokens, so
-the two rounds together always fit: nothing is dropped). The spill runs under `lax.cond` on an
-overflow flag reduced (max) over the "expert" axis, the devices that exchange with each other; in
-the common case no bucket overflows and the spill costs that one scalar all-reduce. Its backward
-is the same `cond` on the saved flag, so the gradient exchange is spill-free too. The flag comes
-back per device (`spilled`, gathered by nothing) and the train step counts the blocks that took
-the spill round (metrics `expert_exchange/spill_blocks`, `expert_exchange/spill_step_fraction`).
-
-The default f = 1.5 (issue 29's measurement). Whatever f, main + spill together move at most the
-C = T exchange's n x T slots per transfer, so f only trades the main round's size against how often
-the spill runs: expected slots per transfer f + p (n - f), in units of T, with p the share of block
-calls that spill. configs/tiny.py's 300-step run at expert=4 (4 devices, 512 tokens per device, 4
-blocks) has a far-from-balanced router (per-layer max/mean expert load 2.3 to 8 over the first 100
-steps, 1.1 to 5 at step 300), so the spill ran on every step: p = 1.00 / 0.80 / 0.69 / 0.44 of the
-1200 block calls at f = 1 / 1.5 / 2 / 3 (0.58 / 0.46 / 0.16 at f = 1.5 / 2 / 3 over the last 100
-steps), i.e. 4.00 / 3.49 / 3.37 / 3.44 slots per transfer (C = T: 4.00): flat in f. Only a router
-balanced per device makes f matter, and then a smaller main round pays: 1.5 keeps phase1's main
-path compiled for H100 at 1.875x the ideal bytes (the 2x target needs f <= 1.6) and the experts'
-grouped matmuls on 1.5 T slots per device.
-
-Why this spill and not another (issue 17):
-  - `jax.lax.ragged_all_to_all` (exact sizes) has no XLA:CPU lowering (jax 0.10.2), and on GPU
-    it measured slow in marin-community/marin #7012 / #8077 (XLA's one-shot transfer ran one
-    thread block per peer), after which marin #7780 took fixed capacity with spill.
-  - A cond that re-runs the whole exchange at C = T on overflow would pay n x T x d then and throw
-    the main exchange away; the spill round only sends the overflowing tokens and the main round's
-    work is kept (T - C slots instead of T).
-  - Computing overflow tokens locally with all-gathered expert weights moves E/n x 3 d I weights
-    per block, far more than the tokens (ZAYA1: 2048 x 3 x 2048 weights per expert vs. 2048 values
-    per token).
-Under remat the backward reuses what the forward received: the main round names its received
-tokens and ids, its returned expert outputs and the overflow flag (EXCHANGE_NAMES), every remat
-policy saves them (zaya_jax/model/transformer.py), so a remat'd block runs 4 exchanges (dispatch
-and combine forward, their transposes backward), not 6 (the forward replayed). The price is memory:
-`remat_saved_bytes` per block, f x T x d in the compute dtype plus T x d fp32 (ZAYA1 phase1, one
-4096-token sequence per device at expert=4: 58.7 MB per block, 2.19 GiB over 40 blocks; counted
-by zaya_jax.sizing). The spill round names nothing: remat would keep a cond's residuals of both
-branches on every step, so a spill that ran is replayed instead (6 exchanges, on those steps only).
-The combine's backward sends the outputs' cotangent in the compute dtype (`_combine`): every local
-dispatch consumes it so (zaya_jax/model/moe.py `cotangent_as`), so no value changes.
-
-Bytes per MoE block of the compiled train step (dispatch + combine, forward + backward; read by
-benchmarks/collectives.py `all_to_all_bytes`, asserted in tests/test_expert_exchange.py and, for
-the GPU compiler, tests/test_gpu_compile.py): at data=2 x expert=4 with the tiny test model in
-fp32 (64 tokens per device) the C = T exchange moved 4.0x the ideal 4 x T x d x itemsize (n x); the
-main path now moves 1.5x (C = 24 of 64 slots) plus one byte per slot of int8 expert ids, with or
-without remat. configs/zaya1_base.py:phase1 at data=2 x expert=4 (one sequence per device per
-microbatch): 12.0x before issue 17, 4.5x on XLA:CPU and 3.375x compiled for H100 before issue 29
-(remat replayed the forward exchange), now 3.0x on XLA:CPU (which moves bf16 all-to-alls as fp32)
-and 1.875x for H100: f x (2 + 4 + 2 + 2) / 8, bf16 tokens, fp32 outputs (as the single-device path
-returns them), bf16 cotangents (benchmarks/README.md "expert exchange").
-
-With `capacity_factor` f (the dropping mode), C = ceil(f * T / n) rounded up to a multiple of 8 and
-there is no spill: tokens past a bucket's capacity get a zero expert output (the residual carries
-them) and are counted in the returned `dropped` (summed over the whole mesh).
-With n = 1 no all-to-all happens: the dispatch just stays local to each device (a global sort
-would otherwise gather the batch).
+Inside `shard_map` over the whole mesh each device buckets its tokens by owner rank, exchanges them
+over the "expert" axis, runs its local experts (the single-device `local_moe` dispatch) and sends
+the results back. Dropless (default): a main exchange of ceil(f T / n) slots per destination and a
+spill round, run only when a bucket overflows; with `capacity_factor` tokens past capacity are
+dropped. The design, the choice of spill and the bytes moved: docs/design/expert-exchange.md.
 """
 
 from __future__ import annotations

@@ -3,29 +3,7 @@ the optimizer's shards, and Muon's Newton-Schulz run by the rank that owns each 
 
 The design and the bytes it moves per step are docs/architecture.md "Data parallelism and ZeRO-1".
 
-The microbatch loop runs inside `shard_map` over the data axis (`accumulate_per_rank`): each data
-rank sums its own microbatches' gradients, unreduced, and only after the loop are they
-reduce-scattered into the ZeRO-1 shards (`psum_scatter`, the layout of the optimizer state:
-`sharding.zero1_spec`). GSPMD, left to itself, reduces every layer's gradient inside the loop,
-once per microbatch. The model inside keeps its own explicit collectives (the expert all-to-all,
-the context halo and K/V gather): it is built on the same devices with the data axis renamed
-`REPLICA` and manual, and a `data` axis of size 1 in its place, so the model's `shard_map`s
-(which name every axis of MESH_AXES) nest inside without a change. The fsdp, expert and context
-axes stay automatic inside: their reductions are GSPMD's, per microbatch (the docs say why); and
-a mesh with two of them larger than 1 keeps GSPMD's loop altogether (`loop_per_rank`).
-
-`train.grad_reduce` (GRAD_REDUCE) picks the memory / traffic trade-off of the per-rank loop:
-"step" reduces once per optimizer step (ZeRO-1's bytes; the sum is a whole fp32 gradient buffer
-beside the microbatch's), "microbatch" reduce-scatters each microbatch's gradients inside the same
-loop and sums only the rank's 1/n shard (ZeRO-2's memory; the reduce-scatter grad_accum times).
-
-Muon (`owned_orthogonalize`): Newton-Schulz needs whole matrices. Each stacked Muon parameter
-[l, (e,) m, n] is viewed as a stack of matrices, the leading unsharded stack axes flattened and
-padded to a multiple of the owner ranks (every mesh axis the parameter is not split over), and
-each rank orthogonalises its own block of the stack (`shard_map`, so the Pallas kernel runs per
-device too); the results are all-gathered once, like the parameters, and applied on every rank.
-With the momentum sharded on a stack axis (`zero1_spec(prefer=...)`, where the data axis divides
-one) the owner block is the rank's own shard and nothing moves before Newton-Schulz.
+The per-rank loop, `train.grad_reduce` and the owners of Newton-Schulz: docs/design/zero1.md.
 """
 
 from __future__ import annotations
