@@ -154,19 +154,21 @@ def test_evaluate_stops_on_sigterm_and_writes_nothing(models, tmp_path):
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_prepare_stops_on_a_signal_and_leaves_nothing(tmp_path, signum):
-    """Tokenising ~60 MB: a signal once the dataset is being built -> exit 130 / 143, one line, and
-    the output's parent as it was (no dataset, no temporary directory)."""
+    """Tokenising ~60 MB: a signal once it encodes -> exit 130 / 143, one line
+    after the progress lines, and the output's parent as it was (no dataset, no temporary
+    directory)."""
     src = tmp_path / "big.jsonl"
     row = json.dumps({"text": "Call me Ishmael. Some years ago - never mind how long precisely. " * 8})
     src.write_text((row + "\n") * 120_000)
     parent = tmp_path / "data"
     parent.mkdir()
-    run = Running("data.prepare", "--input", src, "--out", parent / "ds", "--workers", 2)
+    run = Running("data.prepare", "--input", src, "--out", parent / "ds", "--workers", 1)
     deadline = time.monotonic() + 120
-    while not os.listdir(parent):  # the temporary directory: tokenising has begun
+    while "prepare: " not in "".join(run.err):  # a progress line: the workers are encoding
         assert run.proc.poll() is None and time.monotonic() < deadline, "".join(run.err)[-3000:]
         time.sleep(0.05)
-    if signum == signal.SIGINT:  # to the process group, as a terminal's Ctrl-C: the workers get it too
+    assert os.listdir(parent)  # the dataset under its temporary name
+    if signum == signal.SIGINT:  # the process group, as a terminal's Ctrl-C
         run.proc.send_signal = lambda s: os.killpg(os.getpgid(run.proc.pid), s)
     assert_interrupted(run.stop(signum), signum, f"nothing written to {parent / 'ds'}", after="prepare: ")
     assert os.listdir(parent) == []

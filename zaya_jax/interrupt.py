@@ -199,4 +199,7 @@ def exit_with(e: Interrupted) -> NoReturn:
         sys.stdout.flush()
         sys.stderr.write(e.line() + "\n")
         sys.stderr.flush()
+    if "multiprocessing.util" in sys.modules:  # what Python's exit runs for it: worker pools
+        with contextlib.suppress(Exception):  # ended, their semaphores released (no leak warning)
+            sys.modules["multiprocessing.util"]._exit_function()
     os._exit(e.exit_code)
