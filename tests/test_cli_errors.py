@@ -208,6 +208,16 @@ def test_all_checkpoints_quarantined_refuses_a_fresh_start(trained, tmp_path):
         ("evaluate", ["--checkpoint", "{w}", "--data", "{tmp}/missing.txt"], ["{tmp}/missing.txt"]),
         ("generate", ["--checkpoint", "{w}", "--prompt", "Hi", "--batch-size", "0"], ["--batch-size"]),
         ("generate", ["--checkpoint", "{w}", "--prompts-file", "{tmp}/none.txt"], ["{tmp}/none.txt"]),
+        (
+            "generate",
+            ["--checkpoint", "{w}", "--prompt", "Hi", "--max-new-tokens", "100000"],
+            ["--max-new-tokens 100000", "100003 positions", "max_position_embeddings (4096)"],
+        ),
+        (
+            "evaluate",
+            ["--checkpoint", "{w}", "--data", "embedded", "--max-len", "100000"],
+            ["--max-len 100000", "max_position_embeddings (4096)"],
+        ),
         ("import_hf", ["--hf", "{w}", "--out", "{tmp}/ck"], ["{w}", "config.json"]),
     ],
 )
@@ -217,6 +227,27 @@ def test_cli_on_a_run_leaves_it_untouched(trained, tmp_path, module, args, names
     before = tree_digest(w)
     assert_one_line_error(run_cli(module, *map(fill, args)), *map(fill, names))
     assert tree_digest(w) == before
+
+
+@pytest.mark.slow  # two model loads and lm-eval's import
+def test_evaluate_and_lm_eval_windows_default_to_the_trained_seq_len(trained, tmp_path, capsys):
+    """The run trained 32-token sequences (SMALL) of a 4096-position model: evaluate's rows and
+    lm-eval's max_length are 32 tokens unless set, and one line says so."""
+    out = tmp_path / "r.json"
+    args = ["--checkpoint", trained, "--data", "embedded", "--limit", "2", "--mesh", "none", "--quiet"]
+    proc = run_cli("evaluate", *args, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        "window: 32 tokens per row (the checkpoint's train.seq_len; --max-len N sets another)" in proc.stdout
+    )
+    default = json.loads(out.read_text())
+    assert default["max_len"] == 32 and default["max_len_from"] == "train.seq_len"
+    pytest.importorskip("lm_eval")
+    from zaya_jax.lm_eval.backend import ZayaLM
+
+    assert ZayaLM(checkpoint=str(trained), mesh="none").max_length == 32
+    assert "zaya_jax: max_length 32 (the checkpoint's train.seq_len;" in capsys.readouterr().out
+    assert ZayaLM(checkpoint=str(trained), mesh="none", max_length=64).max_length == 64
 
 
 # ---------------------------------------------------------------------------------------------

@@ -188,6 +188,13 @@ def test_cli_progress_in_a_log_is_whole_lines(setup):
     assert tty.getvalue() == "\rscored 1/3 requests\rscored 3/3 requests\n"
 
 
+def test_without_a_trained_length_the_window_is_the_models_positions(setup):
+    """An HF directory records no training length: rows as long as the model's positions."""
+    d, _, data, _ = setup
+    out = evaluate(str(d / "hf"), [data[1]], mesh="none", min_bucket=16, separator="blank-line", limit=1)
+    assert out["max_len"] == 131072 and out["max_len_from"] == "max_position_embeddings"
+
+
 def test_embedded_token_data_and_bf16_compute(setup):
     d, _, data, single = setup
     out = evaluate(str(d / "hf"), ["embedded", data[0]], mesh="none", max_len=48, min_bucket=16, limit=1)

@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "zaya_jax",
             "zaya_jax.cli",
+            "zaya_jax.interrupt",
             "zaya_jax.events",
             "zaya_jax.metrics",
             "zaya_jax.tokenizer",

@@ -117,7 +117,7 @@ def test_second_trainer_is_refused_and_a_signal_during_start_up_stops_at_once(tm
     rc, seconds, _, err = a.stop(signal.SIGINT)
     print(f"SIGINT while compiling the initializer: exit {rc} after {seconds:.2f} s; {err!r}")
     assert rc == 130 and seconds < 10, (rc, seconds, err)
-    assert err.strip() == "interrupted (SIGINT) before the first step; nothing saved"
+    assert err.strip() == "interrupted by SIGINT: before the first step; nothing saved"
     assert not (w / wl.LOCK_FILE).exists() and _saved_steps(w) == []
 
     a = Background(w, "--config.train.steps=50", env=env)
@@ -125,7 +125,7 @@ def test_second_trainer_is_refused_and_a_signal_during_start_up_stops_at_once(tm
     rc, seconds, _, err = a.stop(signal.SIGTERM)
     print(f"SIGTERM while compiling the train step: exit {rc} after {seconds:.2f} s; {err!r}")
     assert rc == 143 and seconds < 10, (rc, seconds, err)
-    assert err.strip() == "interrupted (SIGTERM) before the first step; nothing saved"
+    assert err.strip() == "interrupted by SIGTERM: before the first step; nothing saved"
     assert not (w / wl.LOCK_FILE).exists() and _saved_steps(w) == []
 
 
@@ -140,7 +140,7 @@ def test_ctrl_c_mid_run_saves_and_exits_130(tmp_path):
     assert rc == 130, err[-3000:]
     assert "Traceback" not in err and "Fatal" not in err
     (saved,) = _saved_steps(w)
-    assert f"interrupted (SIGINT): saved step {saved}" in "\n".join(out)
+    assert f"interrupted by SIGINT: saved step {saved}" in "\n".join(out)
     assert json.loads(out[-1])["summary"]["stopped_by_signal"] == signal.SIGINT
     assert not (w / wl.LOCK_FILE).exists()
 

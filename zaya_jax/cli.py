@@ -27,6 +27,8 @@ import re
 import sys
 from typing import Any, Callable, NoReturn
 
+from zaya_jax.interrupt import Interrupted, exit_with
+
 EXIT_USER_ERROR = 2
 
 
@@ -65,6 +67,8 @@ def run(main: Callable[..., Any], *args: Any) -> Any:
         if debug():
             raise
         fail(one_line(e))
+    except Interrupted as e:  # SIGINT / SIGTERM (zaya_jax/interrupt.py): one line, 128 + signum
+        exit_with(e)
     if isinstance(out, int) and not isinstance(out, bool):
         sys.exit(out)  # argparse-style mains return an exit code
     return out

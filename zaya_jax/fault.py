@@ -146,7 +146,7 @@ class StopSignals:
     With `startup_message` (the CLI installs one first thing: `install_stop_signals`) a signal
     that arrives before `training()` is called ends the process at once, from a thread reading
     the signal module's wakeup fd: the `on_exit` cleanups run (the workdir lock), one line
-    `interrupted (SIGINT) <startup_message>` goes to stderr, exit 128 + signum through os._exit.
+    `interrupted by SIGINT: <startup_message>` goes to stderr, exit 128 + signum through os._exit.
     The main thread may be inside XLA's compiler then, where no Python handler runs until the
     compile ends, and an interpreter shutdown from there crashed in jax's threads."""
 
@@ -184,7 +184,7 @@ class StopSignals:
         for fn in self._cleanups:
             with contextlib.suppress(Exception):  # exiting anyway
                 fn()
-        os.write(2, f"interrupted ({signal.Signals(signum).name}) {self._message}\n".encode())
+        os.write(2, f"interrupted by {signal.Signals(signum).name}: {self._message}\n".encode())
         os._exit(128 + signum)
 
     def on_exit(self, fn: Callable[[], None]) -> None:

@@ -20,7 +20,11 @@ per bucket rather than one per length.
 
 The checkpoint is an Orbax training checkpoint or an HF directory (zaya_jax.pretrained.load_model);
 each prompt is encoded after the model's prefix token (the document boundary it was trained with).
-Prompts are generated --batch-size at a time; --out writes one JSON line per prompt.
+A prompt + --max-new-tokens beyond the model's max_position_embeddings is refused before anything
+runs. Prompts are generated --batch-size at a time, decoded in chunks of about CHUNK_S seconds: a
+batch of one prompt is printed as it grows, and each batch's completions are printed and appended to
+--out (one JSON line per prompt) when it ends. SIGINT / SIGTERM stop at the next chunk (exit 130 /
+143, one line): the batch under way is written as far as it got, with `"interrupted": true`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import functools
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,7 +44,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zaya_jax import cli
+from zaya_jax import cli, interrupt
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.model.transformer import KVCache, ZayaForCausalLM, init_cache
 from zaya_jax.parallel.sharding import BATCH_AXES
@@ -56,6 +61,8 @@ __all__ = [
 ]
 
 MIN_PROMPT_BUCKET = 16
+CHUNK_S = 0.5  # seconds of decoding between two host checks when a caller watches the progress
+MAX_CHUNK = 4096  # tokens per call at most
 
 
 def prompt_bucket(length: int) -> int:
@@ -210,22 +217,35 @@ def _placer(mesh: Mesh | None) -> Callable[[np.ndarray], Any]:
     return lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
-def _decode_with_stop(
-    cfg, variables, prompt, max_new_tokens: int, sampling: tuple, key, stop, stop_every, put
+def _trim(row: list[int], eos_id: int) -> list[int]:
+    """A row's new tokens up to and with its first eos_id (-1: never)."""
+    return row[: row.index(eos_id) + 1] if eos_id in row else row
+
+
+def _decode_chunked(
+    cfg, variables, prompt, max_new_tokens: int, sampling: tuple, key, put, stop, every: int, on_chunk
 ):
-    """Decodes `stop_every` tokens at a time; after each chunk, stop(row, new tokens) ends a row.
-    Returns the new tokens per row (a stopped row's up to where it was stopped)."""
+    """Decodes `every` tokens per call; after each call, stop(row, new tokens) ends a row and
+    on_chunk(rows so far) sees the progress. Without `stop` the chunk length follows the measured
+    speed, about CHUNK_S seconds a call. Returns the new tokens per row (a stopped row's up to
+    where it was stopped)."""
     b, prompt_len = prompt[0].shape
     carry = _start_jit(cfg, variables, prompt, max_new_tokens, sampling[3], key)
     stopped, ends = np.zeros(b, bool), np.full(b, max_new_tokens)
-    step = 0
+    step, chunk = 0, every
     while step < max_new_tokens:
-        limit = np.int32(min(step + stop_every, max_new_tokens))
+        limit = np.int32(min(step + chunk, max_new_tokens))
+        t0, first = time.perf_counter(), step == 0  # the first call may compile
         carry = _resume(cfg, variables, carry, put(stopped), limit, prompt_len, sampling)
         step, tokens, done = int(_to_host(carry[0])), _to_host(carry[5]), _to_host(carry[6])
-        for i in np.flatnonzero(~done):  # rows still going: produced neither EOS nor a stop
+        if stop is None and not first:
+            scale = CHUNK_S / max(time.perf_counter() - t0, 1e-4)
+            chunk = int(np.clip(chunk * min(scale, 4.0), 1, MAX_CHUNK))
+        for i in np.flatnonzero(~done) if stop is not None else ():  # rows still going
             if stop(int(i), tokens[i, :step].tolist()):
                 stopped[i], ends[i] = True, step
+        if on_chunk is not None:
+            on_chunk([_trim(tokens[i, : min(ends[i], step)].tolist(), sampling[2]) for i in range(b)])
         if np.all(done | stopped) or step < limit:
             break
     return [tokens[i, : min(ends[i], step)].tolist() for i in range(b)]
@@ -246,6 +266,7 @@ def generate(
     stop: Callable[[int, list[int]], bool] | None = None,
     stop_every: int = 16,
     mesh: Mesh | None = None,
+    on_chunk: Callable[[list[list[int]]], None] | None = None,
 ) -> list[list[int]]:
     """Continues each prompt by up to max_new_tokens tokens (stopping after eos_id); returns the
     new tokens per prompt (eos included when produced). One jitted program per (batch, padded
@@ -256,7 +277,11 @@ def generate(
     its text holds a stop string); the row's tokens end where it was stopped. Sampling does not
     depend on stop_every (the key is split once per token either way). With a `mesh` the rows are
     split over its batch axes (len(prompts) must divide evenly; `variables` laid out on the mesh,
-    every process passing the same prompts) and every process gets every row back."""
+    every process passing the same prompts) and every process gets every row back.
+
+    on_chunk(rows), called between chunks of decoding with each row's new tokens so far (as the
+    result would hold them now), lets a caller stream the text or stop: an exception it raises
+    ends the generation. With it (and no `stop`) the chunks last about CHUNK_S seconds each."""
     if not prompts or min(len(p) for p in prompts) < 1:
         raise ValueError("generate: every prompt needs at least one token")
     if max_new_tokens < 1:
@@ -272,17 +297,14 @@ def generate(
     prompt = (put(ids), put(mask))
     key = np.asarray(jax.random.PRNGKey(seed))  # host data: replicated on any mesh
     sampling = (float(temperature), float(top_p), -1 if eos_id is None else int(eos_id), pad_id)
-    if stop is None:
+    if stop is None and on_chunk is None:
         tokens, steps = _generate_loop(cfg, variables, prompt, max_new_tokens, *sampling, key)
         rows = _to_host(tokens)[:, : int(_to_host(steps))].tolist()
     else:
-        rows = _decode_with_stop(cfg, variables, prompt, max_new_tokens, sampling, key, stop, stop_every, put)
-    out = []
-    for row in rows:
-        if eos_id is not None and eos_id in row:
-            row = row[: row.index(eos_id) + 1]
-        out.append(row)
-    return out
+        rows = _decode_chunked(
+            cfg, variables, prompt, max_new_tokens, sampling, key, put, stop, stop_every, on_chunk
+        )
+    return [_trim(row, sampling[2]) for row in rows]
 
 
 def read_prompts(prompts: Sequence[str] | None, prompts_file: str | None) -> list[str]:
@@ -331,6 +353,71 @@ def arg_parser() -> cli.ArgumentParser:
     return ap
 
 
+def check_sizes(encoded: Sequence[Sequence[int]], max_new_tokens: int, max_positions: int) -> None:
+    """ValueError naming the longest prompt when it and max_new_tokens need more positions than the
+    model has."""
+    longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
+    n = len(encoded[longest])
+    if n + max_new_tokens > max_positions:
+        which = f"prompt {longest + 1} of {len(encoded)}" if len(encoded) > 1 else "the prompt"
+        raise ValueError(
+            f"{which} ({n} tokens) + --max-new-tokens {max_new_tokens} = {n + max_new_tokens} "
+            f"positions: beyond the model's max_position_embeddings ({max_positions})"
+        )
+
+
+class _Output:
+    """Completions as they finish: printed (a batch of one prompt streamed chunk by chunk) and
+    appended to --out (flushed), so an interrupted run keeps what it finished."""
+
+    def __init__(self, tokenizer, out: str | None):
+        self.tokenizer, self.path, self.texts, self.rows = tokenizer, out, [], 0
+        self.file = None
+        if out:
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+            self.file = open(out, "w", encoding="utf-8")  # noqa: SIM115  (open across batches; close())
+        self._streamed: str | None = None  # the text of a streamed row printed so far
+
+    def _print(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def start(self, prompt: str) -> None:
+        """A batch of one prompt: its text now, the completion as it comes (`chunk`)."""
+        self._print(("\n" + "-" * 40 + "\n" if self.texts else "") + prompt)
+        self._streamed = ""
+
+    def chunk(self, new: list[int]) -> None:
+        text = self.tokenizer.decode(new).rstrip("\ufffd")  # a partial character waits
+        if self._streamed is not None and text.startswith(self._streamed):
+            self._print(text[len(self._streamed) :])
+            self._streamed = text
+
+    def finish(self, prompt: str, new: list[int], interrupted: bool = False) -> None:
+        completion = self.tokenizer.decode(new)
+        if self._streamed is not None and completion.startswith(self._streamed):
+            self._print(completion[len(self._streamed) :])
+        else:
+            self._print(("\n" + "-" * 40 + "\n" if self.texts else "") + prompt + completion)
+        self._streamed = None
+        self.texts.append(prompt + completion)
+        if self.file is not None:
+            eos = bool(new) and new[-1] == self.tokenizer.eos_id
+            row = {"prompt": prompt, "completion": completion, "tokens": new, "eos": eos}
+            self.file.write(json.dumps({**row, "interrupted": True} if interrupted else row) + "\n")
+            self.file.flush()
+            self.rows += 1
+
+    def close(self) -> None:
+        self._print("\n")
+        if self.file is not None:
+            self.file.close()
+
+    def kept(self, total: int) -> str:
+        where = f" in {self.path}" if self.file is not None else ""
+        return f"{self.rows if self.file is not None else len(self.texts)} of {total} completions kept{where}"
+
+
 def main(argv: Sequence[str] | None = None) -> list[str]:
     ap = arg_parser()
     args = ap.parse_args(argv)
@@ -345,34 +432,71 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
 
     logging.set_verbosity(logging.WARNING)
     prefix = "auto" if args.prefix == "none" else args.prefix
-    m = load_model(args.checkpoint, tokenizer=args.tokenizer, prefix=prefix)
-    encoded = [m.tokenizer.encode(t) for t in texts]
-    if args.prefix != "none":
-        encoded = [[m.prefix_id, *p] for p in encoded]
-    print(tokenizer_line(m), file=sys.stderr, flush=True)
-    new: list[list[int]] = []
+    out: _Output | None = None
+    kept = lambda: out.kept(len(texts)) if out is not None else ""
+    try:
+        with interrupt.handled("generate", mode="raise", kept=kept):  # the load: stop at once
+            m = load_model(args.checkpoint, tokenizer=args.tokenizer, prefix=prefix)
+            encoded = [m.tokenizer.encode(t) for t in texts]
+            if args.prefix != "none":
+                encoded = [[m.prefix_id, *p] for p in encoded]
+            check_sizes(encoded, args.max_new_tokens, m.cfg.max_position_embeddings)
+            print(tokenizer_line(m), file=sys.stderr, flush=True)
+            out = _Output(m.tokenizer, args.out)
+            with interrupt.polling():  # decoding: stop between chunks, the rows consistent
+                _generate_batches(m, args, texts, encoded, out)
+    except interrupt.Interrupted as e:
+        raise interrupt.Interrupted(e.signum, kept()) from None
+    finally:
+        if out is not None:
+            out.close()
+    return out.texts
+
+
+def _generate_batches(m, args, texts: list[str], encoded: list[list[int]], out: _Output) -> None:
+    """Generates --batch-size prompts at a time, each batch's completions written as it ends."""
     for i in range(0, len(encoded), args.batch_size):
-        new += generate(
+        sampling = {
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "seed": args.seed + i // args.batch_size,
+        }
+        _generate_batch(m, args.max_new_tokens, texts[i : i + args.batch_size], encoded[i : i + args.batch_size],
+                        sampling, out)  # fmt: skip
+        interrupt.check()
+
+
+def _generate_batch(
+    m, max_new_tokens: int, texts: list[str], encoded: list[list[int]], sampling, out
+) -> None:
+    """One batch; on an interrupt its completions are written as far as they got (`"interrupted":
+    true` in --out)."""
+    partial: list[list[int]] = [[] for _ in texts]
+
+    def on_chunk(rows: list[list[int]]) -> None:
+        partial[:] = rows
+        if len(texts) == 1:
+            out.chunk(rows[0])
+        interrupt.check()
+
+    if len(texts) == 1:
+        out.start(texts[0])
+    try:
+        new = generate(
             m.cfg,
             m.variables,
-            encoded[i : i + args.batch_size],
-            args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            seed=args.seed + i // args.batch_size,
+            encoded,
+            max_new_tokens,
             eos_id=m.tokenizer.eos_id,
+            on_chunk=on_chunk,
+            **sampling,
         )
-    completions = [m.tokenizer.decode(n) for n in new]
-    outputs = [t + c for t, c in zip(texts, completions)]
-    print(("\n" + "-" * 40 + "\n").join(outputs))
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            for text, completion, n in zip(texts, completions, new):
-                eos = bool(n) and n[-1] == m.tokenizer.eos_id
-                row = {"prompt": text, "completion": completion, "tokens": n, "eos": eos}
-                f.write(json.dumps(row) + "\n")
-    return outputs
+    except interrupt.Interrupted:
+        for text, row in zip(texts, partial):
+            out.finish(text, row, interrupted=True)
+        raise
+    for text, row in zip(texts, new):
+        out.finish(text, row)
 
 
 if __name__ == "__main__":

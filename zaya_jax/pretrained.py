@@ -56,6 +56,16 @@ class Pretrained:
     step: int | None = None  # the Orbax step restored
     prefix_every_request: bool = True  # False for prefix="none"
     tokenizer_file: str = ""  # the file the tokenizer was read from (tokenizer_line)
+    # train.seq_len of an Orbax checkpoint's saved config; None for an HF directory or step 0
+    # (import_hf's checkpoint, a run's start: no training at that length)
+    trained_seq_len: int | None = None
+
+    def default_window(self) -> tuple[int, str]:
+        """(tokens per row, where that number comes from) when the user names none: the trained
+        sequence length, else the model's max_position_embeddings."""
+        if self.trained_seq_len is not None:
+            return min(self.trained_seq_len, self.cfg.max_position_embeddings), "train.seq_len"
+        return self.cfg.max_position_embeddings, "max_position_embeddings"
 
 
 def is_hf_dir(path: str) -> bool:
@@ -212,7 +222,7 @@ def load_model(
         # our export (zaya_tokenizer.json), or its byte tokenizer.json re-saved by transformers
         stored_byte = not tokenizer and isinstance(tok, ByteTokenizer)
         ours = os.path.isfile(os.path.join(path, CONFIG_FILENAME)) or stored_byte
-        source, step = "hf", None
+        source, step, seq_len = "hf", None, None
     else:
         c, cfg, variables, step = load_checkpoint_variables(path, mesh)
         if overrides:
@@ -222,6 +232,7 @@ def load_model(
         else:
             tok, tok_file = checkpoint_tokenizer(c, path, step)
         ours, source = True, "orbax"
+        seq_len = int(c.train.seq_len) if step else None
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(
             f"tokenizer {tok.name} has {tok.vocab_size} tokens but the model's vocab_size is "
@@ -233,7 +244,9 @@ def load_model(
             f"prefix={prefix!r}: token id {prefix_id} is outside the model's vocabulary ({cfg.vocab_size})"
         )
     every = prefix != "none"
-    return Pretrained(cfg, variables, tok, prefix_id, source, step, every, tok_file)
+    return Pretrained(
+        cfg, variables, tok, prefix_id, source, step, every, tok_file, trained_seq_len=seq_len
+    )
 
 
 def resolve_prefix(prefix: str | int, tokenizer: Tokenizer, trained_by_us: bool) -> int:

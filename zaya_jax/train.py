@@ -411,7 +411,7 @@ class Trainer:
         signum = self.faults.stop.signum
         self.events.write(step, "sigterm", signal=signum)
         name = signal.Signals(signum).name
-        print(f"interrupted ({name}): saved step {step}; exit {128 + signum}", flush=True)
+        print(f"interrupted by {name}: saved step {step}; exit {128 + signum}", flush=True)
         self.summary["stopped_by_signal"] = signum
 
     def _say(self, *lines: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import math
 import multiprocessing
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -26,6 +27,8 @@ _worker_tokenizer: Tokenizer | None = None
 def _init_worker(tok: Tokenizer) -> None:
     global _worker_tokenizer
     _worker_tokenizer = tok
+    # Ctrl-C reaches the whole process group: the main process handles it and ends the pool
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _encode(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:

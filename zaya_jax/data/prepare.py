@@ -56,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zaya_jax import cli, output_dir
+from zaya_jax import cli, interrupt, output_dir
 from zaya_jax.data import input_formats, is_eval_document
 from zaya_jax.data.encode import Progress, encode_documents
 from zaya_jax.data.megatron_format import MegatronWriter, megatron_dtype
@@ -639,20 +639,24 @@ def arg_parser() -> cli.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = arg_parser().parse_args(argv)
     try:
-        meta = prepare_dataset(
-            args.input,
-            args.out,
-            tokenizer=args.tokenizer,
-            eval_fraction=args.eval_fraction,
-            split_seed=args.split_seed,
-            shard_tokens=args.shard_tokens,
-            doc_separator=args.doc_separator,
-            text_field=args.text_field,
-            overwrite=args.overwrite,
-            workers=args.workers,
-            output_format=args.format,
-            progress=sys.stderr,
-        )
+        # a signal raises at once: prepare_dataset removes its unfinished temporary directory
+        with interrupt.handled("prepare", mode="raise", kept=lambda: f"nothing written to {args.out}"):
+            meta = prepare_dataset(
+                args.input,
+                args.out,
+                tokenizer=args.tokenizer,
+                eval_fraction=args.eval_fraction,
+                split_seed=args.split_seed,
+                shard_tokens=args.shard_tokens,
+                doc_separator=args.doc_separator,
+                text_field=args.text_field,
+                overwrite=args.overwrite,
+                workers=args.workers,
+                output_format=args.format,
+                progress=sys.stderr,
+            )
+    except interrupt.Interrupted as e:
+        raise interrupt.Interrupted(e.signum, f"nothing written to {args.out}") from None
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

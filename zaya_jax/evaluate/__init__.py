@@ -41,7 +41,7 @@ from zaya_jax.evaluate.perplexity import (
 from zaya_jax.evaluate.scoring import Request, Score, Scorer, sequence_buckets
 from zaya_jax.parallel.context import row_devices
 from zaya_jax.parallel.mesh import make_mesh, parse_mesh_spec
-from zaya_jax.pretrained import load_model, tokenizer_line
+from zaya_jax.pretrained import Pretrained, load_model, tokenizer_line
 from zaya_jax.tokenizer import Tokenizer
 
 __all__ = [
@@ -165,6 +165,27 @@ class ProgressLine:
         self.stream.flush()
 
 
+WINDOW_FROM = {  # where evaluate's window comes from -> its words
+    "--max-len": "--max-len",
+    "train.seq_len": "the checkpoint's train.seq_len; --max-len N sets another",
+    "max_position_embeddings": "the model's max_position_embeddings, no trained length recorded; "
+    "--max-len N sets another",
+}
+
+
+def check_window(model: Pretrained, max_len: int | None) -> tuple[int, str]:
+    """(tokens per row, where the number comes from): --max-len, checked against the model's
+    positions, or the model's default window (`Pretrained.default_window`)."""
+    if max_len is None:
+        return model.default_window()
+    if max_len > model.cfg.max_position_embeddings:
+        raise ValueError(
+            f"--max-len {max_len}: beyond the model's max_position_embeddings "
+            f"({model.cfg.max_position_embeddings})"
+        )
+    return max_len, "--max-len"
+
+
 def evaluate(
     checkpoint: str,
     data: Sequence[str],
@@ -177,17 +198,22 @@ def evaluate(
     tokenizer: str | None = None,
     prefix: str = "auto",
     progress: bool = False,
+    log: Callable[[str], None] | None = None,
     **task_options,
 ) -> dict[str, Any]:
     """Loads `checkpoint` and runs every --data task; returns the results dict the CLI writes
-    (task_options: TaskSuite's keyword arguments)."""
+    (task_options: TaskSuite's keyword arguments). max_len None: the trained sequence length when
+    the checkpoint records one, else the model's max_position_embeddings (`check_window`); `log`
+    gets one line saying which."""
     tasks = [parse_data_spec(d) for d in data]
     mesh_obj = parse_mesh(mesh)
     model = load_model(checkpoint, mesh=mesh_obj, dtype=dtype, tokenizer=tokenizer, prefix=prefix)
     devices = row_devices(mesh_obj)
     if batch_size is None:
         batch_size = -(-8 // devices) * devices
-    max_len = min(2048, model.cfg.max_position_embeddings) if max_len is None else max_len
+    max_len, window_from = check_window(model, max_len)
+    if log is not None:
+        log(f"window: {max_len} tokens per row ({WINDOW_FROM[window_from]})")
     suite = TaskSuite(
         tasks,
         model.tokenizer,
@@ -211,6 +237,7 @@ def evaluate(
         "mesh": None if mesh_obj is None else dict(mesh_obj.shape),
         "batch_size": batch_size,
         "max_len": max_len,
+        "max_len_from": window_from,
         "buckets": list(scorer.buckets),
         "compilations": scorer.num_traces,
         "results": results,

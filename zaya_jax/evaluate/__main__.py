@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import jax
 from absl import logging
 
-from zaya_jax import cli
+from zaya_jax import cli, interrupt
 from zaya_jax.evaluate import evaluate
 from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.mesh import MESH_FLAG
@@ -62,7 +62,10 @@ def arg_parser() -> cli.ArgumentParser:
         help="rows per step (default 8, rounded up to the mesh)",
     )
     ap.add_argument(
-        "--max-len", type=cli.Int(min=2), default=None, help="tokens per row (default min(2048, model max))"
+        "--max-len",
+        type=cli.Int(min=2),
+        default=None,
+        help="tokens per row (default: the checkpoint's train.seq_len, else the model's max positions)",
     )
     ap.add_argument("--min-bucket", type=cli.Int(min=1), default=64, help="shortest sequence bucket")
     ap.add_argument(
@@ -102,7 +105,31 @@ def main(argv: Sequence[str] | None = None) -> dict:
     a = arg_parser().parse_args(argv)
     logging.set_verbosity(logging.WARNING)
     initialize_from_env()
-    out = evaluate(
+    unwritten = ", ".join(f for f, v in (("--out", a.out), ("--samples-out", a.samples_out)) if v)
+    kept = f"nothing written ({unwritten}: written once every task is scored)" if unwritten else ""
+    try:
+        with interrupt.handled("evaluate", mode="raise", kept=lambda: kept):
+            out = _evaluate(a)
+    except interrupt.Interrupted as e:
+        raise interrupt.Interrupted(e.signum, kept) from None
+    samples = out.pop("samples")
+    if jax.process_index() == 0:
+        print(format_table(out["results"]))
+        if a.out:
+            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+            with open(a.out, "w") as f:
+                json.dump(_finite(out), f, indent=2)
+        if a.samples_out:
+            os.makedirs(os.path.dirname(os.path.abspath(a.samples_out)), exist_ok=True)
+            with open(a.samples_out, "w") as f:
+                for task, rows in samples.items():
+                    for row in rows:
+                        f.write(json.dumps({"task": task, **row}) + "\n")
+    return out
+
+
+def _evaluate(a: argparse.Namespace) -> dict:
+    return evaluate(
         a.checkpoint,
         a.data,
         mesh=a.mesh,
@@ -119,21 +146,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         text_field=a.text_field,
         limit=a.limit,
         progress=not a.quiet,
+        log=lambda line: print(line, flush=True) if jax.process_index() == 0 else None,
     )
-    samples = out.pop("samples")
-    if jax.process_index() == 0:
-        print(format_table(out["results"]))
-        if a.out:
-            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-            with open(a.out, "w") as f:
-                json.dump(_finite(out), f, indent=2)
-        if a.samples_out:
-            os.makedirs(os.path.dirname(os.path.abspath(a.samples_out)), exist_ok=True)
-            with open(a.samples_out, "w") as f:
-                for task, rows in samples.items():
-                    for row in rows:
-                        f.write(json.dumps({"task": task, **row}) + "\n")
-    return out
 
 
 def _finite(x):

@@ -10,6 +10,8 @@ Several processes (launch/local_multiprocess.sh, SLURM): every process runs ever
 mesh over all of them; only process 0 prints and writes --output_path (each process is lm-eval's
 rank 0 of one, and LOCAL_RANK = its process index keeps lm-eval's output on process 0 and gives
 each process its own --use_cache file, as lm-eval does for tensor-parallel launchers).
+
+SIGINT / SIGTERM stop it within seconds with one line, exit 130 / 143 (zaya_jax/interrupt.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from zaya_jax import cli
+from zaya_jax import cli, interrupt
 from zaya_jax.lm_eval import require_lm_eval
 
 MODEL = "zaya_jax"
@@ -141,7 +143,13 @@ def main(argv: Sequence[str] | None = None) -> Any:
     if jax.process_count() > 1:
         os.environ["LOCAL_RANK"] = str(jax.process_index())
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return args.func(args)
+    output = getattr(args, "output_path", None)
+    kept = f"nothing written to {output} (written once every task is done)" if output else ""
+    try:
+        with interrupt.handled("lm_eval", mode="raise", kept=lambda: kept):
+            return args.func(args)
+    except interrupt.Interrupted as e:
+        raise interrupt.Interrupted(e.signum, kept) from None
 
 
 if __name__ == "__main__":

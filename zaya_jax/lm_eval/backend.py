@@ -5,7 +5,9 @@
 Requests are encoded exactly as lm-eval's `--model hf` encodes them (`TemplateLM`: trailing context
 spaces move to the continuation, an empty context is the prefix token, rolling windows from
 `lm_eval.utils.get_rolling_token_windows`, contexts cut from the left to `max_length`), so the
-numbers equal `--model hf` on the exported directory. `prefix` maps onto the HF backend's options:
+numbers equal `--model hf` on the exported directory. Without `max_length` the window is the
+checkpoint's train.seq_len (an Orbax checkpoint past step 0), else max_position_embeddings as
+lm-eval's HF model takes it; one printed line names it. `prefix` maps onto the HF backend's options:
 
     prefix=none (default)  HF's default: nothing before a context with text; an empty context and a
                            document's first token are predicted from `prefix_token_id` (BOS, else EOS)
@@ -52,6 +54,11 @@ STOP_EVERY = 16  # tokens decoded between two checks for stop sequences
 # generation_kwargs we implement; anything else is an error rather than silently ignored
 GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_p")
 MAX_TOKEN_ALIASES = ("max_new_tokens", "max_tokens", "max_completion_tokens")  # of max_gen_toks
+WINDOW_FROM = {  # where the default max_length comes from -> its words
+    "train.seq_len": "the checkpoint's train.seq_len; max_length=N in --model_args sets another",
+    "max_position_embeddings": "the model's max_position_embeddings, as lm-eval's HF model; "
+    "max_length=N in --model_args sets another",
+}
 _CALLS = itertools.count()  # numbers the barriers: every process makes the same calls in order
 
 
@@ -61,7 +68,7 @@ class ModelArgs:
 
     checkpoint: str
     batch_size: int | None = None  # None: DEFAULT_BATCH rounded up to the mesh
-    max_length: int | None = None  # None: the model's max_position_embeddings (as lm-eval's HF)
+    max_length: int | None = None  # None: the checkpoint's train.seq_len, else max_position_embeddings
     prefix: str | int = "none"
     mesh: str = "auto"
     dtype: str | None = None
@@ -148,6 +155,11 @@ class ZayaLM(TemplateLM):
                 f"--model_args max_length={a.max_length}: exceeds the model's max_position_embeddings "
                 f"({m.cfg.max_position_embeddings})"
             )
+        if a.max_length is None:  # the trained length when the checkpoint records one
+            length, source = m.default_window()
+            a = dataclasses.replace(a, max_length=length)
+            if jax.process_index() == 0:
+                print(f"zaya_jax: max_length {length} ({WINDOW_FROM[source]})", flush=True)
         if m.prefix_id >= m.cfg.vocab_size:
             raise ValueError(
                 f"--model_args prefix={a.prefix}: not a token id (vocab_size {m.cfg.vocab_size})"
