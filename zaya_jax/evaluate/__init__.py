@@ -146,12 +146,12 @@ class TaskSuite:
 
 class ProgressLine:
     """`scored DONE/TOTAL requests` on stdout (process 0): redrawn in place on a terminal; in a log
-    (not a TTY) a whole line at most every `every_s` seconds, and the last one."""
+    (not a TTY) a whole line at the first call, then at most every `every_s` seconds, and the last."""
 
     def __init__(self, stream=None, every_s: float = 10.0):
         self.stream = sys.stdout if stream is None else stream
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.every_s, self.last = every_s, time.monotonic()
+        self.every_s, self.last = every_s, -float("inf")  # the first call prints: scoring began
 
     def __call__(self, done: int, total: int) -> None:
         if jax.process_index() != 0:
