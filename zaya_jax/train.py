@@ -33,6 +33,11 @@ sharded form and the jitted train / eval steps; zaya_jax/fault.py every fault de
 (`FaultMonitor.after_step`); zaya_jax/train_eval.py the evaluations; zaya_jax/checkpoint.py the
 Orbax checkpoints; zaya_jax/metrics.py the metric records.
 
+Before the first step (before anything is written) the train step is compiled at the full batch
+and its memory compared with the devices' (zaya_jax/device_memory.py): a step that cannot fit is
+one `error:` line naming what it needs, what there is and the remedies, and the workdir is left as
+it was.
+
 `--dry_run` (no --workdir) compiles this train step at full size on simulated CPU devices, or with
 `--dry_run_target=mi300x|h100|FILE` for deviceless GPUs through XLA's GPU compiler, and prints
 memory per device, collectives, compiled kernels and FLOPs and compile time instead; a step that
@@ -53,7 +58,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zaya_jax import cli, dry_run, gpu_target, host_memory, sizing
+from zaya_jax import cli, device_memory, dry_run, gpu_target, host_memory, sizing
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
 from zaya_jax.cli import UserError
@@ -79,6 +84,7 @@ from zaya_jax.train_state import (
     SPILL_BLOCKS,
     SPILL_STEP_FRACTION,
     TrainState,
+    abstract_batch,
     check_batch_divides,
     make_eval_step,
     train_program,
@@ -179,6 +185,7 @@ class Trainer:
 
     def __init__(self, c: ml_collections.ConfigDict, workdir: str):
         self.c, self.workdir = c, workdir
+        created = not os.path.exists(workdir)
         self.cfg, self.sources, tokenizer = _checked_inputs(c, workdir)
         self.seq_len, self.steps = c.train.seq_len, c.train.steps
         self.primary = jax.process_index() == 0
@@ -193,6 +200,7 @@ class Trainer:
         # The restore target: a resume reads straight into the sharded arrays, and the fresh state is
         # built only when there is nothing to restore (one train state in memory, not two).
         self.abstract_state = self.program.abstract_state()
+        _check_memory(c, self.program, self.abstract_state, workdir if created else None)
         train_ds, self.mixture = _train_dataset(c, self.sources, self.ramp)
         if self.mixture is not None and self.primary:
             print(
@@ -440,6 +448,28 @@ def _checked_inputs(c: ml_collections.ConfigDict, workdir: str):
             f"vocabulary ({tokenizer.vocab_size}, {tokenizer.name})"
         )
     return cfg, sources, tokenizer
+
+
+def _check_memory(c: ml_collections.ConfigDict, program, abstract_state, created: str | None) -> None:
+    """Refuses, before anything is allocated or saved, a train step (compiled here at the full batch
+    from abstract shapes; the first step reuses the compile) that needs more memory than this
+    process' devices have (zaya_jax/device_memory.py). `created`: the workdir this run made, removed
+    again on a refusal (it is empty then)."""
+    mesh = program.mesh
+    batch = abstract_batch(c.train.batch_size, c.train.seq_len, mesh)
+    stats = program.train_step.lower(abstract_state, batch).compile().memory_analysis()
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    if stats is None:  # a backend without a buffer assignment: nothing to check
+        return
+    error = device_memory.shortfall(stats, local, "the train step", dry_run.memory_remedies(c, mesh))
+    if error is None:
+        return
+    if created is not None:
+        try:
+            os.rmdir(created)
+        except OSError:
+            pass  # something was written meanwhile: leave it
+    raise UserError(error)
 
 
 def _batch_ramp(c: ml_collections.ConfigDict, devices: int) -> BatchRamp:
