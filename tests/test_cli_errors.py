@@ -194,12 +194,16 @@ def test_a_step_too_large_for_the_machine_is_refused_at_start(trained, tmp_path)
     names += ["model.remat=full"]
     w = copy_run(trained, tmp_path)
     before = tree_digest(w)
-    line = assert_one_line_error(run_cli("train", "--config", TINY, "--workdir", w, *SMALL, *STEPS, env=limit), *names)
+    line = assert_one_line_error(
+        run_cli("train", "--config", TINY, "--workdir", w, *SMALL, *STEPS, env=limit), *names
+    )
     need = float(line.split("needs ")[1].split(" MiB")[0])
     assert 1.0 < need < 100.0, line  # the small model's step: a few MiB, more than the limit
     assert tree_digest(w) == before
     fresh = tmp_path / "fresh"
-    assert_one_line_error(run_cli("train", "--config", TINY, "--workdir", fresh, *SMALL, *STEPS, env=limit), *names)
+    assert_one_line_error(
+        run_cli("train", "--config", TINY, "--workdir", fresh, *SMALL, *STEPS, env=limit), *names
+    )
     assert not fresh.exists()
 
 

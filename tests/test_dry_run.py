@@ -386,7 +386,9 @@ def test_memory_remedies_follow_the_config():
     assert "attention_impl" not in text and "set model.remat=full" in text and "fsdp" not in text
     c.train.seq_len, c.model.attention_impl, c.model.remat, c.train.grad_accum = 2048, "xla", "full", 16
     text = dry_run.memory_remedies(c, one)
-    assert text == "set model.attention_impl=auto (now xla: the dense [S, S] attention scores), or add devices"
+    assert (
+        text == "set model.attention_impl=auto (now xla: the dense [S, S] attention scores), or add devices"
+    )
     c.model.attention_impl = "auto"  # resolves to blockwise at 2048 keys on CPU: nothing to change
     assert dry_run.memory_remedies(c, one) == "or add devices"
 
@@ -403,25 +405,39 @@ def test_layout_search_tries_the_ladder_until_one_fits(monkeypatch):
         {"model.remat": "full"},
         {"model.remat": "full", "mesh.expert": 8, "mesh.data": -1},
         {"model.remat": "full", "mesh.expert": 1, "mesh.data": -1, "mesh.fsdp": 8},
-        {"model.remat": "full", "mesh.expert": 1, "mesh.data": -1, "mesh.fsdp": 8, "model.param_dtype": "bfloat16"},
+        {
+            "model.remat": "full",
+            "mesh.expert": 1,
+            "mesh.data": -1,
+            "mesh.fsdp": 8,
+            "model.param_dtype": "bfloat16",
+        },
     ]
     seen = []
 
     def fake_compile(trial, devices):
         seen.append((trial.model.remat, trial.mesh.expert, trial.mesh.fsdp, trial.train.grad_accum))
         if trial.mesh.expert == 8:
-            e = RuntimeError("INTERNAL: CUDA Runtime error: Error loading CUDA libraries. GPU will not be used.")
+            e = RuntimeError(
+                "INTERNAL: CUDA Runtime error: Error loading CUDA libraries. GPU will not be used."
+            )
             e.xla_log = (REMAT_LOG,)
             raise e
         mib = 30 if trial.mesh.fsdp == 8 else 80
-        s = types.SimpleNamespace(argument_size_in_bytes=mib * 2**20, output_size_in_bytes=0, alias_size_in_bytes=0)
+        s = types.SimpleNamespace(
+            argument_size_in_bytes=mib * 2**20, output_size_in_bytes=0, alias_size_in_bytes=0
+        )
         s.temp_size_in_bytes = 0
         return types.SimpleNamespace(compiled=types.SimpleNamespace(memory_analysis=lambda: s))
 
     monkeypatch.setattr(dry_run, "compile_step", fake_compile)
     gpu = dry_run.gpu_target.GpuTarget("small", "cuda", "", 35 * 2**20, "sm_90")
     tries = dry_run.layout_search(c, devices, gpu)
-    assert seen == [("full", 1, 1, 2), ("full", 8, 1, 2), ("full", 1, 8, 2)]  # 16 rows / 8 devices: 2 microbatches
+    assert seen == [
+        ("full", 1, 1, 2),
+        ("full", 8, 1, 2),
+        ("full", 1, 8, 2),
+    ]  # 16 rows / 8 devices: 2 microbatches
     assert [t.fits for t in tries] == [False, False, True] and tries[1].note == "over XLA's limit"
     rows = dry_run.layout_rows(tries, c, 8)
     assert rows[0] == (
@@ -431,7 +447,10 @@ def test_layout_search_tries_the_ladder_until_one_fits(monkeypatch):
     assert "123.30" in rows[4] and "does not fit" in rows[4]
     gpu = dry_run.gpu_target.GpuTarget("tiny", "cuda", "", 2**20, "sm_90")
     seen.clear()
-    assert dry_run.layout_rows(dry_run.layout_search(c, devices, gpu), c, 8)[0] == "No layout tried fits: add devices"
+    assert (
+        dry_run.layout_rows(dry_run.layout_search(c, devices, gpu), c, 8)[0]
+        == "No layout tried fits: add devices"
+    )
     assert len(seen) == 4
 
 

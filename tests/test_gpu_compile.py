@@ -288,7 +288,9 @@ def test_a_step_over_xlas_memory_limit_is_named_as_memory(monkeypatch):
     )
 
     def refuse(trial, devices):
-        e = jax.errors.JaxRuntimeError("INTERNAL: CUDA Runtime error: Error loading CUDA libraries. GPU will not be used.")
+        e = jax.errors.JaxRuntimeError(
+            "INTERNAL: CUDA Runtime error: Error loading CUDA libraries. GPU will not be used."
+        )
         e.xla_log = log
         raise e
 
@@ -296,8 +298,9 @@ def test_a_step_over_xlas_memory_limit_is_named_as_memory(monkeypatch):
     c = small_config()
     c.train.grad_accum = 1
     report = dry_run.dry_run(c, 8, "small", target="h100")
-    assert "XLA's rematerialization could not bring the buffers under its 62.00 GiB limit: only to 123.30 GiB" in (
-        report.text
+    assert (
+        "XLA's rematerialization could not bring the buffers under its 62.00 GiB limit: only to 123.30 GiB"
+        in (report.text)
     )
     assert report.error.startswith(
         "the train step does not fit the H100 SXM's memory: its buffers need at least 123.30 GiB per device, "

@@ -60,7 +60,10 @@ def _read_int(path: Path) -> int | None:
 
 def _cgroup_available(root: Path) -> int | None:
     """The cgroup's limit less its usage (cgroup v2, else v1), None without a limit."""
-    for limit, usage in (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+    for limit, usage in (
+        ("memory.max", "memory.current"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
         cap, used = _read_int(root / limit), _read_int(root / usage)
         if cap is not None and used is not None and cap < 2**60:  # v1's "no limit" is ~2**63
             return max(cap - used, 0)

@@ -79,8 +79,8 @@ import jax
 import ml_collections
 from jax._src import config as jax_config  # enable_compilation_cache as a context: not public
 
+from zaya_jax import cli, device_memory, gpu_target
 from zaya_jax import config as config_lib
-from zaya_jax import device_memory, gpu_target
 from zaya_jax import hlo as hlo_lib
 from zaya_jax import sizing
 from zaya_jax import xla_flags
@@ -392,7 +392,10 @@ def captured_xla_log(log: list[str]):
     """XLA's log records written to stderr meanwhile (its "Constant folding ... is taking a while"
     alarms, the GPU compiler's rematerialization warnings) go to `log` instead of the terminal: the
     report states what they mean. Other output (before the first record, or Python's) passes on.
-    The capture is an unnamed temporary file: nothing is left on disk."""
+    The capture is an unnamed temporary file: nothing is left on disk. ZAYA_DEBUG=1 shows it all."""
+    if cli.debug():
+        yield log
+        return
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as tmp:
@@ -404,12 +407,12 @@ def captured_xla_log(log: list[str]):
             os.dup2(saved, 2)
             os.close(saved)
             tmp.seek(0)
-            record: list[str] = []
+            in_record = False
             for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
                 if XLA_LOG_RECORD.match(line):
-                    record = [line]
+                    in_record = True
                     log.append(line)
-                elif record:  # a record's continuation lines
+                elif in_record:  # a record's continuation lines
                     log[-1] += line
                 else:
                     sys.stderr.write(line)
@@ -453,13 +456,14 @@ def memory_remedies(c: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> st
     micro = sizing.config_micro_batch(c, mesh.size)
     if micro > 1:
         out.append(
-            f"raise train.grad_accum (now {c.train.grad_accum}: {micro} sequences per device per "
-            "microbatch)"
+            f"raise train.grad_accum (now {c.train.grad_accum}: {micro} sequences per device per microbatch)"
         )
     platform = mesh_platform(mesh)
     dense = attention_choice(c.model.attention_impl, platform, c.train.seq_len) == "xla"
     if dense and attention_choice("auto", platform, c.train.seq_len) != "xla":
-        out.append(f"set model.attention_impl=auto (now {c.model.attention_impl}: the dense [S, S] attention scores)")
+        out.append(
+            f"set model.attention_impl=auto (now {c.model.attention_impl}: the dense [S, S] attention scores)"
+        )
     if c.model.remat != "full":
         out.append("set model.remat=full")
     if c.train.grad_accum > 1 and c.train.grad_reduce == "step" and zero1.loop_per_rank(mesh):
@@ -790,7 +794,9 @@ def layout_ladder(c: ml_collections.ConfigDict, devices: list) -> list[dict[str,
     return ladder
 
 
-def with_layout(c: ml_collections.ConfigDict, layout: dict[str, Any], devices: int) -> ml_collections.ConfigDict:
+def with_layout(
+    c: ml_collections.ConfigDict, layout: dict[str, Any], devices: int
+) -> ml_collections.ConfigDict:
     """A copy of `c` at one sequence per device per microbatch with `layout`'s changes."""
     out = with_microbatch(c, 1, devices)
     for key, value in layout.items():

@@ -79,7 +79,7 @@ from zaya_jax.parallel.context import row_devices
 from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.parallel.sharding import shard_batch
 from zaya_jax.routing_telemetry import DEAD, DeadExperts
-from zaya_jax.train_eval import downstream_tasks, evaluate, harness_tasks
+from zaya_jax.train_eval import downstream_tasks, eval_rows, evaluate, harness_tasks
 from zaya_jax.train_state import (
     SPILL_BLOCKS,
     SPILL_STEP_FRACTION,
@@ -200,7 +200,6 @@ class Trainer:
         # The restore target: a resume reads straight into the sharded arrays, and the fresh state is
         # built only when there is nothing to restore (one train state in memory, not two).
         self.abstract_state = self.program.abstract_state()
-        _check_memory(c, self.program, self.abstract_state, workdir if created else None)
         train_ds, self.mixture = _train_dataset(c, self.sources, self.ramp)
         if self.mixture is not None and self.primary:
             print(
@@ -209,6 +208,7 @@ class Trainer:
             )
         self.data = Lookahead(iter(train_ds))
         self.eval_step = jax.jit(make_eval_step(self.cfg, self.mesh, c.mesh.context_layout))
+        _check_memory(c, self.program, self.abstract_state, self.eval_step, workdir if created else None)
         self.downstream = downstream_tasks(c, self.cfg, tokenizer, self.mesh)
         self.ckpt = _checkpointer(c, workdir)
         self.config_json = json.loads(c.to_json_best_effort())
@@ -450,26 +450,34 @@ def _checked_inputs(c: ml_collections.ConfigDict, workdir: str):
     return cfg, sources, tokenizer
 
 
-def _check_memory(c: ml_collections.ConfigDict, program, abstract_state, created: str | None) -> None:
-    """Refuses, before anything is allocated or saved, a train step (compiled here at the full batch
-    from abstract shapes; the first step reuses the compile) that needs more memory than this
-    process' devices have (zaya_jax/device_memory.py). `created`: the workdir this run made, removed
-    again on a refusal (it is empty then)."""
+def _check_memory(
+    c: ml_collections.ConfigDict, program, abstract_state, eval_step, created: str | None
+) -> None:
+    """Refuses, before anything is allocated or saved, a train step at the full batch, or the held-out
+    evaluation's step (every run evaluates at its last step), that needs more memory than this
+    process' devices have (zaya_jax/device_memory.py). Both are compiled here from abstract shapes;
+    the run's first calls reuse the compiles. `created`: the workdir this run made, removed again on
+    a refusal (it is empty then)."""
     mesh = program.mesh
-    batch = abstract_batch(c.train.batch_size, c.train.seq_len, mesh)
-    stats = program.train_step.lower(abstract_state, batch).compile().memory_analysis()
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    if stats is None:  # a backend without a buffer assignment: nothing to check
-        return
-    error = device_memory.shortfall(stats, local, "the train step", dry_run.memory_remedies(c, mesh))
-    if error is None:
-        return
-    if created is not None:
-        try:
-            os.rmdir(created)
-        except OSError:
-            pass  # something was written meanwhile: leave it
-    raise UserError(error)
+    programs = (
+        ("the train step", program.train_step, abstract_state, c.train.batch_size),
+        ("the evaluation step", eval_step, abstract_state.variables, eval_rows(c, mesh)),
+    )
+    for what, jitted, state, rows in programs:
+        batch = abstract_batch(rows, c.train.seq_len, mesh)
+        stats = jitted.lower(state, batch).compile().memory_analysis()
+        if stats is None:  # a backend without a buffer assignment: nothing to check
+            continue
+        error = device_memory.shortfall(stats, local, what, dry_run.memory_remedies(c, mesh))
+        if error is None:
+            continue
+        if created is not None:
+            try:
+                os.rmdir(created)
+            except OSError:
+                pass  # something was written meanwhile: leave it
+        raise UserError(error)
 
 
 def _batch_ramp(c: ml_collections.ConfigDict, devices: int) -> BatchRamp:
