@@ -306,5 +306,6 @@ def test_a_step_over_xlas_memory_limit_is_named_as_memory(monkeypatch):
         "the train step does not fit the H100 SXM's memory: its buffers need at least 123.30 GiB per device, "
         "over the 62.00 GiB XLA allows of the 80.00 GiB device"
     ), report.error
-    assert "Error loading CUDA libraries" in report.error and "set model.remat=full" in report.error
+    assert "the CUDA-libraries error that follows is this, not the install" in report.error
+    assert "set model.remat=full" in report.error
     assert "\n" not in report.error

@@ -574,12 +574,13 @@ def refused(c: ml_collections.ConfigDict, devices: list, gpu: gpu_target.GpuTarg
     if shortfall is not None:
         limit, reached = shortfall
         size = device_memory.size
+        cuda = "Error loading CUDA libraries" in reason  # XLA:CUDA's end for it: not a broken install
+        then = "the CUDA-libraries error that follows is this, not the install" if cuda else f"XLA: {reason}"
         return Report(
             "\n".join(lines),
             f"the train step does not fit the {gpu.name}'s memory: its buffers need at least "
             f"{size(reached)} per device, over the {size(limit)} XLA allows of the {size(gpu.memory_bytes)} "
-            f"device (its rematerialization could not go lower; XLA:CUDA then ends with "
-            f"{reason!r}): {memory_remedies(c, mesh)}",
+            f"device (its rematerialization could not go lower; {then}): {memory_remedies(c, mesh)}",
         )
     exceeded = "Error loading CUDA libraries" in reason  # XLA:CUDA's end for buffers past the device
     hint = " (XLA:CUDA ends so when the buffers exceed the device: try --dry_run_fit)" if exceeded else ""

@@ -185,7 +185,7 @@ class Trainer:
 
     def __init__(self, c: ml_collections.ConfigDict, workdir: str):
         self.c, self.workdir = c, workdir
-        created = not os.path.exists(workdir)
+        created = _missing_root(workdir)  # what making the workdir creates (removed on a refusal)
         self.cfg, self.sources, tokenizer = _checked_inputs(c, workdir)
         self.seq_len, self.steps = c.train.seq_len, c.train.steps
         self.primary = jax.process_index() == 0
@@ -208,7 +208,7 @@ class Trainer:
             )
         self.data = Lookahead(iter(train_ds))
         self.eval_step = jax.jit(make_eval_step(self.cfg, self.mesh, c.mesh.context_layout))
-        _check_memory(c, self.program, self.abstract_state, self.eval_step, workdir if created else None)
+        _check_memory(c, self.program, self.abstract_state, self.eval_step, workdir, created)
         self.downstream = downstream_tasks(c, self.cfg, tokenizer, self.mesh)
         self.ckpt = _checkpointer(c, workdir)
         self.config_json = json.loads(c.to_json_best_effort())
@@ -450,16 +450,15 @@ def _checked_inputs(c: ml_collections.ConfigDict, workdir: str):
     return cfg, sources, tokenizer
 
 
-def _check_memory(
-    c: ml_collections.ConfigDict, program, abstract_state, eval_step, created: str | None
-) -> None:
+def _check_memory(c: ml_collections.ConfigDict, program, abstract_state, eval_step, workdir, created) -> None:
     """Refuses, before anything is allocated or saved, a train step at the full batch, or the held-out
     evaluation's step (every run evaluates at its last step), that needs more memory than this
     process' devices have (zaya_jax/device_memory.py). Both are compiled here from abstract shapes;
-    the run's first calls reuse the compiles. `created`: the workdir this run made, removed again on
-    a refusal (it is empty then)."""
+    the run's first calls reuse the compiles. A refusal removes the directories making `workdir`
+    created (`created`, the outermost; they are empty then)."""
     mesh = program.mesh
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    eval_remedies = f"lower eval.batch_size (now {c.eval.batch_size}), or add devices"
     programs = (
         ("the train step", program.train_step, abstract_state, c.train.batch_size),
         ("the evaluation step", eval_step, abstract_state.variables, eval_rows(c, mesh)),
@@ -469,15 +468,30 @@ def _check_memory(
         stats = jitted.lower(state, batch).compile().memory_analysis()
         if stats is None:  # a backend without a buffer assignment: nothing to check
             continue
-        error = device_memory.shortfall(stats, local, what, dry_run.memory_remedies(c, mesh))
-        if error is None:
-            continue
-        if created is not None:
-            try:
-                os.rmdir(created)
-            except OSError:
-                pass  # something was written meanwhile: leave it
-        raise UserError(error)
+        remedies = dry_run.memory_remedies(c, mesh) if jitted is program.train_step else eval_remedies
+        error = device_memory.shortfall(stats, local, what, remedies)
+        if error is not None:
+            _remove_created(workdir, created)
+            raise UserError(error)
+
+
+def _missing_root(path: str) -> str | None:
+    """The outermost directory of `path` that does not exist yet; None when `path` exists."""
+    path, root = os.path.abspath(path), None
+    while not os.path.exists(path):
+        path, root = os.path.dirname(path), path
+    return root
+
+
+def _remove_created(workdir: str, root: str | None) -> None:
+    """Removes the empty directories from `workdir` up to `root` (those this run created)."""
+    path = os.path.abspath(workdir)
+    while root is not None and path.startswith(root):
+        try:
+            os.rmdir(path)
+        except OSError:
+            return  # something was written there meanwhile: leave it
+        path = os.path.dirname(path)
 
 
 def _batch_ramp(c: ml_collections.ConfigDict, devices: int) -> BatchRamp:
