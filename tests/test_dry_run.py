@@ -58,8 +58,8 @@ def check_report(out: str, devices: int) -> None:
     assert "in the model 0.00 MiB" in line, line
     assert re.search(r"Compile: trace \+ lower [\d.]+ s, XLA compile [\d.]+ s", out)
     # a verdict against this machine's RAM, which the simulated devices share
-    assert f"this machine's available RAM ({devices} devices share it)" in out, out
-    assert re.search(r"(fits: [\d.]+% used|DOES NOT FIT here: the \d+ devices need)", out), out
+    assert f"this machine's available RAM, shared by the {devices} simulated devices: " in out, out
+    assert re.search(r"(: fits \([\d.]+% used\)|: DOES NOT FIT here: the step needs)", out), out
 
 
 def no_xla_log(proc) -> None:
@@ -357,11 +357,15 @@ def test_captured_xla_log_keeps_xla_records_and_passes_the_rest(capfd):
 def test_host_verdict_for_the_cpu_target(monkeypatch):
     """The CPU target's verdict: the simulated devices of one process share the machine's RAM."""
     monkeypatch.setenv(dry_run.device_memory.LIMIT_ENV, str(8 * 2**30))
-    (row,) = dry_run.host_rows(2 * 2**30, 4, 2**30)
-    assert "fits: 100.0% used by the 4 devices" in row
-    (row,) = dry_run.host_rows(3 * 2**30, 4, 2**30)
-    assert "DOES NOT FIT here: the 4 devices need 12.00 GiB, 4.00 GiB over" in row
-    assert row.lstrip().startswith(f"the {dry_run.device_memory.LIMIT_ENV} limit (4 devices share it)")
+    limit = f"the {dry_run.device_memory.LIMIT_ENV} limit"
+    assert dry_run.host_rows(2 * 2**30, 4) == [
+        f"  {limit}, shared by the 4 simulated devices: 8.00 GiB: fits (100.0% used)"
+    ]
+    assert dry_run.host_rows(3 * 2**30, 4) == [
+        f"  {limit}, shared by the 4 simulated devices: 8.00 GiB: DOES NOT FIT here: the step needs "
+        "12.00 GiB (4.00 GiB over)"
+    ]
+    assert dry_run.host_rows(3 * 2**30, 1)[0].startswith(f"  {limit}: 8.00 GiB: fits (37.5% used)")
 
 
 def small_moe_config(data: int = 8):
@@ -467,4 +471,4 @@ def test_a_32k_sequence_compiles_under_8_gib_with_the_defaults(tmp_path):
     unit = 2**30 if "(GiB per device)" in out else 2**20
     xla = table(out, "total (arguments + outputs - alias + temp)")[0] * unit
     assert 0 < xla < 8 * 2**30, out
-    assert "this machine's available RAM" in out and "% used by the 1 device" in out
+    assert re.search(r"this machine's available RAM: [\d,.]+ GiB: fits", out), out

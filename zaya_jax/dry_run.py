@@ -79,7 +79,7 @@ import jax
 import ml_collections
 from jax._src import config as jax_config  # enable_compilation_cache as a context: not public
 
-from zaya_jax import cli, device_memory, gpu_target
+from zaya_jax import cli, device_memory, gpu_plugins, gpu_target
 from zaya_jax import config as config_lib
 from zaya_jax import hlo as hlo_lib
 from zaya_jax import sizing
@@ -116,6 +116,7 @@ def simulated_devices(n: int) -> list[jax.Device]:
     if not xla_bridge.backends_are_initialized():
         xla_flags.set_flag(xla_flags.DEVICE_COUNT, n, replace=True)
         jax.config.update("jax_platforms", "cpu")
+        gpu_plugins.register_plugins()  # now, the CUDA plugin's "no driver" notice dropped
     cpus = jax.devices("cpu")
     if len(cpus) < n:
         raise ValueError(
@@ -527,7 +528,7 @@ def dry_run(
         rows, error = device_rows(memory_total(stats), gpu, memory_unit(est.total)[1], remedies)
         lines += rows + xla_remat_rows(step.xla_log)
     else:
-        lines += host_rows(memory_total(stats), n, memory_unit(est.total)[1])
+        lines += host_rows(memory_total(stats), n)
     if fit:
         lines += ["", *fit_report(c, devices, gpu, step)]
     elif error:
@@ -609,20 +610,20 @@ def limited(gpu: gpu_target.GpuTarget) -> gpu_target.GpuTarget:
     return dataclasses.replace(gpu, name=f"{gpu.name} [{device_memory.LIMIT_ENV}]", memory_bytes=override)
 
 
-def host_rows(total: int, n: int, scale: float) -> list[str]:
+def host_rows(total: int, n: int) -> list[str]:
     """The CPU target's verdict: the simulated devices of one process share this machine's RAM
     (MemAvailable, the cgroup's room if lower, or ZAYA_JAX_MEMORY_LIMIT_BYTES), as they would
     training this config here."""
     have = device_memory.host_budget(n)
     if have is None:
         return ["  this machine's RAM: unknown (no /proc/meminfo): no verdict"]
-    what = have.what + (f" ({n} devices share it)" if n > 1 else "")
-    label = f"  {what:<44}{have.bytes / scale:>11.3f}   "
-    need, devices = total * n, f"{n} device" + ("s" if n > 1 else "")
+    size = lambda x: f"{x / sizing.GIB:,.2f} GiB"  # noqa: E731
+    shared = f", shared by the {n} simulated devices" if n > 1 else ""
+    head = f"  {have.what}{shared}: {size(have.bytes)}: "
+    need = total * n
     if need <= have.bytes:
-        return [label + f"fits: {100 * need / have.bytes:.1f}% used by the {devices}"]
-    size = device_memory.size
-    return [label + f"DOES NOT FIT here: the {devices} need {size(need)}, {size(need - have.bytes)} over"]
+        return [head + f"fits ({100 * need / have.bytes:.1f}% used)"]
+    return [head + f"DOES NOT FIT here: the step needs {size(need)} ({size(need - have.bytes)} over)"]
 
 
 def impl_summary(c: ml_collections.ConfigDict, cfg: Any, platform: str) -> str:
