@@ -57,3 +57,42 @@ def test_a_compiled_programs_own_analysis():
     x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
     compiled = jax.jit(lambda a: a * 2.0).lower(x).compile()
     assert device_memory.step_bytes(compiled.memory_analysis()) >= 2 * 4 * 2**20
+
+
+def test_a_compile_refused_for_memory_is_one_error_and_the_new_workdir_goes(tmp_path):
+    """A compiler that refuses the start-up compile for memory (as XLA may on a real GPU) gives the
+    same one-line refusal, and the directories the run made are removed; other compile errors pass."""
+    from zaya_jax import train as train_lib
+    from zaya_jax.cli import UserError
+    from zaya_jax.config import base_config
+    from zaya_jax.parallel.mesh import mesh_from_config
+
+    c = base_config()
+    c.mesh.data = 1
+
+    class Refusing:
+        def __init__(self, message):
+            self.message = message
+
+        def lower(self, *args):
+            return self
+
+        def compile(self):
+            raise jax.errors.JaxRuntimeError(self.message)
+
+    program = types.SimpleNamespace(mesh=mesh_from_config(c, devices=jax.devices()[:1]))
+    program.train_step = Refusing("RESOURCE_EXHAUSTED: Out of memory allocating 87226507872 bytes.\nmore")
+    state = types.SimpleNamespace(variables={})
+    workdir = tmp_path / "new" / "run"
+    created = train_lib._missing_root(str(workdir))
+    workdir.mkdir(parents=True)
+    with pytest.raises(UserError) as e:
+        train_lib._check_memory(c, program, state, None, str(workdir), created)
+    assert str(e.value).startswith(
+        "the train step does not fit this machine's memory (XLA: RESOURCE_EXHAUSTED: Out of memory "
+        "allocating 87226507872 bytes.): raise train.grad_accum"
+    )
+    assert not (tmp_path / "new").exists() and tmp_path.exists()
+    program.train_step = Refusing("INTERNAL: something else")
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        train_lib._check_memory(c, program, state, None, str(tmp_path), None)

@@ -465,11 +465,18 @@ def _check_memory(c: ml_collections.ConfigDict, program, abstract_state, eval_st
     )
     for what, jitted, state, rows in programs:
         batch = abstract_batch(rows, c.train.seq_len, mesh)
-        stats = jitted.lower(state, batch).compile().memory_analysis()
-        if stats is None:  # a backend without a buffer assignment: nothing to check
-            continue
         remedies = dry_run.memory_remedies(c, mesh) if jitted is program.train_step else eval_remedies
-        error = device_memory.shortfall(stats, local, what, remedies)
+        try:
+            stats = jitted.lower(state, batch).compile().memory_analysis()
+        except jax.errors.JaxRuntimeError as e:  # a compiler that refuses what cannot fit
+            reason = str(e).strip().splitlines()[0][:300]
+            if "RESOURCE_EXHAUSTED" not in reason and "out of memory" not in reason.lower():
+                raise
+            _remove_created(workdir, created)
+            raise UserError(
+                f"{what} does not fit this machine's memory (XLA: {reason}): {remedies}"
+            ) from None
+        error = None if stats is None else device_memory.shortfall(stats, local, what, remedies)
         if error is not None:
             _remove_created(workdir, created)
             raise UserError(error)
