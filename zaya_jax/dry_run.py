@@ -569,9 +569,10 @@ def refused(c: ml_collections.ConfigDict, devices: list, gpu: gpu_target.GpuTarg
         f"XLA's GPU compiler refused the step: {reason}",
         *xla_remat_rows(log),
     ]
-    if fit:
-        lines += ["", *fit_report(c, devices, gpu, own_error=reason)]
     shortfall = remat_shortfall(log)
+    if fit:
+        over = f"over XLA's limit: at least {device_memory.size(shortfall[1])}" if shortfall else reason
+        lines += ["", *fit_report(c, devices, gpu, own_error=over)]
     if shortfall is not None:
         limit, reached = shortfall
         size = device_memory.size
@@ -853,13 +854,13 @@ def layout_rows(tries: list[LayoutTry], c: ml_collections.ConfigDict, devices: i
     out = [
         head,
         f"  (one sequence per device, train.grad_accum={grad_accum}; each layout adds to the one before)",
-        f"  {'GiB/device':>12}   {'verdict':<14}layout",
+        f"  {'GiB/device':>12}   {'verdict':<17}layout",
     ]
     for t in tries:
         gib = f"{t.total / sizing.GIB:>12.2f}" if t.total is not None else f"{'-':>12}"
         verdict = "fits" if t.fits else ("does not fit" if t.total is not None else "did not compile")
         note = f" ({t.note})" if t.note else ""
-        out.append(f"  {gib}   {verdict:<14}{layout_flags(c, t.layout)}{note}")
+        out.append(f"  {gib}   {verdict:<17}{layout_flags(c, t.layout)}{note}")
     return out
 
 
