@@ -16,6 +16,7 @@ import pytest
 from test_train import ROOT, SMALL, run_train, train_losses
 
 from xla_env import xla_flags
+from zaya_jax import device_memory
 from zaya_jax.checkpoint import Checkpointer
 
 TINY = os.path.join(ROOT, "configs/tiny.py")
@@ -197,6 +198,29 @@ def test_all_checkpoints_quarantined_refuses_a_fresh_start(trained, tmp_path):
     before = tree_digest(w)
     assert_one_line_error(train_cli(w), str(corrupt), "--config.checkpoint.allow_fresh_start=True")
     assert tree_digest(w) == before
+
+
+@pytest.mark.slow
+def test_a_step_too_large_for_the_machine_is_refused_at_start(trained, tmp_path):
+    """The train step compiled at start-up needs more than the machine has (a 1 MB machine, faked by
+    ZAYA_JAX_MEMORY_LIMIT_BYTES): one line naming what it needs, what there is and the remedies,
+    before the first step; a resumed workdir is byte-identical, a new one is not left behind."""
+    limit = {device_memory.LIMIT_ENV: "1000000"}
+    names = ["the train step needs", f"the {device_memory.LIMIT_ENV} limit is 0.95 MiB", "train.grad_accum"]
+    names += ["model.remat=full"]
+    w = copy_run(trained, tmp_path)
+    before = tree_digest(w)
+    line = assert_one_line_error(
+        run_cli("train", "--config", TINY, "--workdir", w, *SMALL, *STEPS, env=limit), *names
+    )
+    need = float(line.split("needs ")[1].split(" MiB")[0])
+    assert 1.0 < need < 100.0, line  # the small model's step: a few MiB, more than the limit
+    assert tree_digest(w) == before
+    fresh = tmp_path / "new" / "run"  # its parent is made by the run too, and removed
+    assert_one_line_error(
+        run_cli("train", "--config", TINY, "--workdir", fresh, *SMALL, *STEPS, env=limit), *names
+    )
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 import uuid
 
 import jax
@@ -56,6 +57,15 @@ def check_report(out: str, devices: int) -> None:
     line = next(line for line in out.splitlines() if "data-parallel (spanning the data axis)" in line)
     assert "in the model 0.00 MiB" in line, line
     assert re.search(r"Compile: trace \+ lower [\d.]+ s, XLA compile [\d.]+ s", out)
+    # a verdict against this machine's RAM, which the simulated devices share
+    assert f"this machine's available RAM, shared by the {devices} simulated devices: " in out, out
+    assert re.search(r"(: fits \([\d.]+% used\)|: DOES NOT FIT here: the step needs)", out), out
+
+
+def no_xla_log(proc) -> None:
+    """XLA's log records (XLA:CPU's constant-folding alarms, ...) are kept out of the output."""
+    records = [line for line in proc.stderr.splitlines() if dry_run.XLA_LOG_RECORD.match(line)]
+    assert not records, records[:5]
 
 
 @pytest.mark.slow
@@ -65,6 +75,7 @@ def test_dry_run_tiny_cli(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     check_report(out, 8)
+    no_xla_log(proc)
     assert "mesh data=2 fsdp=1 expert=4" in out
     assert table(out, "all-to-all")[0] >= 2  # tokens to their experts' devices and back
     # The exchange's spill round (only on overflow) has its own row, left out of every step's total.
@@ -83,6 +94,7 @@ def test_dry_run_zaya1_base_phase1(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     check_report(out, 8)
+    no_xla_log(proc)
     assert "8,840.5M parameters" in out and "(GiB per device)" in out
     assert os.listdir(tmp_path) == []
 
@@ -315,3 +327,148 @@ def test_hlo_work_reads_cpu_text():
     text = f.lower(jnp.ones((8, 16)), jnp.ones((16, 4))).compile().as_text()
     dots = [w for w in hlo.work(text) if w.kind == "dot"]
     assert [d.flops for d in dots] == [2 * 8 * 16 * 4]
+
+
+# ------------------------------------------------------------------------------- memory verdicts
+REMAT_LOG = (
+    "W1129 02:48:09.000000  1234 hlo_rematerialization.cc:3005] Can't reduce memory use below 62.00GiB "
+    "(66571993088 bytes) by rematerialization; only reduced to 123.30GiB (132391809024 bytes), down from "
+    "150.00GiB (161061273600 bytes) originally\n"
+)
+
+
+def test_captured_xla_log_keeps_xla_records_and_passes_the_rest(capfd):
+    """XLA's log records (and their continuation lines) go to the list, not the terminal; anything
+    before the first record passes; the rematerialization shortfall is read from them."""
+    log = []
+    with dry_run.captured_xla_log(log):
+        os.write(2, b"a plain line\n")
+        os.write(2, b"E1129 02:48:08.779520  1234 slow_operation_alarm.cc:73] Constant folding an ")
+        os.write(2, b"instruction is taking > 1s:\n  %reduce.1 = f32[] reduce(...)\n" + REMAT_LOG.encode())
+    assert capfd.readouterr().err == "a plain line\n"
+    assert len(log) == 2 and "Constant folding" in log[0] and "%reduce.1" in log[0]
+    assert dry_run.remat_shortfall(log) == (66571993088, 132391809024)
+    assert dry_run.remat_shortfall(log[:1]) is None
+    assert dry_run.xla_remat_rows(log) == [
+        "  XLA's rematerialization could not bring the buffers under its 62.00 GiB limit: only to 123.30 GiB"
+    ]
+
+
+def test_host_verdict_for_the_cpu_target(monkeypatch):
+    """The CPU target's verdict: the simulated devices of one process share the machine's RAM."""
+    monkeypatch.setenv(dry_run.device_memory.LIMIT_ENV, str(8 * 2**30))
+    limit = f"the {dry_run.device_memory.LIMIT_ENV} limit"
+    assert dry_run.host_rows(2 * 2**30, 4) == [
+        f"  {limit}, shared by the 4 simulated devices: 8.00 GiB: fits (100.0% used)"
+    ]
+    assert dry_run.host_rows(3 * 2**30, 4) == [
+        f"  {limit}, shared by the 4 simulated devices: 8.00 GiB: DOES NOT FIT here: the step needs "
+        "12.00 GiB (4.00 GiB over)"
+    ]
+    assert dry_run.host_rows(3 * 2**30, 1)[0].startswith(f"  {limit}: 8.00 GiB: fits (37.5% used)")
+
+
+def small_moe_config(data: int = 8):
+    from zaya_jax.config import base_config, set_model
+    from zaya_jax.model import ZayaConfig
+
+    c = base_config()
+    set_model(c, ZayaConfig.tiny(**TINY_EXCHANGE))
+    c.train.batch_size, c.train.seq_len, c.mesh.data = 16, 64, data
+    return c
+
+
+def test_memory_remedies_follow_the_config():
+    """grad_accum while a microbatch holds several sequences, attention only where `auto` would drop
+    the dense scores, remat unless full, fsdp on several devices."""
+    from zaya_jax.parallel.mesh import mesh_from_config
+
+    c = small_moe_config(data=1)
+    one = mesh_from_config(c, devices=jax.devices()[:1])
+    text = dry_run.memory_remedies(c, one)
+    assert text.startswith("raise train.grad_accum (now 1: 16 sequences per device per microbatch)")
+    assert "attention_impl" not in text and "set model.remat=full" in text and "fsdp" not in text
+    c.train.seq_len, c.model.attention_impl, c.model.remat, c.train.grad_accum = 2048, "xla", "full", 16
+    text = dry_run.memory_remedies(c, one)
+    assert (
+        text == "set model.attention_impl=auto (now xla: the dense [S, S] attention scores), or add devices"
+    )
+    c.model.attention_impl = "auto"  # resolves to blockwise at 2048 keys on CPU: nothing to change
+    assert dry_run.memory_remedies(c, one) == "or add devices"
+
+
+def test_layout_search_tries_the_ladder_until_one_fits(monkeypatch):
+    """No microbatch fits: full remat, the experts over mesh.expert, the parameters over mesh.fsdp
+    (here in place of the experts, which took all 8 devices), bf16 parameters, each adding to the one
+    before, at one sequence per device; the first that fits is named as flags. (Memory stubbed; a
+    compile XLA refuses with its rematerialization warning counts as over.)"""
+    c = small_moe_config()
+    devices = jax.devices()[:8]
+    ladder = dry_run.layout_ladder(c, devices)
+    assert ladder == [
+        {"model.remat": "full"},
+        {"model.remat": "full", "mesh.expert": 8, "mesh.data": -1},
+        {"model.remat": "full", "mesh.expert": 1, "mesh.data": -1, "mesh.fsdp": 8},
+        {
+            "model.remat": "full",
+            "mesh.expert": 1,
+            "mesh.data": -1,
+            "mesh.fsdp": 8,
+            "model.param_dtype": "bfloat16",
+        },
+    ]
+    seen = []
+
+    def fake_compile(trial, devices):
+        seen.append((trial.model.remat, trial.mesh.expert, trial.mesh.fsdp, trial.train.grad_accum))
+        if trial.mesh.expert == 8:
+            e = RuntimeError(
+                "INTERNAL: CUDA Runtime error: Error loading CUDA libraries. GPU will not be used."
+            )
+            e.xla_log = (REMAT_LOG,)
+            raise e
+        mib = 30 if trial.mesh.fsdp == 8 else 80
+        s = types.SimpleNamespace(
+            argument_size_in_bytes=mib * 2**20, output_size_in_bytes=0, alias_size_in_bytes=0
+        )
+        s.temp_size_in_bytes = 0
+        return types.SimpleNamespace(compiled=types.SimpleNamespace(memory_analysis=lambda: s))
+
+    monkeypatch.setattr(dry_run, "compile_step", fake_compile)
+    gpu = dry_run.gpu_target.GpuTarget("small", "cuda", "", 35 * 2**20, "sm_90")
+    tries = dry_run.layout_search(c, devices, gpu)
+    assert seen == [
+        ("full", 1, 1, 2),
+        ("full", 8, 1, 2),
+        ("full", 1, 8, 2),
+    ]  # 16 rows / 8 devices: 2 microbatches
+    assert [t.fits for t in tries] == [False, False, True] and tries[1].note == "over XLA's limit"
+    rows = dry_run.layout_rows(tries, c, 8)
+    assert rows[0] == (
+        "First layout that fits: --config.model.remat=full --config.mesh.expert=1 --config.mesh.data=-1 "
+        "--config.mesh.fsdp=8 --config.train.grad_accum=2"
+    )
+    assert "123.30" in rows[4] and "does not fit" in rows[4]
+    gpu = dry_run.gpu_target.GpuTarget("tiny", "cuda", "", 2**20, "sm_90")
+    seen.clear()
+    assert (
+        dry_run.layout_rows(dry_run.layout_search(c, devices, gpu), c, 8)[0]
+        == "No layout tried fits: add devices"
+    )
+    assert len(seen) == 4
+
+
+@pytest.mark.slow
+def test_a_32k_sequence_compiles_under_8_gib_with_the_defaults(tmp_path):
+    """configs/tiny.py at one 32,768-token sequence, nothing else changed but the position limit:
+    model.attention_impl's default `auto` resolves to blockwise attention on CPU, and the compiled
+    step needs under 8 GiB (the dense scores' step asked XLA:CPU for 87 GB)."""
+    args = ["--dry_run_devices=1", "--config.train.seq_len=32768", "--config.train.batch_size=1"]
+    proc = run_dry(tmp_path, "configs/tiny.py", *args, "--config.model.max_position_embeddings=32768")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "on cpu: attention blockwise (auto)" in out, out
+    unit = 2**30 if "(GiB per device)" in out else 2**20
+    xla = table(out, "total (arguments + outputs - alias + temp)")[0] * unit
+    assert 0 < xla < 8 * 2**30, out
+    assert re.search(r"this machine's available RAM: [\d,.]+ GiB: fits", out), out

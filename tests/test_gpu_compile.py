@@ -273,3 +273,39 @@ def test_a_step_xla_refuses_is_reported_with_one_error_line(monkeypatch):
     assert "Largest microbatch that fits: none" in report.text
     assert report.error.startswith("XLA's H100 SXM compiler did not compile the train step: INTERNAL")
     assert report.error.endswith("try --dry_run_fit)") and "\n" not in report.error
+
+
+def test_a_step_over_xlas_memory_limit_is_named_as_memory(monkeypatch):
+    """XLA:CUDA's "Error loading CUDA libraries" after its rematerialization logged that the buffers
+    stay over its limit (zaya1_base phase1 on 8 x H100 at grad_accum 64: 123.3 GiB against 62 GiB):
+    the error says it is memory, how much, against what, and the remedies."""
+    import jax
+
+    log = (
+        "W1129 02:48:09.000000  1234 hlo_rematerialization.cc:3005] Can't reduce memory use below 62.00GiB "
+        "(66571993088 bytes) by rematerialization; only reduced to 123.30GiB (132391809024 bytes), down "
+        "from 150.00GiB (161061273600 bytes) originally\n",
+    )
+
+    def refuse(trial, devices):
+        e = jax.errors.JaxRuntimeError(
+            "INTERNAL: CUDA Runtime error: Error loading CUDA libraries. GPU will not be used."
+        )
+        e.xla_log = log
+        raise e
+
+    monkeypatch.setattr(dry_run, "compile_step", refuse)
+    c = small_config()
+    c.train.grad_accum = 1
+    report = dry_run.dry_run(c, 8, "small", target="h100")
+    assert (
+        "XLA's rematerialization could not bring the buffers under its 62.00 GiB limit: only to 123.30 GiB"
+        in (report.text)
+    )
+    assert report.error.startswith(
+        "the train step does not fit the H100 SXM's memory: its buffers need at least 123.30 GiB per device, "
+        "over the 62.00 GiB XLA allows of the 80.00 GiB device"
+    ), report.error
+    assert "the CUDA-libraries error that follows is this, not the install" in report.error
+    assert "set model.remat=full" in report.error
+    assert "\n" not in report.error

@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "zaya_jax.cli",
             "zaya_jax.interrupt",
             "zaya_jax.events",
+            "zaya_jax.device_memory",
             "zaya_jax.metrics",
             "zaya_jax.tokenizer",
             "zaya_jax.params",

@@ -4,17 +4,24 @@ any config at full size for N devices, without allocating it.
 
 The step is the one the trainer jits (`train_state.train_program`), traced from abstract shapes and
 compiled for N simulated CPU devices or N deviceless GPUs (`mi300x`, `h100`, or a GpuTargetConfig
-file: zaya_jax/gpu_target.py). It prints memory per device (against sizing and the device), the
-largest microbatch that fits (--dry_run_fit), the collectives with their bytes, Muon's
+file: zaya_jax/gpu_target.py). It prints memory per device (against sizing and the device, or this machine's RAM for the CPU
+target), the
+largest microbatch that fits (--dry_run_fit; if none, the first layout that does), the collectives with their bytes, Muon's
 Newton-Schulz FLOPs, the compiled kernels and dot FLOPs and the predicted step time (GPU targets:
 zaya_jax/timeline.py) and compile times; nothing is written to disk but --dry_run_json's report.
 What each table means: docs/guides/dry-run.md.
+XLA's own log records while compiling are kept from the terminal (ZAYA_DEBUG=1 shows them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
+import re
+import sys
+import tempfile
 import time
 from typing import Any
 
@@ -22,8 +29,8 @@ import jax
 import ml_collections
 from jax._src import config as jax_config  # enable_compilation_cache as a context: not public
 
+from zaya_jax import cli, device_memory, gpu_plugins, gpu_target, hardware, prediction
 from zaya_jax import config as config_lib
-from zaya_jax import gpu_target, hardware, prediction
 from zaya_jax import hlo as hlo_lib
 from zaya_jax import sizing
 from zaya_jax import xla_flags
@@ -59,6 +66,7 @@ def simulated_devices(n: int) -> list[jax.Device]:
     if not xla_bridge.backends_are_initialized():
         xla_flags.set_flag(xla_flags.DEVICE_COUNT, n, replace=True)
         jax.config.update("jax_platforms", "cpu")
+        gpu_plugins.register_plugins()  # now, the CUDA plugin's "no driver" notice dropped
     cpus = jax.devices("cpu")
     if len(cpus) < n:
         raise ValueError(
@@ -279,6 +287,7 @@ class CompiledStep:
     zero1: bool = True  # mesh.zero1
     grad_accum: int = 1  # train.grad_accum
     grad_reduce: str = "step"  # train.grad_reduce
+    xla_log: tuple[str, ...] = ()  # XLA's log records of the compile (`captured_xla_log`)
 
 
 def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> CompiledStep:
@@ -299,8 +308,13 @@ def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> Com
     # so after any earlier cached compile it no longer stops the write; the minimum compile time is
     # read at every write.
     no_cache_write = jax_config.persistent_cache_min_compile_time_secs(float("inf"))
-    with jax_config.enable_compilation_cache(False), no_cache_write:
-        compiled = lowered.compile()
+    log: list[str] = []
+    try:
+        with jax_config.enable_compilation_cache(False), no_cache_write, captured_xla_log(log):
+            compiled = lowered.compile()
+    except Exception as e:
+        e.xla_log = tuple(log)  # the refusal's report reads XLA's own account (`remat_shortfall`)
+        raise
     elapsed = time.perf_counter() - t1
     return CompiledStep(
         compiled,
@@ -312,7 +326,57 @@ def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> Com
         c.mesh.zero1,
         c.train.grad_accum,
         c.train.grad_reduce,
+        tuple(log),
     )
+
+
+# ------------------------------------------------------------------------------------- XLA's log
+# A record of XLA's C++ log (glog / absl format): severity, MMDD, time, thread, file:line].
+XLA_LOG_RECORD = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d")
+REMAT_SHORTFALL = re.compile(
+    r"Can't reduce memory use below \S+ \((\d+) bytes\) by rematerialization; only reduced to \S+ \((\d+) bytes\)"
+)
+
+
+@contextlib.contextmanager
+def captured_xla_log(log: list[str]):
+    """XLA's log records written to stderr meanwhile (its "Constant folding ... is taking a while"
+    alarms, the GPU compiler's rematerialization warnings) go to `log` instead of the terminal: the
+    report states what they mean. Other output (before the first record, or Python's) passes on.
+    The capture is an unnamed temporary file: nothing is left on disk. ZAYA_DEBUG=1 shows it all."""
+    if cli.debug():
+        yield log
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield log
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            in_record = False
+            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
+                if XLA_LOG_RECORD.match(line):
+                    in_record = True
+                    log.append(line)
+                elif in_record:  # a record's continuation lines
+                    log[-1] += line
+                else:
+                    sys.stderr.write(line)
+
+
+def remat_shortfall(log: tuple[str, ...] | list[str]) -> tuple[int, int] | None:
+    """(XLA's memory limit, the bytes it could bring the step down to) when the GPU compiler's
+    rematerialization logged that it could not fit the step under its limit, else None."""
+    for record in log:
+        m = REMAT_SHORTFALL.search(record)
+        if m:
+            return int(m.group(1)), int(m.group(2))
+    return None
 
 
 def device_rows(
@@ -334,22 +398,33 @@ def device_rows(
 
 
 def memory_remedies(c: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> str:
-    """What lowers a step's memory per device, for the "does not fit" error: ZeRO-2's gradient sum
-    (train.grad_reduce=microbatch) where the step sums whole gradients (grad_accum > 1, reduced once
-    per step, the loop per data rank), a smaller microbatch, remat, fsdp's split parameters."""
+    """What lowers a step's memory per device, for the "does not fit" errors (the dry run's and the
+    trainer's start-up check): fewer sequences per microbatch (train.grad_accum), attention without
+    the dense [S, S] scores, remat, ZeRO-2's gradient sum (train.grad_reduce=microbatch) where the
+    step sums whole gradients (grad_accum > 1, reduced once per step, the loop per data rank),
+    fsdp's split parameters."""
     out = []
+    micro = sizing.config_micro_batch(c, mesh.size)
+    if micro > 1:
+        out.append(
+            f"raise train.grad_accum (now {c.train.grad_accum}: {micro} sequences per device per microbatch)"
+        )
+    platform = mesh_platform(mesh)
+    dense = attention_choice(c.model.attention_impl, platform, c.train.seq_len) == "xla"
+    if dense and attention_choice("auto", platform, c.train.seq_len) != "xla":
+        out.append(
+            f"set model.attention_impl=auto (now {c.model.attention_impl}: the dense [S, S] attention scores)"
+        )
+    if c.model.remat != "full":
+        out.append("set model.remat=full")
     if c.train.grad_accum > 1 and c.train.grad_reduce == "step" and zero1.loop_per_rank(mesh):
         out.append(
             "set train.grad_reduce=microbatch (the gradient sum kept as this rank's 1/n shard, "
             "reduce-scattered every microbatch)"
         )
-    out += [
-        "lower the sequences per device per microbatch (raise train.grad_accum; --dry_run_fit finds the "
-        "largest that fits)",
-        "set model.remat",
-        "split the parameters over mesh.fsdp",
-    ]
-    return ", ".join(out) + ", or add devices"
+    if mesh.size > 1:
+        out.append("split the parameters over mesh.fsdp")
+    return ", ".join(out + ["or add devices"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,7 +457,7 @@ def dry_run(
     report (see module), its step predicted on the target's figures (`hardware_override`'s keys
     replacing them)."""
     n = device_count(c, num_devices)
-    gpu = None if target == "cpu" else gpu_target.load_target(target)
+    gpu = None if target == "cpu" else limited(gpu_target.load_target(target))
     if (fit or hardware_override) and gpu is None:
         flag = "--dry_run_fit" if fit else "--dry_run_hardware"
         raise ValueError(f"{flag} needs a GPU --dry_run_target (mi300x, h100, h200 or a file): CPU has none")
@@ -415,9 +490,13 @@ def dry_run(
     if gpu is not None:
         remedies = memory_remedies(c, mesh)
         rows, error = device_rows(total, gpu, memory_unit(est.total)[1], remedies)
-        lines += rows
+        lines += rows + xla_remat_rows(step.xla_log)
+    else:
+        lines += host_rows(memory_total(stats), n)
     if fit:
-        lines += ["", *fit_rows(fit_search(c, devices, gpu, step))]
+        lines += ["", *fit_report(c, devices, gpu, step)]
+    elif error:
+        error += " (--dry_run_fit finds a microbatch or a layout that fits)"
     lines += ["", "Collectives per device (result bytes; per step: x while-loop trips)"]
     lines += collective_rows(collectives(hlo))
     lines += ["", "Collectives by mesh axes (model: per microbatch; step: once per optimizer step)"]
@@ -449,24 +528,78 @@ def dry_run(
 
 def refused(c, devices: list, gpu: gpu_target.GpuTarget, name: str, fit: bool, e, hw=None, target=""):
     """The report of a step XLA's GPU compiler refused (the fit search still runs: a smaller
-    microbatch may compile), ending with the one-line error naming XLA's reason."""
+    microbatch may compile), ending with the one-line error naming XLA's reason; when XLA's log
+    says its rematerialization could not fit the step under its memory limit (XLA:CUDA then fails
+    with "Error loading CUDA libraries"), the error says it is memory: how much, against what."""
     cfg = config_lib.validate(c, gpu.platform)
-    shape = {a: int(s) for a, s in mesh_from_config(c, devices=devices).shape.items()}
+    mesh = mesh_from_config(c, devices=devices)
+    shape = {a: int(s) for a, s in mesh.shape.items()}
     reason = str(e).strip().splitlines()[0][:300]
+    log = getattr(e, "xla_log", ())
     lines = [
         *_header(c, cfg, shape, gpu, len(devices), name),
         "",
         f"XLA's GPU compiler refused the step: {reason}",
+        *xla_remat_rows(log),
     ]
+    shortfall = remat_shortfall(log)
     if fit:
-        lines += ["", *fit_rows(fit_search(c, devices, gpu, own_error=reason))]
-    exceeded = "Error loading CUDA libraries" in reason  # XLA:CUDA's end for buffers past the device
-    hint = " (XLA:CUDA ends so when the buffers exceed the device: try --dry_run_fit)" if exceeded else ""
-    error = f"XLA's {gpu.name} compiler did not compile the train step: {reason}{hint}"
+        over = f"over XLA's limit: at least {device_memory.size(shortfall[1])}" if shortfall else reason
+        lines += ["", *fit_report(c, devices, gpu, own_error=over)]
+    if shortfall is not None:
+        limit, reached = shortfall
+        size = device_memory.size
+        cuda = "Error loading CUDA libraries" in reason  # XLA:CUDA's end for it: not a broken install
+        then = "the CUDA-libraries error that follows is this, not the install" if cuda else f"XLA: {reason}"
+        error = (
+            f"the train step does not fit the {gpu.name}'s memory: its buffers need at least "
+            f"{size(reached)} per device, over the {size(limit)} XLA allows of the {size(gpu.memory_bytes)} "
+            f"device (its rematerialization could not go lower; {then}): {memory_remedies(c, mesh)}"
+        )
+    else:
+        exceeded = "Error loading CUDA libraries" in reason  # XLA:CUDA's end for buffers past the device
+        hint = " (XLA:CUDA ends so when the buffers exceed the device: try --dry_run_fit)" if exceeded else ""
+        error = f"XLA's {gpu.name} compiler did not compile the train step: {reason}{hint}"
     data = report_data(
         c, name, target, len(devices), shape, hw, memory=None, collectives=None, prediction=None, error=error
     )
     return Report("\n".join(lines), error, data)
+
+
+def xla_remat_rows(log) -> list[str]:
+    """XLA's own word when its rematerialization could not fit the step under its memory limit."""
+    shortfall = remat_shortfall(log)
+    if shortfall is None:
+        return []
+    limit, reached = shortfall
+    return [
+        f"  XLA's rematerialization could not bring the buffers under its {device_memory.size(limit)} "
+        f"limit: only to {device_memory.size(reached)}"
+    ]
+
+
+def limited(gpu: gpu_target.GpuTarget) -> gpu_target.GpuTarget:
+    """The target, with its memory replaced by ZAYA_JAX_MEMORY_LIMIT_BYTES when that is set."""
+    override = device_memory.limit_override()
+    if override is None:
+        return gpu
+    return dataclasses.replace(gpu, name=f"{gpu.name} [{device_memory.LIMIT_ENV}]", memory_bytes=override)
+
+
+def host_rows(total: int, n: int) -> list[str]:
+    """The CPU target's verdict: the simulated devices of one process share this machine's RAM
+    (MemAvailable, the cgroup's room if lower, or ZAYA_JAX_MEMORY_LIMIT_BYTES), as they would
+    training this config here."""
+    have = device_memory.host_budget(n)
+    if have is None:
+        return ["  this machine's RAM: unknown (no /proc/meminfo): no verdict"]
+    size = lambda x: f"{x / sizing.GIB:,.2f} GiB"  # noqa: E731
+    shared = f", shared by the {n} simulated devices" if n > 1 else ""
+    head = f"  {have.what}{shared}: {size(have.bytes)}: "
+    need = total * n
+    if need <= have.bytes:
+        return [head + f"fits ({100 * need / have.bytes:.1f}% used)"]
+    return [head + f"DOES NOT FIT here: the step needs {size(need)} ({size(need - have.bytes)} over)"]
 
 
 def impl_summary(c: ml_collections.ConfigDict, cfg: Any, platform: str) -> str:
@@ -557,7 +690,9 @@ def fit_search(
             total = memory_total(compiled.memory_analysis())
             tried[i] = FitTry(ladder[i], trial.train.grad_accum, total, total <= gpu.memory_bytes)
         except Exception as e:  # noqa: BLE001 - XLA's compile errors (out of memory, ...) vary by version
-            tried[i] = FitTry(ladder[i], trial.train.grad_accum, None, False, str(e).splitlines()[0][:120])
+            over = remat_shortfall(getattr(e, "xla_log", ()))  # at least this much: does not fit
+            note = "over XLA's limit" if over else str(e).splitlines()[0][:120]
+            tried[i] = FitTry(ladder[i], trial.train.grad_accum, over[1] if over else None, False, note)
         return tried[i].fits
 
     lo, hi = -1, len(ladder)  # ladder[lo] fits (or lo = -1), ladder[hi] does not (or hi = len)
@@ -586,6 +721,121 @@ def fit_rows(tries: list[FitTry]) -> list[str]:
             "fits" if t.fits else ("does not fit" if t.total is not None else f"did not compile: {t.note}")
         )
         out.append(f"  {t.micro:>18}{t.grad_accum:>12}{gib}   {verdict}")
+    return out
+
+
+def fit_report(
+    c, devices: list, gpu: gpu_target.GpuTarget, done: CompiledStep | None = None, own_error: str = ""
+) -> list[str]:
+    """--dry_run_fit's section: the largest microbatch that fits (`fit_search`) and, when not even
+    one sequence per device does, the layouts that lower the memory per device, tried in turn
+    (`layout_search`) until one fits."""
+    tries = fit_search(c, devices, gpu, done, own_error)
+    out = fit_rows(tries)
+    if not any(t.fits for t in tries):
+        out += ["", *layout_rows(layout_search(c, devices, gpu), c, len(devices))]
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_ladder(c: ml_collections.ConfigDict, devices: list) -> list[dict[str, Any]]:
+    """Config changes that lower a step's memory per device, the least disruptive to the run first,
+    each adding to the one before (dotted keys): full remat (the blocks recomputed in the backward),
+    the experts split over mesh.expert (the largest size the devices and model.num_experts allow),
+    the parameters over mesh.fsdp (the devices left; the whole row when the experts took them all),
+    bf16 parameters (the state each data rank holds whole, in half the bytes). mesh.data=-1 takes
+    what is left."""
+    shape = dict(mesh_from_config(c, devices=devices).shape)
+    rows = shape["data"] * shape["fsdp"] * shape["expert"]  # the devices of one context group
+    ladder: list[dict[str, Any]] = []
+    layout: dict[str, Any] = {}
+
+    def add(**changes: Any) -> None:
+        layout.update({k.replace("__", "."): v for k, v in changes.items()})
+        ladder.append(dict(layout))
+
+    if c.model.remat != "full":
+        add(model__remat="full")
+    experts = max(d for d in _divisors(rows // shape["fsdp"]) if c.model.num_experts % d == 0)
+    if experts > shape["expert"]:
+        add(mesh__expert=experts, mesh__data=-1)
+    expert = layout.get("mesh.expert", shape["expert"])
+    if rows // expert > shape["fsdp"]:
+        add(mesh__fsdp=rows // expert, mesh__data=-1)
+    elif rows // shape["expert"] > shape["fsdp"]:  # the experts took every device: fsdp instead
+        add(mesh__expert=shape["expert"], mesh__fsdp=rows // shape["expert"], mesh__data=-1)
+    if c.model.param_dtype == "float32":
+        add(model__param_dtype="bfloat16")
+    return ladder
+
+
+def with_layout(
+    c: ml_collections.ConfigDict, layout: dict[str, Any], devices: int
+) -> ml_collections.ConfigDict:
+    """A copy of `c` at one sequence per device per microbatch with `layout`'s changes."""
+    out = with_microbatch(c, 1, devices)
+    for key, value in layout.items():
+        section, field = key.split(".")
+        out[section][field] = value
+    return out
+
+
+def layout_flags(c: ml_collections.ConfigDict, layout: dict[str, Any]) -> str:
+    """The command-line flags of a layout (mesh.data=-1 only where the config fixes the data axis)."""
+    shown = {k: v for k, v in layout.items() if k != "mesh.data" or c.mesh.data != -1}
+    return " ".join(f"--config.{k}={v}" for k, v in shown.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutTry:
+    """One compile of the layout search: the config changes and the bytes per device (None when
+    XLA did not compile it, `note` says why)."""
+
+    layout: dict[str, Any]
+    total: int | None
+    fits: bool
+    note: str = ""
+
+
+def layout_search(c: ml_collections.ConfigDict, devices: list, gpu: gpu_target.GpuTarget) -> list[LayoutTry]:
+    """The ladder's layouts (`layout_ladder`) compiled in turn at one sequence per device, up to the
+    first that fits."""
+    tries = []
+    for layout in layout_ladder(c, devices):
+        try:
+            stats = compile_step(with_layout(c, layout, len(devices)), devices).compiled.memory_analysis()
+            total = memory_total(stats)
+            tries.append(LayoutTry(layout, total, total <= gpu.memory_bytes))
+        except Exception as e:  # noqa: BLE001 - XLA's refusals and a layout the config rejects alike
+            shortfall = remat_shortfall(getattr(e, "xla_log", ()))
+            note = "over XLA's limit" if shortfall else str(e).strip().splitlines()[0][:120]
+            tries.append(LayoutTry(layout, shortfall[1] if shortfall else None, False, note))
+        if tries[-1].fits:
+            break
+    return tries
+
+
+def layout_rows(tries: list[LayoutTry], c: ml_collections.ConfigDict, devices: int) -> list[str]:
+    grad_accum = with_microbatch(c, 1, devices).train.grad_accum
+    best = [t for t in tries if t.fits]
+    head = (
+        f"First layout that fits: {layout_flags(c, best[0].layout)} --config.train.grad_accum={grad_accum}"
+        if best
+        else f"No layout tried fits{' (none to try)' if not tries else ''}: add devices"
+    )
+    out = [
+        head,
+        f"  (one sequence per device, train.grad_accum={grad_accum}; each layout adds to the one before)",
+        f"  {'GiB/device':>12}   {'verdict':<17}layout",
+    ]
+    for t in tries:
+        gib = f"{t.total / sizing.GIB:>12.2f}" if t.total is not None else f"{'-':>12}"
+        verdict = "fits" if t.fits else ("does not fit" if t.total is not None else "did not compile")
+        note = f" ({t.note})" if t.note else ""
+        out.append(f"  {gib}   {verdict:<17}{layout_flags(c, t.layout)}{note}")
     return out
 
 

@@ -9,7 +9,9 @@ skipped with a warning; if none is readable the run stops with an error).
 
 One run per workdir: the run holds WORKDIR/zaya_jax.lock (zaya_jax/workdir_lock.py). A resume
 says which checkpoint it read and refuses other data or another learning-rate plan unless
-allowed (zaya_jax/resume.py). Fault handling, the one-step-late loss read, and where each part
+allowed (zaya_jax/resume.py). Before the first step the train and eval steps are compiled and
+their memory compared with the devices' (zaya_jax/device_memory.py): a step that cannot fit is one
+`error:` line, the workdir left as it was. Fault handling, the one-step-late loss read, and where each part
 lives: docs/design/trainer.md.
 """
 
@@ -30,6 +32,7 @@ from ml_collections import config_flags
 
 from zaya_jax import (
     cli,
+    device_memory,
     dry_run,
     fault,
     gpu_target,
@@ -63,11 +66,12 @@ from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.parallel.sharding import shard_batch
 from zaya_jax.pretrained import check_stored_tokenizer, store_tokenizer
 from zaya_jax.routing_telemetry import DEAD, DeadExperts
-from zaya_jax.train_eval import downstream_tasks, evaluate, harness_tasks
+from zaya_jax.train_eval import downstream_tasks, eval_rows, evaluate, harness_tasks
 from zaya_jax.train_state import (
     SPILL_BLOCKS,
     SPILL_STEP_FRACTION,
     TrainState,
+    abstract_batch,
     check_batch_divides,
     make_eval_step,
     train_program,
@@ -168,6 +172,7 @@ class Trainer:
 
     def __init__(self, c: ml_collections.ConfigDict, workdir: str):
         self.c, self.workdir = c, workdir
+        created = _missing_root(workdir)  # what making the workdir creates (removed on a refusal)
         self.cfg, self.sources, self.tokenizer = _checked_inputs(c, workdir)
         tokenizer = self.tokenizer
         self.seq_len, self.steps = c.train.seq_len, c.train.steps
@@ -179,8 +184,9 @@ class Trainer:
             self.stop.on_exit(self.lock.release)
         try:
             self._set_up(tokenizer)
-        except BaseException:
+        except BaseException:  # a refused start leaves no directory it created behind
             self._release()
+            _remove_created(workdir, created)
             raise
 
     def _release(self) -> None:
@@ -210,6 +216,7 @@ class Trainer:
             )
         self.data = Lookahead(iter(train_ds))
         self.eval_step = jax.jit(make_eval_step(self.cfg, self.mesh, c.mesh.context_layout))
+        _check_memory(c, self.program, self.abstract_state, self.eval_step)
         self.downstream = downstream_tasks(c, self.cfg, tokenizer, self.mesh)
         self.ckpt = _checkpointer(c, workdir)
         # saved with every checkpoint: data paths absolute, so the workdir's commands run from anywhere
@@ -505,6 +512,54 @@ def _lock_workdir(workdir: str) -> workdir_lock.WorkdirLock | None:
             lock.release()
         raise workdir_lock.WorkdirLocked(refused)
     return lock
+
+
+def _check_memory(c: ml_collections.ConfigDict, program, abstract_state, eval_step) -> None:
+    """Refuses, before anything is allocated or saved, a train step at the full batch, or the held-out
+    evaluation's step (every run evaluates at its last step), that needs more memory than this
+    process' devices have (zaya_jax/device_memory.py). Both are compiled here from abstract shapes;
+    the run's first calls reuse the compiles."""
+    mesh = program.mesh
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    eval_remedies = f"lower eval.batch_size (now {c.eval.batch_size}), or add devices"
+    programs = (
+        ("the train step", program.train_step, abstract_state, c.train.batch_size),
+        ("the evaluation step", eval_step, abstract_state.variables, eval_rows(c, mesh)),
+    )
+    for what, jitted, state, rows in programs:
+        batch = abstract_batch(rows, c.train.seq_len, mesh)
+        remedies = dry_run.memory_remedies(c, mesh) if jitted is program.train_step else eval_remedies
+        try:
+            stats = jitted.lower(state, batch).compile().memory_analysis()
+        except jax.errors.JaxRuntimeError as e:  # a compiler that refuses what cannot fit
+            reason = str(e).strip().splitlines()[0][:300]
+            if "RESOURCE_EXHAUSTED" not in reason and "out of memory" not in reason.lower():
+                raise
+            raise UserError(
+                f"{what} does not fit this machine's memory (XLA: {reason}): {remedies}"
+            ) from None
+        error = None if stats is None else device_memory.shortfall(stats, local, what, remedies)
+        if error is not None:
+            raise UserError(error)
+
+
+def _missing_root(path: str) -> str | None:
+    """The outermost directory of `path` that does not exist yet; None when `path` exists."""
+    path, root = os.path.abspath(path), None
+    while not os.path.exists(path):
+        path, root = os.path.dirname(path), path
+    return root
+
+
+def _remove_created(workdir: str, root: str | None) -> None:
+    """Removes the empty directories from `workdir` up to `root` (those this run created)."""
+    path = os.path.abspath(workdir)
+    while root is not None and path.startswith(root):
+        try:
+            os.rmdir(path)
+        except OSError:
+            return  # something was written there meanwhile: leave it
+        path = os.path.dirname(path)
 
 
 def _batch_ramp(c: ml_collections.ConfigDict, devices: int) -> BatchRamp:

@@ -71,8 +71,9 @@ class ZayaConfig:
     # take a spill exchange, run only when some bucket overflowed (zaya_jax/parallel/expert.py).
     moe_exchange_capacity_factor: float = 1.5
     # "xla" | "pallas" (flash attention) | "blockwise" (plain-XLA flash, kernels/blockwise_attention.py)
-    # | "auto" (kernels.attention_choice: Pallas on GPUs, else blockwise from a sequence length on)
-    attention_impl: str = "xla"
+    # | "auto" (kernels.attention_choice: Pallas on GPUs, else blockwise from 1024 keys on and the
+    # dense XLA softmax, transformers' own, below: a long sequence never builds [S, S] scores)
+    attention_impl: str = "auto"
     # Rematerialisation of the blocks: "none"; "full" keeps each block's input carry and recomputes
     # the rest in the backward; "dots_saveable" also keeps the matmul outputs. Both keep what the
     # expert exchange received (zaya_jax/parallel/expert.py), so the backward does not replay it.
