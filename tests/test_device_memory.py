@@ -87,7 +87,8 @@ def test_a_compile_refused_for_memory_is_one_error_and_the_new_workdir_goes(tmp_
     created = train_lib._missing_root(str(workdir))
     workdir.mkdir(parents=True)
     with pytest.raises(UserError) as e:
-        train_lib._check_memory(c, program, state, None, str(workdir), created)
+        train_lib._check_memory(c, program, state, None)
+    train_lib._remove_created(str(workdir), created)  # what the Trainer does on a refused start
     assert str(e.value).startswith(
         "the train step does not fit this machine's memory (XLA: RESOURCE_EXHAUSTED: Out of memory "
         "allocating 87226507872 bytes.): raise train.grad_accum"
@@ -95,4 +96,4 @@ def test_a_compile_refused_for_memory_is_one_error_and_the_new_workdir_goes(tmp_
     assert not (tmp_path / "new").exists() and tmp_path.exists()
     program.train_step = Refusing("INTERNAL: something else")
     with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
-        train_lib._check_memory(c, program, state, None, str(tmp_path), None)
+        train_lib._check_memory(c, program, state, None)
