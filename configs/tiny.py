@@ -1,4 +1,4 @@
-"""Tiny ZAYA1 (~1.3M params) on the embedded corpus with the byte tokenizer: trains on 2 CPU cores
+"""Tiny ZAYA1 (~2.5M params) on the embedded corpus with the byte tokenizer: trains on 2 CPU cores
 in a few minutes to well under 2.5 nats/byte held-out.
 
   python -m zaya_jax.train --config configs/tiny.py --workdir workdirs/tiny
@@ -21,7 +21,10 @@ def get_config():
             head_dim=32,
             num_experts=8,
             moe_intermediate_size=128,
-            router_hidden_size=32,
+            # ZAYA1's router width: a narrower router's per-token spread at initialisation (three
+            # layers of gain 0.02 * sqrt(width)) is drowned by the bias controller's steps of about
+            # balancing.lr, and one expert takes every token until the router learns (docs/model.md §2.2.6).
+            router_hidden_size=256,
             rope_theta=10_000.0,
             max_position_embeddings=4096,
         ),

@@ -1,12 +1,14 @@
 """ZeRO-1 data parallelism (zaya_jax/parallel/zero1.py) on 8 simulated CPU devices: the data-parallel
 traffic of the compiled train step is the formula's whatever train.grad_accum (nothing per
 microbatch), train.grad_reduce=microbatch (ZeRO-2) trains as step and one device do with its own
-formula's bytes and less memory, and distributed Muon gives the same updates as Muon on one device
-with each matrix orthogonalised once."""
+formula's bytes and less memory, distributed Muon gives the same updates as Muon on one device
+with each matrix orthogonalised once, and the train step on every mesh of two or three axes equals
+one device over several steps."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import jax
@@ -15,22 +17,24 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zaya_jax import config as config_lib
 from zaya_jax import dry_run, sizing
 from zaya_jax.config import base_config, set_model
 from zaya_jax.model import ZayaConfig, init_variables
 from zaya_jax.optim.chain import make_optimizer
 from zaya_jax.parallel import make_mesh
+from zaya_jax.parallel.mesh import MESH_AXES, mesh_from_config
 from zaya_jax.parallel.sharding import batch_sharding, opt_state_shardings, param_shardings
 from zaya_jax.parallel.zero1 import owner_plan, step_bytes
-from zaya_jax.train_state import train_program
+from zaya_jax.train_state import abstract_batch, train_program
 
 # 8 layers: the data axis (8 or 4) divides the layer stacks, so every rank owns whole matrices.
 CFG = ZayaConfig.tiny(num_hidden_layers=8, vocab_size=128, moe_intermediate_size=32)
 
 
-def _config(mesh: dict[str, int], grad_accum: int, grad_reduce: str = "step"):
+def _config(mesh: dict[str, int], grad_accum: int, grad_reduce: str = "step", cfg: ZayaConfig = CFG):
     c = base_config()
-    set_model(c, CFG)
+    set_model(c, cfg)
     c.train.seq_len, c.train.batch_size, c.train.grad_accum = 32, 8 * grad_accum, grad_accum
     c.train.grad_reduce = grad_reduce
     c.optim.schedule, c.optim.warmup_steps = "constant", 0  # the first step moves the params
@@ -63,21 +67,29 @@ def _train(mesh: tuple[tuple[str, int], ...], grad_accum: int, grad_reduce: str 
     config's initial state, on the same random batches whatever the mesh."""
     step = _compiled(mesh, grad_accum, grad_reduce)
     c = _config(dict(mesh), grad_accum, grad_reduce)
-    program = train_program(c, step.cfg, step.mesh)
+    losses, _, state = _steps(c, step.cfg, step.mesh, step.compiled, steps)
+    return losses, jax.device_get(state.params)
+
+
+def _steps(c, cfg: ZayaConfig, mesh, compiled, steps: int):
+    """(losses, grad norms, final state) of `steps` steps of `compiled` (the train step of config
+    `c` on `mesh`) from the config's initial state, on the same random batches whatever the mesh."""
+    program = train_program(c, cfg, mesh)
     state = jax.jit(program.create, out_shardings=program.shardings)()
     rng = np.random.default_rng(0)
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
-        ids = rng.integers(3, CFG.vocab_size, size=(c.train.batch_size, c.train.seq_len + 1))
+        ids = rng.integers(3, cfg.vocab_size, size=(c.train.batch_size, c.train.seq_len + 1))
         batch = {
             "input_ids": ids[:, :-1].astype(np.int32),
             "targets": ids[:, 1:].astype(np.int32),
             "loss_mask": (rng.random((c.train.batch_size, c.train.seq_len)) > 0.2).astype(np.float32),
         }
-        batch = jax.device_put(batch, batch_sharding(step.mesh))
-        state, metrics = step.compiled(state, batch)
+        batch = jax.device_put(batch, batch_sharding(mesh))
+        state, metrics = compiled(state, batch)
         losses.append(float(metrics["loss"]))
-    return losses, jax.device_get(state.params)
+        norms.append(float(metrics["grad_norm"]))
+    return losses, norms, state
 
 
 @pytest.mark.slow
@@ -149,6 +161,53 @@ def test_grad_reduce_microbatch_bytes_are_its_formula_and_memory_falls():
     assert 0.75 * saved <= temp["step"] - temp["microbatch"] <= 1.25 * saved, (temp, saved)
 
 
+# Every mesh of the 8 devices with two or three axes larger than 1 (a pair both ways round). Two
+# layers: the layer stacks divide among neither the data ranks nor distributed Muon's owners, so
+# each matrix stack is padded and moved (zaya_jax/parallel/zero1.py, owned_orthogonalize).
+MESH_CFG = ZayaConfig.tiny(num_hidden_layers=2, vocab_size=128, moe_intermediate_size=32)
+EVERY_MESH = [
+    *(((a, 4), (b, 2)) for a, b in itertools.permutations(MESH_AXES, 2)),
+    *(tuple((a, 2) for a in axes) for axes in itertools.combinations(MESH_AXES, 3)),
+]
+MESH_STEPS = 3
+# Programs run three steps: LLVM's optimisation costs more than it saves (as tests/test_context_parallel.py).
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@functools.cache
+def _mesh_run(mesh: tuple[tuple[str, int], ...]):
+    """(losses, grad norms, final state on the host) of MESH_STEPS train steps of MESH_CFG as the
+    trainer builds them (train_program: ZeRO-1, distributed Muon, the balancing biases) on `mesh`."""
+    c = _config(dict(mesh), 1, cfg=MESH_CFG)
+    c.train.steps = MESH_STEPS
+    devices = jax.devices()[: math.prod(size for _, size in mesh)]
+    cfg = config_lib.validate(c, "cpu")
+    program = train_program(c, cfg, mesh_from_config(c, devices=devices))
+    batch = abstract_batch(c.train.batch_size, c.train.seq_len, program.mesh)
+    compiled = program.train_step.lower(program.abstract_state(), batch).compile(FAST_COMPILE)
+    losses, norms, state = _steps(c, cfg, program.mesh, compiled, MESH_STEPS)
+    return losses, norms, jax.device_get(state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", EVERY_MESH, ids=lambda m: "_".join(f"{a}{n}" for a, n in m))
+def test_every_mesh_equals_one_device(mesh):
+    """The train step on `mesh` equals one device over MESH_STEPS steps, fp32, to 1e-5: every step's
+    loss and gradient norm, then every parameter, optimizer-state leaf and balancing bias."""
+    want_losses, want_norms, want = _mesh_run((("data", 1),))
+    losses, norms, got = _mesh_run(mesh)
+    assert want_losses[-1] != want_losses[0]  # the updates moved the params
+    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(norms, want_norms, rtol=1e-5, atol=1e-5)
+    parts = {"params": (want.params, got.params), "opt_state": (want.opt_state, got.opt_state)}
+    parts["balancing"] = (want.balancing, got.balancing)
+    for part, (a_tree, b_tree) in parts.items():
+        leaves = jax.tree_util.tree_flatten_with_path(a_tree)[0]
+        for (path, a), b in zip(leaves, jax.tree.leaves(b_tree), strict=True):
+            name = part + jax.tree_util.keystr(path)
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=name)
+
+
 def _tree(params, seed):
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
@@ -186,19 +245,39 @@ def test_distributed_muon_equals_muon_and_orthogonalises_each_matrix_once():
     assert ns == pytest.approx(sizing.newton_schulz_flops(CFG) / 8, rel=0.01)
 
 
+DATA4_EXPERT2, DATA4_FSDP2 = (4, 1, 2, 1), (4, 2, 1, 1)  # (data, fsdp, expert, context)
+
+
 @pytest.mark.parametrize(
-    "shape, stored, impl",
+    "shape, stored, impl, mesh",
     [
-        ((8, 4, 32, 64), P("data", "expert", None, None), "pallas"),  # the rank's shard is its block
-        ((2, 64, 32), P(None, None, "data"), "pallas"),  # moved whole by all-to-all, padded 2 -> 8
-        ((8, 64, 32), P("data", None, None), "xla"),  # its block, split further over expert
-        ((12, 64, 32), P("data", None, None), "xla"),  # 3 per rank over 2: padded, back by all-to-all
-        ((4, 64, 32), P(None, "fsdp", "data"), "xla"),  # fsdp splits the matrix: moved, and back
-        ((8, 64, 32), P(None, None, None), "xla"),  # mesh.zero1 off: every rank takes a part
+        ((8, 4, 32, 64), P("data", "expert", None, None), "pallas", DATA4_EXPERT2),  # its own block
+        ((2, 64, 32), P(None, None, "data"), "pallas", DATA4_EXPERT2),  # moved whole, padded 2 -> 8
+        ((8, 64, 32), P("data", None, None), "xla", DATA4_EXPERT2),  # its block, split over expert
+        ((12, 64, 32), P("data", None, None), "xla", DATA4_EXPERT2),  # 3 per rank over 2: padded
+        ((4, 64, 32), P(None, "fsdp", "data"), "xla", DATA4_FSDP2),  # fsdp splits the matrix
+        ((8, 64, 32), P(None, None, None), "xla", DATA4_EXPERT2),  # mesh.zero1 off: all take a part
+        # fsdp splits the dimension that the padded stack's expert / context owners split too on
+        # the way back: fsdp's split stays the outer one there (o_proj of a 4-layer model)
+        ((4, 64, 64), P(None, None, "fsdp"), "xla", (1, 2, 4, 1)),
+        ((4, 64, 64), P(None, None, "fsdp"), "xla", (1, 4, 2, 1)),
+        ((4, 64, 64), P(None, None, ("fsdp", "data")), "xla", (2, 2, 2, 1)),
+        ((4, 64, 32), P(None, None, "fsdp"), "xla", (1, 2, 1, 4)),
     ],
-    ids=["aligned", "moved", "spread", "padded", "fsdp", "zero1_off"],
+    ids=[
+        "aligned",
+        "moved",
+        "spread",
+        "padded",
+        "fsdp",
+        "zero1_off",
+        "fsdp2_expert4",
+        "fsdp4_expert2",
+        "data2_fsdp2_expert2",
+        "fsdp2_context4",
+    ],
 )
-def test_owned_newton_schulz_equals_newton_schulz_of_the_stack(shape, stored, impl):
+def test_owned_newton_schulz_equals_newton_schulz_of_the_stack(shape, stored, impl, mesh):
     """Each rank orthogonalises the matrices it owns (inside shard_map: the Pallas kernel,
     interpreted on CPU, runs per device) and the results come back in the parameter's layout: equal
     to the XLA Newton-Schulz of the whole stack, for every way a stack can be stored."""
@@ -206,9 +285,10 @@ def test_owned_newton_schulz_equals_newton_schulz_of_the_stack(shape, stored, im
     from zaya_jax.kernels.newton_schulz import orthogonalize
     from zaya_jax.parallel.zero1 import owned_orthogonalize
 
-    mesh = make_mesh(data=4, fsdp=2) if "fsdp" in stored else make_mesh(data=4, expert=2)
+    mesh = make_mesh(*mesh)
     x = jax.random.normal(jax.random.key(3), shape)
-    spec = P(*(None if a == "data" else a for a in stored))
+    without_data = lambda a: tuple(b for b in a if b != "data") if isinstance(a, tuple) else a
+    spec = P(*(None if a == "data" else without_data(a) for a in stored))
     kernel = functools.partial(newton_schulz, **kernel_options("cpu")) if impl == "pallas" else orthogonalize
     placed = jax.device_put(x, NamedSharding(mesh, stored))
     got = jax.jit(lambda y: owned_orthogonalize(kernel, y, stored, spec, mesh))(placed)

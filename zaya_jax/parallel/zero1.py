@@ -198,17 +198,29 @@ def owner_plan(shape: tuple[int, ...], stored: P, mesh: Mesh) -> Owners:
     return Owners(flat, aligned, kept, moved, spread, ranks)
 
 
-def _gather_dims(shape: tuple[int, ...], plan: Owners, mesh: Mesh, keep: set[str]) -> dict[str, int | None]:
-    """Where each owner axis puts its part of the result before the all-gather: None = stacked on the
-    flattened axis (exact when the owners divide the stack: no padding moves), else a matrix
-    dimension it splits instead (a padded stack: the padding is dropped before anything is
-    gathered); a moved axis the parameter keeps (fsdp) goes back to its own dimension."""
+def _cut_order(plan: Owners, keep: set[str]) -> list[str]:
+    """The owner axes in the order they cut the stack, outer first: the moved axes the parameter
+    keeps (fsdp) last. The results come back inner axis first, so a kept axis is back on its
+    dimension before another axis splits that dimension further (`_gather_dims`): the kept split
+    stays the outer one, as the parameter's layout has it."""
+    owners = [a for a, _ in plan.moved if a not in keep] + list(plan.spread)
+    return owners + [a for a, _ in plan.moved if a in keep]
+
+
+def _gather_dims(
+    shape: tuple[int, ...], plan: Owners, mesh: Mesh, keep: set[str], owners: list[str]
+) -> dict[str, int | None]:
+    """Where each owner axis (`owners`, in the stack's cut order) puts its part of the result
+    before the all-gather: None = stacked on the flattened axis (exact when the owners divide the
+    stack: no padding moves), else a matrix dimension it splits instead (a padded stack: the padding
+    is dropped before anything is gathered); a moved axis the parameter keeps (fsdp) goes back to
+    its own dimension."""
     count = math.prod(shape[: plan.flat]) // (mesh.shape[DATA] if plan.aligned else 1)  # per rank
     stack = len(shape) - 2
     split = {stack: 1, stack + 1: 1}
     out: dict[str, int | None] = {}
     moved = dict(plan.moved)
-    for axis in reversed([a for a, _ in plan.moved] + list(plan.spread)):
+    for axis in reversed(owners):
         if axis in keep:
             out[axis] = moved[axis]
             continue
@@ -240,8 +252,9 @@ def owned_orthogonalize(
     out_axes = _axes(spec, x.ndim, mesh)
     keep = {a for d in out_axes for a in d}
     out_shape = [size // math.prod(mesh.shape[a] for a in axes) for size, axes in zip(shape, out_axes)]
-    gather_dims = _gather_dims(shape, plan, mesh, keep)
-    owners = [a for a, _ in plan.moved] + list(plan.spread)  # outer first, as the stack is cut
+    owners = _cut_order(plan, keep)  # outer first, as the stack is cut
+    gather_dims = _gather_dims(shape, plan, mesh, keep, owners)
+    moved = dict(plan.moved)
     shift = 1 - plan.flat  # dimension d >= flat of x is d + shift of the flattened stack
 
     def per_device(y):
@@ -249,13 +262,13 @@ def owned_orthogonalize(
         count = y.shape[0]
         padded = -(-count // plan.ranks) * plan.ranks
         y = jnp.pad(y, [(0, padded - count)] + [(0, 0)] * (y.ndim - 1))
-        for axis, dim in plan.moved:  # whole matrices: the split moves onto the stack
-            y = jax.lax.all_to_all(y, axis, 0, dim + shift, tiled=True)
-        part = y.shape[0] // math.prod(mesh.shape[a] for a in plan.spread)
-        index = 0
-        for a in plan.spread:
-            index = index * mesh.shape[a] + jax.lax.axis_index(a)
-        y = fn(jax.lax.dynamic_slice_in_dim(y, index * part, part))
+        for axis in owners:  # each rank takes its block of the stack, the axes outer first
+            if axis in moved:  # whole matrices: the split moves onto the stack
+                y = jax.lax.all_to_all(y, axis, 0, moved[axis] + shift, tiled=True)
+            else:
+                part = y.shape[0] // mesh.shape[axis]
+                y = jax.lax.dynamic_slice_in_dim(y, jax.lax.axis_index(axis) * part, part)
+        y = fn(y)
         flat: list[str] = []  # owner axes whose parts are stacked on the flattened axis, inner first
         pending = []  # (axis, dim): gathered along a matrix dimension once the padding is dropped
 
