@@ -40,6 +40,7 @@ ISOLATED := tests/test_zero1.py
 # the isolated file's tests, independent compiles, spread over both. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=$(ISOLATED) $(ARGS)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load $(ISOLATED) $(ARGS)
 

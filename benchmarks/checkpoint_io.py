@@ -38,12 +38,13 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 if __package__ in (None, ""):  # `python benchmarks/checkpoint_io.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     in_own_process,
     peak_rss_bytes,
     reset_peak_rss,
@@ -51,7 +52,7 @@ from benchmarks.common import (  # noqa: E402
     set_env,
     simulate_cpu_devices,
 )
-from zaya_jax import cli  # noqa: E402
+from zaya_jax import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATE_FILL = (
@@ -106,7 +107,7 @@ def state_sizes(config) -> tuple[int, int]:
 
     c, cfg = config
     abstract = train_program(c, cfg, mesh_from_config(c)).abstract_state()
-    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     return nbytes(abstract), nbytes(abstract.params)
 
 
@@ -358,8 +359,8 @@ def export_report(src: str, scratch: str, state_bytes: int, param_bytes: int) ->
 
 
 def table(r: dict[str, Any]) -> str:
-    mb = lambda b: "-" if b is None else f"{b / 1e6:,.0f} MB"  # noqa: E731
-    x = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
+    mb = lambda b: "-" if b is None else f"{b / 1e6:,.0f} MB"
+    x = lambda v: "-" if v is None else f"{v:.2f}x"
     a, e, s, rs = r["async_save"], r["export"], r["save"], r["restore"]
     disk = r["disk"]
     rows = [

@@ -40,7 +40,8 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from benchmarks.common import simulate_cpu_devices, write_report
 from zaya_jax import cli
@@ -102,7 +103,7 @@ def message_sizes(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
         )
     out, s = [], float(min_bytes)
     while s <= max_bytes * (1 + 1e-9):
-        out.append(int(round(s)))
+        out.append(round(s))
         s *= factor
     return out
 

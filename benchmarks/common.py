@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
-
 COMPILE_EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -64,7 +63,7 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> dict[str, Any]:
             first = f.read().split("\n\n")[0]  # the first processor's block
     except OSError:
         return {"cpu_model": platform.processor(), "cpu_vector_flags": None}
-    fields = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in first.splitlines()))
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
     flags = set(fields.get("flags", "").split())
     vector = [f for f in VECTOR_FLAGS if f in flags]
     return {"cpu_model": fields.get("model name", ""), "cpu_vector_flags": vector}

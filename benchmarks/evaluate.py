@@ -37,21 +37,21 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import datetime  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import dataclasses
+import datetime
+import math
+import statistics
+import sys
+from collections.abc import Sequence
+from typing import Any
 
 if __package__ in (None, ""):  # `python benchmarks/evaluate.py`: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     add_out_arg,
     first_calls,
     fmt,
@@ -61,7 +61,7 @@ from benchmarks.common import (  # noqa: E402
     simulate_cpu_devices,
     timed_calls,
 )
-from benchmarks.reference import (  # noqa: E402
+from benchmarks.reference import (
     add_model_args,
     add_torch_args,
     model_report,
@@ -70,8 +70,8 @@ from benchmarks.reference import (  # noqa: E402
     tiny_config,
     weights,
 )
-from zaya_jax import cli  # noqa: E402
-from zaya_jax.parallel.mesh import MESH_FLAG  # noqa: E402
+from zaya_jax import cli
+from zaya_jax.parallel.mesh import MESH_FLAG
 
 BUCKETED, UNBUCKETED, TORCH = "bucketed", "unbucketed", "torch"
 CHOICES_PER_EXAMPLE = 4

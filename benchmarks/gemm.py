@@ -22,7 +22,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from benchmarks.common import simulate_cpu_devices, write_report
 from zaya_jax import cli

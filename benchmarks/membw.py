@@ -24,15 +24,16 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from benchmarks.common import simulate_cpu_devices, write_report
 
 if __package__ in (None, ""):  # `python benchmarks/membw.py`: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.collectives import BYTES_FLAG, human_bytes, message_sizes  # noqa: E402
-from zaya_jax import cli  # noqa: E402
+from benchmarks.collectives import BYTES_FLAG, human_bytes, message_sizes
+from zaya_jax import cli
 
 KERNELS = ("copy", "scale", "add", "triad")
 # Arrays each kernel reads or writes (STREAM's byte counting).

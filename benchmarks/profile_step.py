@@ -34,7 +34,8 @@ import json
 import os
 import tempfile
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from benchmarks.common import add_out_arg, fmt, format_rows, host_info, print_and_write
 from benchmarks.train_step import JaxSide, add_config_args, build_config, checked_config, random_tokens
@@ -137,7 +138,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
 
 def grouped(times: dict[str, list[float]], names: dict[str, str], steps: int) -> dict[str, Any]:
     """ms per step by phase, by site (split by phase) and by op."""
-    ms = lambda us: us / steps / 1e3  # noqa: E731
+    ms = lambda us: us / steps / 1e3
     phases = dict.fromkeys(PHASES, 0.0)
     sites: dict[str, dict[str, float]] = collections.defaultdict(lambda: dict.fromkeys(PHASES, 0.0))
     ops = []
@@ -180,7 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report_text(report: dict[str, Any], top: int) -> tuple[str, str]:
     total = report["op_ms"] or 1.0
-    share = lambda x: fmt(100 * x / total, ".1f")  # noqa: E731
+    share = lambda x: fmt(100 * x / total, ".1f")
     rows = [["phase", "ms/step", "%"]]
     rows += [[k, fmt(v, ".2f"), share(v)] for k, v in report["phases_ms"].items()]
     sites = [["site", *PHASES, "ms/step", "%"]]

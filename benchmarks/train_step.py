@@ -70,31 +70,31 @@ import os
 # Both frameworks may share one GPU: do not let XLA grab 75% of its memory up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import argparse  # noqa: E402
-import ast  # noqa: E402
-import dataclasses  # noqa: E402
-import datetime  # noqa: E402
-import functools  # noqa: E402
-import importlib.util  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import ast
+import dataclasses
+import datetime
+import functools
+import importlib.util
+import json
+import math
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
 
 if __package__ in (None, ""):  # `python benchmarks/train_step.py`: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import jax
+import ml_collections
+import numpy as np
+import optax
 
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     add_out_arg,
     fmt,
     format_rows,
@@ -103,23 +103,28 @@ from benchmarks.common import (  # noqa: E402
     peak_rss_bytes,
     print_and_write,
 )
-from benchmarks.gemm import time_gemm  # noqa: E402
-from benchmarks.isolated import IsolatedSide  # noqa: E402
-from benchmarks.reference import add_torch_args, hf_config, model_report, resolve_torch_device  # noqa: E402
-from benchmarks.torch_muon import model_muon_names  # noqa: E402
-from benchmarks.torch_side import TORCH, TORCH_MUON, TORCH_SGD, TorchSide, side_name  # noqa: E402
-from zaya_jax import balancing as bal  # noqa: E402
-from zaya_jax import cli  # noqa: E402
-from zaya_jax import config as config_lib  # noqa: E402
-from zaya_jax import host_memory, sizing  # noqa: E402
-from zaya_jax.model import ZayaConfig  # noqa: E402
-from zaya_jax.model.moe import resolve_moe_impl  # noqa: E402
-from zaya_jax.model.transformer import resolve_scan_layers  # noqa: E402
-from zaya_jax.parallel.mesh import mesh_platform  # noqa: E402
-from zaya_jax.optim.chain import adamw, gradient_clipping, lr_schedule, make_optimizer  # noqa: E402
-from zaya_jax.parallel.mesh import mesh_from_config  # noqa: E402
-from zaya_jax.parallel.sharding import shard_batch  # noqa: E402
-from zaya_jax.train_state import (  # noqa: E402
+from benchmarks.gemm import time_gemm
+from benchmarks.isolated import IsolatedSide
+from benchmarks.reference import add_torch_args, hf_config, model_report, resolve_torch_device
+from benchmarks.torch_muon import model_muon_names
+from benchmarks.torch_side import TORCH, TORCH_MUON, TORCH_SGD, TorchSide, side_name
+from zaya_jax import balancing as bal
+from zaya_jax import (
+    cli,
+    host_memory,
+    sizing,
+)
+from zaya_jax import config as config_lib
+from zaya_jax.model import ZayaConfig
+from zaya_jax.model.moe import resolve_moe_impl
+from zaya_jax.model.transformer import resolve_scan_layers
+from zaya_jax.optim.chain import adamw, gradient_clipping, lr_schedule, make_optimizer
+from zaya_jax.parallel.mesh import (
+    mesh_from_config,
+    mesh_platform,
+)
+from zaya_jax.parallel.sharding import shard_batch
+from zaya_jax.train_state import (
     balancing_config,
     create_train_state,
     make_train_step,
@@ -705,7 +710,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "headline": headline,
         "results": results,
         "ratio_tokens_per_s": results[sides[0].name].get("ratio_to_torch"),
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
 

@@ -17,7 +17,7 @@ os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "zaya_jax_test_xla_cache")
 )
 
-import jax  # noqa: E402  (after the environment above: jax reads it once, at import)
+import jax
 
 # The test process itself reads the cache but never writes it (the CLI subprocesses it starts
 # write): XLA:CPU (jax 0.10.2) aborted the whole process serializing an executable into the cache

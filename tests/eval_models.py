@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from hf_reference import Case, random_hf_model
+
 from zaya_jax.import_hf import import_hf
 from zaya_jax.tokenizer import ByteTokenizer
 

@@ -45,7 +45,7 @@ def plugin_library() -> str | None:
     spec = importlib.util.find_spec("jax_plugins.xla_rocm7")
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "xla_rocm_plugin.so")
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "xla_rocm_plugin.so")
     return path if os.path.exists(path) else None
 
 

@@ -21,7 +21,10 @@ def _biases(layers=2):
     return jnp.zeros((layers, E + 1), jnp.float32).at[:, E].set(-1.0)
 
 
-def _step(counts, cfg=bal.BalancingConfig(), biases=None):
+DEFAULT = bal.BalancingConfig()
+
+
+def _step(counts, cfg=DEFAULT, biases=None):
     biases = _biases(len(counts)) if biases is None else biases
     state = bal.init_balancing_state(biases, cfg)
     return bal.balancing_update(biases, jnp.asarray(counts, jnp.float32), state, cfg)

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from xla_env import xla_flags
+
 from zaya_jax import host_memory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,7 +192,7 @@ def test_adamw_only_optimizer_routes_every_parameter_to_adamw():
 
     c = load_config("configs/tiny.py")
     params = jax.eval_shape(lambda: init_variables(ZayaConfig.tiny(), jax.random.key(0)))["params"]
-    is_muon = lambda x: isinstance(x, MuonState)  # noqa: E731
+    is_muon = lambda x: isinstance(x, MuonState)
     for optimizer, want_muon in (("config", True), ("adamw", False)):
         state = jax.eval_shape(make_benchmark_optimizer(c, optimizer).init, params)
         leaves = jax.tree.leaves(state, is_leaf=is_muon)

@@ -15,8 +15,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from test_train import ROOT, SMALL, run_train, tiny_config, train_losses
-
 from xla_env import xla_flags
+
 from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
 from zaya_jax.events import EventLog, read_events
 from zaya_jax.fault import StepWatchdog
@@ -228,7 +228,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_143(tmp_path):
     _wait_for_step(proc, w, 3)
     proc.send_signal(signal.SIGTERM)
     sent_at = max(train_losses(w))
-    out, err = proc.communicate(timeout=120)
+    _out, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
     (ev,) = read_events(str(w), "sigterm")
     assert sent_at <= ev["step"] <= sent_at + 2  # the step in flight (+ the one the signal raced)

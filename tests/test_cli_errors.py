@@ -12,10 +12,9 @@ import sys
 
 import numpy as np
 import pytest
-
 from test_train import ROOT, SMALL, run_train, train_losses
-
 from xla_env import xla_flags
+
 from zaya_jax import device_memory
 from zaya_jax.checkpoint import Checkpointer
 

@@ -130,7 +130,7 @@ def test_zigzag_balances_blockwise_attention(ranks):
         perm = jnp.asarray(layout_permutation(s, layout, ranks))[None]
         local = s // ranks
         blocks = {"scale": 1.0, "block_q": block, "block_k": block}
-        count = lambda pos: int(  # noqa: E731
+        count = lambda pos: int(
             visited_blocks(q[:, :local], q, q, q_pos_bs=pos, kv_pos_bt=perm, **blocks)
         )
         return [count(perm[:, r * local : (r + 1) * local]) for r in range(ranks)]
@@ -286,7 +286,7 @@ def test_pallas_attention_on_context_2_equals_the_reference(layout):
         )
     )
     # The inputs in the layout's storage order, the outputs back in position order.
-    stored = lambda x: jax.device_put(to_layout(x, layout, 2), batch_sharding(mesh))  # noqa: E731
+    stored = lambda x: jax.device_put(to_layout(x, layout, 2), batch_sharding(mesh))
     want = ref(q, k, v, seg, mask, do)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got(*map(stored, (q, k, v, seg, mask, do))), want):
         g = from_layout(jnp.asarray(g), layout, 2)

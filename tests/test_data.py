@@ -62,8 +62,7 @@ def byte_data_dir(tmp_path_factory):
     """A prepared byte-level dataset of synthetic_docs() (train) plus a held-out split."""
     tmp = tmp_path_factory.mktemp("byte_data")
     with open(tmp / "docs.jsonl", "w") as f:
-        for doc in synthetic_docs():
-            f.write(json.dumps({"text": doc}) + "\n")
+        f.writelines(json.dumps({"text": doc}) + "\n" for doc in synthetic_docs())
     prepare_dataset([tmp / "docs.jsonl"], tmp / "data", eval_fraction=0.1, shard_tokens=2000)
     return tmp / "data"
 
@@ -115,8 +114,7 @@ def test_embedded_pipeline_batches_and_eval():
 def test_prepare_cli_byte_txt_and_jsonl(tmp_path):
     (tmp_path / "book.txt").write_text("First paragraph.\n\nSecond — non-ASCII é.\n\n\n\nThird.\n")
     with open(tmp_path / "web.jsonl", "w") as f:
-        for i in range(10):
-            f.write(json.dumps({"text": f"json document {i}", "id": i}) + "\n")
+        f.writelines(json.dumps({"text": f"json document {i}", "id": i}) + "\n" for i in range(10))
         f.write("\n")  # blank lines are skipped
     out = tmp_path / "data"
     r = run_prepare(
@@ -164,8 +162,7 @@ def test_prepare_cli_hf_tokenizer(tmp_path):
     hf.train_from_iterator(words, trainers.WordLevelTrainer(special_tokens=["<pad>", "</s>", "<unk>"]))
     hf.save(str(tmp_path / "tokenizer.json"))
     with open(tmp_path / "docs.jsonl", "w") as f:
-        for i in range(20):
-            f.write(json.dumps({"text": words[i % 3]}) + "\n")
+        f.writelines(json.dumps({"text": words[i % 3]}) + "\n" for i in range(20))
     out = tmp_path / "data"
     r = run_prepare(
         "--input",
@@ -296,7 +293,7 @@ def assert_batches_equal(a, b):
 
 
 def test_determinism_by_seed(byte_data_dir):
-    make = lambda seed: make_dataset(byte_data_dir, seq_len=32, global_batch_size=4, seed=seed)  # noqa: E731
+    make = lambda seed: make_dataset(byte_data_dir, seq_len=32, global_batch_size=4, seed=seed)
     first = take(make(0), 12)
     assert_batches_equal(first, take(make(0), 12))
     other = take(make(1), 12)

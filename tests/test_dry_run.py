@@ -14,9 +14,9 @@ import pytest
 from jax._src import config as jax_config  # a config option as a context: not public
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from xla_env import COMPILE_FLAGS
 
 from benchmarks.collectives import all_to_all_bytes
-from xla_env import COMPILE_FLAGS
 from zaya_jax import dry_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -362,8 +362,8 @@ def test_host_verdict_for_the_cpu_target(monkeypatch):
         f"  {limit}, shared by the 4 simulated devices: 8.00 GiB: fits (100.0% used)"
     ]
     assert dry_run.host_rows(3 * 2**30, 4) == [
-        f"  {limit}, shared by the 4 simulated devices: 8.00 GiB: DOES NOT FIT here: the step needs "
-        "12.00 GiB (4.00 GiB over)"
+        (f"  {limit}, shared by the 4 simulated devices: 8.00 GiB: DOES NOT FIT here: the step needs "
+        "12.00 GiB (4.00 GiB over)")
     ]
     assert dry_run.host_rows(3 * 2**30, 1)[0].startswith(f"  {limit}: 8.00 GiB: fits (37.5% used)")
 

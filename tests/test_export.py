@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from xla_env import xla_flags
+
 from zaya_jax import model
 from zaya_jax.export import export, skip_bias_warning
 from zaya_jax.generate import main as generate_main

@@ -11,13 +11,12 @@ import time
 import jax
 import numpy as np
 import pytest
+from test_train import ROOT, run_train, summary_of, train_losses
 
-from zaya_jax.events import read_events
 from zaya_jax.config import base_config
+from zaya_jax.events import read_events
 from zaya_jax.fault import Do, FaultMonitor, SpikeDetector, agree, confirmed_spikes
 from zaya_jax.metrics import read_metrics
-
-from test_train import ROOT, run_train, summary_of, train_losses
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
 from hf_reference import Case, random_hf_model
+
 from zaya_jax import hf
 from zaya_jax.generate import (
     _generate_loop,
@@ -116,6 +116,7 @@ def test_top_p_keeps_the_smallest_nucleus():
 
 def test_cli_from_orbax_and_hf_checkpoints_agree(tmp_path, capsys):
     from eval_models import orbax_from_hf, save_byte_hf_model
+
     from zaya_jax.generate import main
     from zaya_jax.tokenizer import ByteTokenizer
 

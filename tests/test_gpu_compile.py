@@ -21,13 +21,14 @@ import pytest
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="the gpu_compile extra is not installed")
 
-import rocm_standins  # noqa: E402
-from benchmarks.collectives import all_to_all_bytes  # noqa: E402
-from zaya_jax import dry_run, gpu_target, hlo, sizing  # noqa: E402
-from zaya_jax.config import base_config, set_model  # noqa: E402
-from zaya_jax.kernels import pick_blocks  # noqa: E402
-from zaya_jax.model import ZayaConfig  # noqa: E402
-from zaya_jax.train_state import OPTIMIZER_SCOPE  # noqa: E402
+import rocm_standins
+
+from benchmarks.collectives import all_to_all_bytes
+from zaya_jax import dry_run, gpu_target, hlo, sizing
+from zaya_jax.config import base_config, set_model
+from zaya_jax.kernels import pick_blocks
+from zaya_jax.model import ZayaConfig
+from zaya_jax.train_state import OPTIMIZER_SCOPE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = {"zaya_gmm", "zaya_tgmm", "zaya_flash_attention_fwd", "zaya_flash_attention_dq"}
@@ -65,7 +66,7 @@ def rocm(tmp_path_factory):
     return str(where)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled(target: str, experts: int, impl: str, data: int = 8, expert_axis: int = 1, remat: str = "none",
              context: int = 1):  # fmt: skip
     """(GpuTarget, CompiledStep) of the small step for 8 devices of `target`; shared by the tests."""
@@ -100,14 +101,14 @@ def test_h100_pallas_step_has_our_triton_kernels_and_cubins():
     for sm_90, the memory report fits the 80 GiB, and the expert exchange is 4 exchanges of
     C = 192 slots per peer (512 tokens per device, factor 1.5) in the dtypes the GPU moves: bf16
     tokens, fp32 outputs, their bf16 cotangent, the tokens' bf16 cotangent; plus int8 ids."""
-    gpu, c, step = compiled("h100", 8, "pallas", data=2, expert_axis=4, remat="full")
+    gpu, _c, step = compiled("h100", 8, "pallas", data=2, expert_axis=4, remat="full")
     assert triton_kernels(step) >= OURS
     code = gpu_target.device_code(step.compiled, gpu)
     assert code["cubin"] >= 1 and code["hsaco"] == 0 and code["arch"] >= 1, code
     stats = step.compiled.memory_analysis()
     rows, error = dry_run.device_rows(dry_run.memory_total(stats), gpu, 2**30)
     assert error is None and "fits" in rows[0] and "H100" in rows[0]
-    main, spill = all_to_all_bytes(step.compiled.as_text())
+    main, _spill = all_to_all_bytes(step.compiled.as_text())
     n, cap, d = 4, 192, 64
     assert main == n * cap * d * (2 + 4 + 2 + 2) + n * cap  # 1.875x the ideal 4 x 512 x d x 2
     exchange = [
@@ -282,9 +283,9 @@ def test_a_step_over_xlas_memory_limit_is_named_as_memory(monkeypatch):
     import jax
 
     log = (
-        "W1129 02:48:09.000000  1234 hlo_rematerialization.cc:3005] Can't reduce memory use below 62.00GiB "
+        ("W1129 02:48:09.000000  1234 hlo_rematerialization.cc:3005] Can't reduce memory use below 62.00GiB "
         "(66571993088 bytes) by rematerialization; only reduced to 123.30GiB (132391809024 bytes), down "
-        "from 150.00GiB (161061273600 bytes) originally\n",
+        "from 150.00GiB (161061273600 bytes) originally\n"),
     )
 
     def refuse(trial, devices):

@@ -12,10 +12,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from hf_reference import Case, hf_logits, random_case, random_hf_model, random_inputs
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM
 
-from hf_reference import Case, hf_logits, random_case, random_hf_model, random_inputs
 from zaya_jax import hf, model
 from zaya_jax.cli import UserError
 from zaya_jax.hf import names

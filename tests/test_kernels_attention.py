@@ -125,7 +125,7 @@ def test_gqa4_segments_traced_sliding_window_fp32():
     b, s = 1, 45
     q, k, v, do = make_qkv(b, s, s, 4, 1, 16, jnp.float32, seed=2)
     seg = segments(b, s, seed=2)
-    errs, both = compare(
+    _errs, both = compare(
         q,
         k,
         v,
@@ -163,7 +163,7 @@ def test_bf16_segments_padding():
     q, k, v, do = make_qkv(b, s, s, 4, 2, 32, jnp.bfloat16, seed=4)
     seg = segments(b, s, seed=4)
     key_mask = jnp.ones((b, s), jnp.int32).at[1, :3].set(0)
-    errs, _ = compare(
+    _errs, _ = compare(
         q,
         k,
         v,
@@ -207,7 +207,7 @@ def test_traced_query_offset_is_a_context_ranks_chunk_fp32():
     q_all, k, v, do_all = make_qkv(b, s, s, 4, 2, 16, jnp.float32, seed=8)
     seg = segments(b, s, seed=8)
     key_mask = jnp.ones((b, s), jnp.int32).at[1, :5].set(0)
-    kw = lambda qseg, seg, km, off: dict(  # noqa: E731
+    kw = lambda qseg, seg, km, off: dict(
         scale=0.25, q_segment_ids=qseg, kv_segment_ids=seg, key_mask=km, sliding_window=20, q_offset=off
     )
     whole = reference_attention(
@@ -247,7 +247,7 @@ def numpy_attention(q, k, v, allowed, scale):
     """Per (batch, query head) softmax attention in float64 numpy, head n reading kv head n // G,
     masked logits at MASK_VALUE (a fully masked row averages the values)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    b, s, nq, _ = q.shape
+    b, _s, nq, _ = q.shape
     g = nq // k.shape[2]
     out = np.zeros_like(q)
     for i in range(b):
@@ -332,7 +332,7 @@ def test_traced_offset_flops_are_counted_at_the_given_mean(monkeypatch):
 
     def tags(flops_offset):
         def fn(q, k, v, offset):
-            f = lambda q: flash_attention(  # noqa: E731
+            f = lambda q: flash_attention(
                 q, k, v, scale=0.25, q_offset=offset, flops_offset=flops_offset, platform="cuda", **blocks
             )
             return f(q)
@@ -358,7 +358,7 @@ def test_lowers_to_triton(monkeypatch, platform):
     ids, q_ids, scalar = sds((b, s), jnp.int32), sds((b, s // 2), jnp.int32), sds((), jnp.int32)
 
     def fn(q, k, v, qseg, seg, km, w, offset):
-        f = lambda q, k, v: flash_attention(  # noqa: E731
+        f = lambda q, k, v: flash_attention(
             q,
             k,
             v,

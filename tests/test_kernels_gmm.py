@@ -94,7 +94,7 @@ def test_no_routed_rows_and_native_dtype_output():
     """sum(group_sizes) = 0: the output is all zeros, all gradients 0; output in lhs dtype."""
     lhs, rhs, _ = operands(20, 16, 16, 2, jnp.float32, seed=2)
     gs = jnp.zeros((2,), jnp.int32)
-    f = lambda a, b, g: grouped_matmul(a, b, g, block_m=16, interpret=True)  # noqa: E731
+    f = lambda a, b, g: grouped_matmul(a, b, g, block_m=16, interpret=True)
     out, (dl, dr) = run_compiled(
         lambda a, b, g: (f(a, b, g), jax.grad(lambda a, b: jnp.sum(f(a, b, g)), (0, 1))(a, b)), lhs, rhs, gs
     )

@@ -63,7 +63,11 @@ def test_pallas_loss_and_gradients_equal_xla():
 
     def value_and_grad(cfg):
         model = ZayaForCausalLM(cfg)
-        f = lambda p: (lambda ls, aux: ls / aux[0])(*loss_and_counts(model, p, variables[BALANCING], batch))
+
+        def f(p):
+            ls, aux = loss_and_counts(model, p, variables[BALANCING], batch)
+            return ls / aux[0]
+
         return jax.jit(jax.value_and_grad(f))(variables["params"])
 
     ref_loss, ref = value_and_grad(XLA)

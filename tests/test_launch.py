@@ -49,7 +49,7 @@ def test_two_processes_two_devices_each():
     )
     r = _launch(2, 2, sys.executable, "-c", code)
     assert r.returncode == 0, r.stdout + r.stderr
-    results = sorted(re.findall(r"^\[p(\d)\] RESULT (\d) (\d) (\d) (\d)$", r.stdout, re.M))
+    results = sorted(re.findall(r"^\[p(\d)\] RESULT (\d) (\d) (\d) (\d)$", r.stdout, re.MULTILINE))
     assert results == [("0", "0", "2", "4", "2"), ("1", "1", "2", "4", "2")], r.stdout + r.stderr
 
 
@@ -81,8 +81,8 @@ def test_success_when_all_succeed_and_usage_errors():
 def test_sbatch_xla_flags_parse_in_this_jaxlib():
     """XLA aborts at start-up on an unknown flag name or unparsable value, on any backend."""
     text = SBATCH.read_text()
-    block = re.search(r"^XLA_FLAGS_ROCM=\((.*?)^\)", text, re.M | re.S).group(1)
-    flags = re.findall(r"^\s*(--xla_[a-z0-9_]+=\S*)", block, re.M)
+    block = re.search(r"^XLA_FLAGS_ROCM=\((.*?)^\)", text, re.MULTILINE | re.DOTALL).group(1)
+    flags = re.findall(r"^\s*(--xla_[a-z0-9_]+=\S*)", block, re.MULTILINE)
     assert len(flags) >= 5 and any("latency_hiding" in f for f in flags)
     env = _env()
     env["XLA_FLAGS"] = " ".join(flags)
@@ -106,7 +106,7 @@ def test_the_processes_of_a_run_stop_together_on_a_workdir_in_use(tmp_path):
     r = _launch(2, 1, "--config", str(ROOT / "configs" / "tiny.py"), "--workdir", str(w), timeout=120)
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     errors = re.findall(
-        rf"^\[p[01]\] error: {re.escape(str(w))} is in use by train \(pid {os.getpid()} ", r.stdout, re.M
+        rf"^\[p[01]\] error: {re.escape(str(w))} is in use by train \(pid {os.getpid()} ", r.stdout, re.MULTILINE
     )
     assert errors and "Traceback" not in r.stdout, r.stdout[-3000:]
     assert sorted(os.listdir(w)) == ["zaya_jax.lock"]

@@ -16,8 +16,8 @@ import pytest
 from eval_models import orbax_from_hf, random_byte_model, write_harness_tasks
 from test_metrics import _event_tags
 from test_train import ROOT, SMALL
-
 from xla_env import xla_flags
+
 from zaya_jax import cli
 from zaya_jax.export import export
 from zaya_jax.metrics import read_metrics

@@ -81,9 +81,11 @@ def test_jsonl_records(tmp_path):
     assert evals[0]["eval_loss"] == 2.0
     assert evals[0]["eval_perplexity"] == pytest.approx(np.exp(2.0))
     assert np.isnan(evals[1]["eval_loss"]) and evals[1]["eval_accuracy"] == 0.1
-    with pytest.raises(ValueError, match="reserved"):
-        with MetricsLogger(tmp_path, tensorboard=False, console=False) as log:
-            log.log_train(1, {"step": 3})
+    with (
+        pytest.raises(ValueError, match="reserved"),
+        MetricsLogger(tmp_path, tensorboard=False, console=False) as log,
+    ):
+        log.log_train(1, {"step": 3})
 
 
 def test_resume_drops_later_steps(tmp_path):

@@ -2,6 +2,7 @@
 per-process sharding, no sequence lost or repeated, resumable state, config errors, and a kill -9
 mid-mixture / mid-ramp training run that resumes with identical losses."""
 
+import itertools
 import json
 import os
 import sys
@@ -177,7 +178,7 @@ def test_ramp_sizes_are_megatrons_monotone_from_start_to_full(start, increment, 
     sizes = [ramp.size(k) for k in range(n)]
     assert sizes == megatron_sizes(start, increment, ramp_sequences, full, n)
     assert sizes[0] == start and sizes[-1] == full
-    assert all(a <= b for a, b in zip(sizes, sizes[1:]))
+    assert all(a <= b for a, b in itertools.pairwise(sizes))
     assert [ramp.consumed(k) for k in range(n)] == np.cumsum([0] + sizes[:-1]).tolist()
     assert list(ramp.sizes) == sorted(set(sizes))
 

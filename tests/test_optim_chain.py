@@ -102,7 +102,7 @@ def _cfg(clip=1.0):
     return cfg
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _optimizer(clip):
     """(cfg, jitted init, jitted update), compiled once per clip value for speed."""
     cfg = _cfg(clip)

@@ -24,7 +24,7 @@ CFG = ZayaConfig.tiny(attention_bias=True, lm_head_bias=True, tie_word_embedding
 NEW = "layers/mlp/new_proj/kernel"  # a parameter nobody registered
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shapes():
     return flax.traverse_util.flatten_dict(jax.eval_shape(lambda: init_variables(CFG, jax.random.key(0))))
 

@@ -64,8 +64,7 @@ def test_jsonl_zst_gives_the_shards_of_jsonl(reference):
     lines = [json.dumps({"text": t}) + "\n" for t in texts]
     half = len(lines) // 2
     with open(root / "docs.jsonl.zst", "wb") as f:  # two zstd frames, as parallel compressors write
-        for part in (lines[:half], lines[half:]):
-            f.write(zstandard.ZstdCompressor().compress("".join(part).encode()))
+        f.writelines(zstandard.ZstdCompressor().compress("".join(part).encode()) for part in (lines[:half], lines[half:]))
     out = prepare("--input", root / "docs.jsonl.zst", "--out", root / "zst", "--eval-fraction", "0.05")
     assert out.returncode == 0, out.stderr
     assert shards(root / "zst") == expected
@@ -109,10 +108,7 @@ def test_two_workers_write_what_one_writes(tmp_path):
     rng = np.random.default_rng(1)
     words = np.array(["alpha", "beta", "gamma", "delta", "é", "\n"])
     with open(tmp_path / "big.jsonl", "w") as f:
-        for _ in range(3500):
-            f.write(
-                json.dumps({"text": " ".join(rng.choice(words, size=int(rng.integers(100, 400))))}) + "\n"
-            )
+        f.writelines(json.dumps({"text": " ".join(rng.choice(words, size=int(rng.integers(100, 400))))}) + "\n" for _ in range(3500))
     assert (tmp_path / "big.jsonl").stat().st_size > 4 << 20
     runs = {}
     for workers in (1, 2):

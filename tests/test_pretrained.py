@@ -6,8 +6,8 @@ import shutil
 import jax
 import numpy as np
 import pytest
-
 from eval_models import BYTE_CASE, orbax_from_hf, save_byte_hf_model
+
 from zaya_jax.parallel.mesh import make_mesh
 from zaya_jax.pretrained import load_model, resolve_prefix
 from zaya_jax.tokenizer import ByteTokenizer
@@ -41,7 +41,7 @@ def test_restore_onto_a_mesh_lays_out_experts(dirs):
 
 
 def test_plain_hf_tokenizer_dir_uses_bos(dirs, tmp_path):
-    d, _ = dirs
+    _d, _ = dirs
     tok = ByteTokenizer()
     assert resolve_prefix("auto", tok, trained_by_us=False) == tok.bos_id
     assert resolve_prefix("auto", tok, trained_by_us=True) == tok.eos_id

@@ -8,8 +8,9 @@ import sys
 import jax
 import numpy as np
 import pytest
-
+from test_export import tiny_config
 from xla_env import xla_flags
+
 from zaya_jax import config as config_lib
 from zaya_jax.checkpoint import Checkpointer
 from zaya_jax.metrics import read_metrics
@@ -17,8 +18,6 @@ from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.reshard import reshard
 from zaya_jax.train import train
 from zaya_jax.train_state import abstract_train_state
-
-from test_export import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 5

@@ -52,7 +52,7 @@ def test_bias_gets_no_gradient_and_weight_does():
 
 def test_eda_adds_scaled_previous_state_before_the_norm():
     prev = jax.random.normal(jax.random.key(3), (2, 16, CFG.router_hidden_size))
-    zero, variables = _run()
+    zero, _variables = _run()
     with_prev, _ = _run(prev=prev)
     np.testing.assert_allclose(
         np.asarray(with_prev.next_state_bsr - zero.next_state_bsr), np.asarray(prev), rtol=1e-5, atol=1e-5

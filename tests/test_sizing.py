@@ -58,14 +58,14 @@ def test_newton_schulz_flops_equal_xla_cost_of_orthogonalize():
 
 
 # --------------------------------------------------------------------- FLOPs breakdown, memory, rules
-import json  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
-from zaya_jax import sizing  # noqa: E402
+from zaya_jax import sizing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -218,7 +218,7 @@ def test_parse_mesh_and_peaks():
 
 
 def _count(text: str, label: str) -> int:
-    m = re.search(rf"^\s*{label}\s+[\d.]+B\s+\(([\d,]+)", text, re.M)
+    m = re.search(rf"^\s*{label}\s+[\d.]+B\s+\(([\d,]+)", text, re.MULTILINE)
     assert m, f"no {label!r} line in:\n{text}"
     return int(m.group(1).replace(",", ""))
 
@@ -258,7 +258,7 @@ def test_sizing_cli_zaya1_base(tmp_path, extra):
         "optimizer: AdamW m, v",
         "activations (remat full)",
     ):
-        assert re.search(rf"^\s*{re.escape(row)}\s+[\d.]+", text, re.M), row
+        assert re.search(rf"^\s*{re.escape(row)}\s+[\d.]+", text, re.MULTILINE), row
     if extra:  # 4 x 4096 tokens per device: 1024 tokens per expert, far below the ~200 GFLOP rule
         assert "expert GEMMs are small" in text and "exceeds the device" not in text
     else:  # the config's 4096-sequence batch on one node of 8 without grad_accum cannot fit

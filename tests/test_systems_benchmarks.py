@@ -12,10 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from xla_env import xla_flags
 
 from benchmarks import collectives, gemm, membw
-
-from xla_env import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 

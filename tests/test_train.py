@@ -10,9 +10,9 @@ import types
 import jax
 import numpy as np
 import pytest
-
 from eval_models import write_harness_tasks, write_task
 from xla_env import xla_flags
+
 from zaya_jax import host_memory
 from zaya_jax.evaluate import evaluate
 from zaya_jax.export import export

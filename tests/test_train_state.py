@@ -181,7 +181,7 @@ def test_initial_state_is_the_created_state_and_keeps_no_executable():
     c = base_config()
     config_lib.set_model(c, CFG)
     program = train_program(c, CFG, make_mesh(data=2, fsdp=2, expert=2))
-    cached = lambda: pxla._cached_compilation.cache_info().currsize  # noqa: E731
+    cached = lambda: pxla._cached_compilation.cache_info().currsize
     before = cached()
     state = program.initial_state()
     assert cached() == before

@@ -56,7 +56,7 @@ def _compiled(
     return _compile(mesh, grad_accum, grad_reduce)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compile(mesh: tuple[tuple[str, int], ...], grad_accum: int, grad_reduce: str) -> dry_run.CompiledStep:
     devices = jax.devices()[: math.prod(size for _, size in mesh)]
     return dry_run.compile_step(_config(dict(mesh), grad_accum, grad_reduce), devices)

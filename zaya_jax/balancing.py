@@ -39,7 +39,7 @@ class BalancingConfig:
     skip_target: float | None = None
     fraction_of: str = "all"
 
-    def validate(self) -> "BalancingConfig":
+    def validate(self) -> BalancingConfig:
         """Raise ValueError on an invalid field; returns self for chaining."""
         if not self.lr > 0:
             raise ValueError(f"balancing lr must be > 0, got {self.lr}")

@@ -24,7 +24,8 @@ import os
 import re
 import shutil
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -186,7 +187,7 @@ class Checkpointer:
                 return step, state, data, saved_config
             except CheckpointMismatch:
                 raise
-            except Exception as e:  # noqa: BLE001 -- any failure to read means: try the previous one
+            except Exception as e:
                 msg, short = f"{type(e).__name__}: {str(e)[:500]}", read_error(e)
                 errors.append(f"step {step}: {short}")
                 moved = self._quarantine(step)

@@ -25,7 +25,8 @@ import math
 import os
 import re
 import sys
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from zaya_jax.interrupt import Interrupted, exit_with
 

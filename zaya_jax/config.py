@@ -431,7 +431,7 @@ def _near(key: str, base: ml_collections.ConfigDict) -> str:
 
 def _unknown_keys(c: Any, base: Any, prefix: str = "") -> list[str]:
     out = []
-    for key in c.keys():
+    for key in c:
         path = f"{prefix}{key}"
         if key not in base:
             out.append(path)

@@ -29,17 +29,15 @@ import jax
 import ml_collections
 from jax._src import config as jax_config  # enable_compilation_cache as a context: not public
 
-from zaya_jax import cli, device_memory, gpu_plugins, gpu_target, hardware, prediction
+from zaya_jax import cli, device_memory, gpu_plugins, gpu_target, hardware, prediction, sizing, xla_flags
 from zaya_jax import config as config_lib
 from zaya_jax import hlo as hlo_lib
-from zaya_jax import sizing
-from zaya_jax import xla_flags
 from zaya_jax.hlo import COLLECTIVES
 from zaya_jax.kernels import attention_choice, ns_choice
 from zaya_jax.model.moe import resolve_moe_impl
 from zaya_jax.model.transformer import resolve_scan_layers
-from zaya_jax.parallel.context import config_context
 from zaya_jax.parallel import zero1
+from zaya_jax.parallel.context import config_context
 from zaya_jax.parallel.mesh import MESH_AXES, device_platform, mesh_from_config, mesh_platform
 from zaya_jax.train_state import OPTIMIZER_SCOPE, abstract_batch, check_batch_divides, train_program
 
@@ -118,7 +116,7 @@ def axis_rows(hlo: str, mesh: jax.sharding.Mesh) -> list[str]:
     return out
 
 
-def zero1_rows(hlo: str, step: "CompiledStep") -> list[str]:
+def zero1_rows(hlo: str, step: CompiledStep) -> list[str]:
     """The data-parallel traffic against the formula of docs/architecture.md (zero1.step_bytes)."""
     once, looped = data_parallel_bytes(hlo, step.mesh)
     formula = zero1.step_bytes(step.state.params, step.mesh, step.zero1, step.grad_accum, step.grad_reduce)
@@ -131,9 +129,9 @@ def zero1_rows(hlo: str, step: "CompiledStep") -> list[str]:
         else "reduce-scattered into the ZeRO-1 shards + the updates all-gathered: 4 P (1 + 1/n)"
     )
     return [
-        f"  data-parallel (spanning the data axis): outside the model {once / 2**20:.2f} MiB{ratio}, in the "
+        (f"  data-parallel (spanning the data axis): outside the model {once / 2**20:.2f} MiB{ratio}, in the "
         f"model {looped / 2**20:.2f} MiB; formula {formula / 2**20:.2f} MiB (fp32 gradients {what}, "
-        "P the parameters a device holds)"
+        "P the parameters a device holds)")
     ]
 
 
@@ -147,8 +145,8 @@ def newton_schulz_rows(hlo: str, c: ml_collections.ConfigDict, cfg: Any, n: int)
     ratio = f" ({compiled / ideal:.2f}x)" if ideal else ""
     declared = " (Pallas kernels: their declared FLOPs)" if triton else ""
     return [
-        f"Newton-Schulz per device (the optimizer's dots, once per step): {_flops(compiled)}FLOP{ratio}; "
-        f"sizing's total / {n} devices: {_flops(ideal)}FLOP{declared}"
+        (f"Newton-Schulz per device (the optimizer's dots, once per step): {_flops(compiled)}FLOP{ratio}; "
+        f"sizing's total / {n} devices: {_flops(ideal)}FLOP{declared}")
     ]
 
 
@@ -387,7 +385,7 @@ def device_rows(
     label = f"  {'device memory (' + target.name + ')':<44}{target.memory_bytes / scale:>11.3f}   "
     if total <= target.memory_bytes:
         return [label + f"fits: {100 * total / target.memory_bytes:.1f}% used"], None
-    size = lambda x: "{:.2f} {}".format(x / memory_unit(x)[1], memory_unit(x)[0])  # noqa: E731
+    size = lambda x: f"{x / memory_unit(x)[1]:.2f} {memory_unit(x)[0]}"
     row = label + f"DOES NOT FIT: {size(total - target.memory_bytes)} over"
     error = (
         f"the train step needs {size(total)} per device, {size(total - target.memory_bytes)} more than "
@@ -514,8 +512,8 @@ def dry_run(
         )
     lines += [
         "",
-        f"Compile: trace + lower {step.lower_s:.1f} s, XLA compile {step.compile_s:.1f} s, "
-        f"total {step.lower_s + step.compile_s:.1f} s",
+        (f"Compile: trace + lower {step.lower_s:.1f} s, XLA compile {step.compile_s:.1f} s, "
+        f"total {step.lower_s + step.compile_s:.1f} s"),
     ]
     data = report_data(
         c, name, target, n, shape, hw,
@@ -573,8 +571,8 @@ def xla_remat_rows(log) -> list[str]:
         return []
     limit, reached = shortfall
     return [
-        f"  XLA's rematerialization could not bring the buffers under its {device_memory.size(limit)} "
-        f"limit: only to {device_memory.size(reached)}"
+        (f"  XLA's rematerialization could not bring the buffers under its {device_memory.size(limit)} "
+        f"limit: only to {device_memory.size(reached)}")
     ]
 
 
@@ -593,7 +591,7 @@ def host_rows(total: int, n: int) -> list[str]:
     have = device_memory.host_budget(n)
     if have is None:
         return ["  this machine's RAM: unknown (no /proc/meminfo): no verdict"]
-    size = lambda x: f"{x / sizing.GIB:,.2f} GiB"  # noqa: E731
+    size = lambda x: f"{x / sizing.GIB:,.2f} GiB"
     shared = f", shared by the {n} simulated devices" if n > 1 else ""
     head = f"  {have.what}{shared}: {size(have.bytes)}: "
     need = total * n
@@ -604,7 +602,7 @@ def host_rows(total: int, n: int) -> list[str]:
 
 def impl_summary(c: ml_collections.ConfigDict, cfg: Any, platform: str) -> str:
     """The impls the step was built with on `platform` (each `auto` resolved, as the model does)."""
-    attention = lambda impl: attention_choice(impl, platform, c.train.seq_len)  # noqa: E731
+    attention = lambda impl: attention_choice(impl, platform, c.train.seq_len)
     ns = c.optim.muon.ns_impl
     chosen = {
         "attention": (cfg.attention_impl, attention(cfg.attention_impl)),
@@ -631,11 +629,11 @@ def _header(c, cfg, shape: dict[str, int], gpu: gpu_target.GpuTarget | None, n: 
         f"dry run: {name or 'config'} on {where}, mesh "
         + " ".join(f"{a}={s}" for a, s in shape.items())
         + f", ZeRO-1 {'on' if c.mesh.zero1 else 'off'}",
-        f"  {pc.total / 1e6:,.1f}M parameters ({pc.active / 1e6:,.1f}M active), global batch "
+        (f"  {pc.total / 1e6:,.1f}M parameters ({pc.active / 1e6:,.1f}M active), global batch "
         f"{c.train.batch_size} x {c.train.seq_len} tokens, grad_accum {c.train.grad_accum} (grad_reduce "
         f"{c.train.grad_reduce}): {micro_batch} "
         f"sequences per device per microbatch, remat {cfg.remat}, compute {cfg.dtype}, "
-        f"params {cfg.param_dtype}",
+        f"params {cfg.param_dtype}"),
         "  " + impl_summary(c, cfg, platform),
     ]
 
@@ -689,7 +687,7 @@ def fit_search(
                 compiled = compile_step(trial, devices).compiled
             total = memory_total(compiled.memory_analysis())
             tried[i] = FitTry(ladder[i], trial.train.grad_accum, total, total <= gpu.memory_bytes)
-        except Exception as e:  # noqa: BLE001 - XLA's compile errors (out of memory, ...) vary by version
+        except Exception as e:
             over = remat_shortfall(getattr(e, "xla_log", ()))  # at least this much: does not fit
             note = "over XLA's limit" if over else str(e).splitlines()[0][:120]
             tried[i] = FitTry(ladder[i], trial.train.grad_accum, over[1] if over else None, False, note)
@@ -809,7 +807,7 @@ def layout_search(c: ml_collections.ConfigDict, devices: list, gpu: gpu_target.G
             stats = compile_step(with_layout(c, layout, len(devices)), devices).compiled.memory_analysis()
             total = memory_total(stats)
             tries.append(LayoutTry(layout, total, total <= gpu.memory_bytes))
-        except Exception as e:  # noqa: BLE001 - XLA's refusals and a layout the config rejects alike
+        except Exception as e:
             shortfall = remat_shortfall(getattr(e, "xla_log", ()))
             note = "over XLA's limit" if shortfall else str(e).strip().splitlines()[0][:120]
             tries.append(LayoutTry(layout, shortfall[1] if shortfall else None, False, note))
@@ -889,7 +887,7 @@ def work_rows(hlo: str, c: ml_collections.ConfigDict, cfg: Any, n: int) -> list[
     model = sizing.flops_per_token(cfg, c.train.seq_len) * tokens * remat
     routed = 3 * breakdown.moe_active * tokens * remat
     compiled, experts = flops_per_step(works, is_model), flops_per_step(works, is_expert)
-    ratio = lambda a, b: f"{a / b:.2f}x" if b else "-"  # noqa: E731
+    ratio = lambda a, b: f"{a / b:.2f}x" if b else "-"
     return [
         "Compiled work per device (trip counts included; Triton kernels: the FLOPs they declare)",
         *kernel_rows(works),
@@ -898,7 +896,7 @@ def work_rows(hlo: str, c: ml_collections.ConfigDict, cfg: Any, n: int) -> list[
         f"{model / compiled:.0%}"
         if compiled
         else "  model dot FLOPs per step: none found",
-        f"  experts: compiled {_flops(experts)}FLOP vs routed {_flops(routed)}FLOP "
+        (f"  experts: compiled {_flops(experts)}FLOP vs routed {_flops(routed)}FLOP "
         f"(tokens x one expert, x3 fwd+bwd, x remat): {ratio(experts, routed)} (grouped kernels count "
-        "their tiles' worst-case padding; with mesh.expert the exchange's slots)",
+        "their tiles' worst-case padding; with mesh.expert the exchange's slots)"),
     ]

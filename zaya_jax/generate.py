@@ -50,14 +50,14 @@ from zaya_jax.model.transformer import KVCache, ZayaForCausalLM, init_cache
 from zaya_jax.parallel.sharding import BATCH_AXES
 
 __all__ = [
-    "init_cache",
-    "prefill",
-    "decode_step",
-    "sample",
-    "generate",
-    "left_pad",
-    "prompt_bucket",
     "KVCache",
+    "decode_step",
+    "generate",
+    "init_cache",
+    "left_pad",
+    "prefill",
+    "prompt_bucket",
+    "sample",
 ]
 
 MIN_PROMPT_BUCKET = 16
@@ -375,7 +375,7 @@ class _Output:
         self.file = None
         if out:
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-            self.file = open(out, "w", encoding="utf-8")  # noqa: SIM115  (open across batches; close())
+            self.file = open(out, "w", encoding="utf-8")
         self._streamed: str | None = None  # the text of a streamed row printed so far
 
     def _print(self, text: str) -> None:

@@ -82,7 +82,7 @@ def check() -> None:
 def _kept() -> str:
     try:
         return _state.kept() if _state.kept is not None else ""
-    except Exception:  # noqa: BLE001  (the forced exit must not fail on a description)
+    except Exception:
         return ""
 
 

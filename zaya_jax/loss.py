@@ -7,7 +7,7 @@ backward pass would keep them. Each chunk's logits are recomputed in the backwar
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Self, TextIO
 
 import numpy as np
 
@@ -128,8 +128,7 @@ def truncate_metrics(path: str | os.PathLike, step: int) -> int:
     dropped = len(records) - len(keep)
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w") as f:
-        for r in keep:
-            f.write(json.dumps(r) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in keep)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -326,7 +325,7 @@ class MetricsLogger:
             self._writer.close()
             self._writer = None
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -360,6 +359,6 @@ class MetricsLogger:
         if self._tty and total:
             width = 24
             frac = min(max(step / total, 0.0), 1.0)
-            fill = int(round(frac * width))
+            fill = round(frac * width)
             line = f"[{'#' * fill}{'.' * (width - fill)}] {100 * frac:5.1f}% " + line
         return line

@@ -55,13 +55,13 @@ def rows(p: dict, hw: dict) -> list[str]:
     kinds = p["compute_seconds_by_kind"]
     peak = hw["peak_flops_per_second"]["bfloat16"]
     out = [
-        f"Predicted step per device (zaya_jax/timeline.py on {hw['name']}'s figures; --dry_run_hardware "
-        "overrides them)",
-        f"  step {_seconds(p['step_seconds'])} = compute {_seconds(p['compute_seconds'])} + exposed "
+        (f"Predicted step per device (zaya_jax/timeline.py on {hw['name']}'s figures; --dry_run_hardware "
+        "overrides them)"),
+        (f"  step {_seconds(p['step_seconds'])} = compute {_seconds(p['compute_seconds'])} + exposed "
         f"communication {_seconds(p['exposed_communication_seconds'])} (of "
-        f"{_seconds(p['communication_seconds'])} communication)",
-        f"  compute: GEMMs {_seconds(kinds['gemm'])}, Triton kernels {_seconds(kinds['triton'])}, "
-        f"memory-bound {_seconds(kinds['memory'])} ({p['kernels_per_step']:,} kernels)",
+        f"{_seconds(p['communication_seconds'])} communication)"),
+        (f"  compute: GEMMs {_seconds(kinds['gemm'])}, Triton kernels {_seconds(kinds['triton'])}, "
+        f"memory-bound {_seconds(kinds['memory'])} ({p['kernels_per_step']:,} kernels)"),
     ]
     if p["step_seconds"]:
         mfu = f"MFU {100 * p['mfu']:.3g}% of the bf16 peak ({peak / 1e12:,.1f} TFLOP/s)"

@@ -23,7 +23,8 @@ import json
 import os
 import signal
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections

@@ -5,7 +5,8 @@ the training data (per mixture source and their weighted mean) and the downstrea
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import ml_collections

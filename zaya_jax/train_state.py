@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import flax
 import jax
@@ -25,6 +26,7 @@ from zaya_jax import balancing as bal
 from zaya_jax.loss import chunked_cross_entropy
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
+from zaya_jax.parallel import zero1 as zero1_lib
 from zaya_jax.parallel.context import (
     CONTEXT,
     CONTIGUOUS,
@@ -37,7 +39,6 @@ from zaya_jax.parallel.context import (
     to_layout,
 )
 from zaya_jax.parallel.mesh import make_mesh, mesh_platform
-from zaya_jax.parallel import zero1 as zero1_lib
 from zaya_jax.parallel.sharding import (
     BATCH_AXES,
     batch_sharding,
@@ -180,7 +181,7 @@ def accumulated_grads(
             jax.tree.map(jnp.add, acc_grads, each(grads)),
         ), None
 
-    zeros_of = lambda shapes: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)  # noqa: E731
+    zeros_of = lambda shapes: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
     first = jax.tree.map(lambda x: x[0], micro)
     (_, aux_shapes), _ = jax.eval_shape(grad_fn, params, balancing, first)
     if reduce is None:
@@ -354,7 +355,7 @@ def run_once(fn: Callable[[], Any], out_shardings: Any) -> Any:
     # jax's tracing, lowering and compilation caches hold their entries weakly, keyed by the
     # function: a wrapper that dies here takes them along (reference cycles hold it until a
     # collection, hence the gc.collect()).
-    out = jax.block_until_ready(jax.jit(lambda: fn(), out_shardings=out_shardings)())  # noqa: PLW0108
+    out = jax.block_until_ready(jax.jit(lambda: fn(), out_shardings=out_shardings)())
     gc.collect()
     return out
 

@@ -167,7 +167,7 @@ def load_split(data_dir: str | os.PathLike, split: str) -> TokenDocuments:
         doc_shard.append(np.full(len(offsets) - 1, i, np.int32))
         doc_start.append(offsets[:-1])
         doc_len.append(np.diff(offsets))
-    cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
+    cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)
     return TokenDocuments(
         shards=tuple(shards),
         doc_shard=cat(doc_shard, np.int32),
@@ -563,8 +563,8 @@ class _Splitter:
 def _format_summary(out_dir: Path, meta: dict) -> str:
     tok = meta["tokenizer"]
     lines = [
-        f"wrote {out_dir} (tokenizer {tok['name']}, vocab_size {tok['vocab_size']}, "
-        f"eos {tok['eos_id']}, pad {tok['pad_id']}, {meta['dtype']})"
+        (f"wrote {out_dir} (tokenizer {tok['name']}, vocab_size {tok['vocab_size']}, "
+        f"eos {tok['eos_id']}, pad {tok['pad_id']}, {meta['dtype']})")
     ]
     for split, s in meta["splits"].items():
         lines.append(

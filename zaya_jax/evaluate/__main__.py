@@ -123,8 +123,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             os.makedirs(os.path.dirname(os.path.abspath(a.samples_out)), exist_ok=True)
             with open(a.samples_out, "w") as f:
                 for task, rows in samples.items():
-                    for row in rows:
-                        f.write(json.dumps({"task": task, **row}) + "\n")
+                    f.writelines(json.dumps({"task": task, **row}) + "\n" for row in rows)
     return out
 
 

@@ -29,7 +29,7 @@ from zaya_jax.hf.safetensors_io import SafetensorsError, iter_tensors, plan_shar
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.model.transformer import init_variables
 
-__all__ = ["load_pretrained", "save_pretrained", "SafetensorsError"]
+__all__ = ["SafetensorsError", "load_pretrained", "save_pretrained"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -10,7 +10,8 @@ them per block and `hf/__init__.py` only walks the result.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from zaya_jax.kernels.blockwise_attention import blockwise_attention
 from zaya_jax.kernels.block_sizes import BLOCKWISE_AUTO_MIN_SEQ, pick_blocks
+from zaya_jax.kernels.blockwise_attention import blockwise_attention
 from zaya_jax.kernels.flash_attention import flash_attention, reference_attention, reference_mask
 from zaya_jax.kernels.grouped_matmul import (
     grouped_matmul,
@@ -109,20 +109,19 @@ def check_backend(platform: str, *impls: str) -> None:
 
 
 __all__ = [
+    "GPU_PLATFORMS",
+    "NS_AUTO_PALLAS",
+    "NS_PER_SLICE",
     "SUPPORTED",
     "attention_choice",
     "blockwise_attention",
     "check_backend",
-    "GPU_PLATFORMS",
-    "NS_AUTO_PALLAS",
-    "NS_PER_SLICE",
-    "ns_choice",
-    "interpret_on",
-    "kernel_options",
-    "use_pallas",
     "flash_attention",
     "grouped_matmul",
+    "interpret_on",
+    "kernel_options",
     "newton_schulz",
+    "ns_choice",
     "pick_blocks",
     "reference_attention",
     "reference_grouped_matmul",
@@ -131,4 +130,5 @@ __all__ = [
     "swiglu_grouped_pallas",
     "tgmm",
     "tiled_grouped_matmul",
+    "use_pallas",
 ]

@@ -8,7 +8,8 @@ The design: docs/design/kernels.md.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -70,7 +71,7 @@ def pick_blocks(
         raise ValueError(f"pick_blocks: unknown kernel {kernel!r}; one of {KERNELS}")
     wide = jnp.dtype(dtype).itemsize >= 4  # fp32 tiles take twice the shared memory
     out = dict(TABLE[kernel])
-    get = lambda key: shapes.get(key)  # noqa: E731
+    get = lambda key: shapes.get(key)
 
     if kernel == "flash_attention":
         hd = get("head_dim") or 128

@@ -92,8 +92,8 @@ def _padded(q, k, v, q_pos, kv_pos, key_mask, q_seg, kv_seg, window, block_q, bl
         key_mask = jnp.ones((b, t), bool)
     if q_seg is None or kv_seg is None:
         q_seg, kv_seg = jnp.zeros((b, s), jnp.int32), jnp.zeros((b, t), jnp.int32)
-    pad_rows = lambda x, n, mode="edge": jnp.pad(x, ((0, 0), (0, n - x.shape[1])), mode=mode)  # noqa: E731
-    pad_tokens = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, 0)))  # noqa: E731
+    pad_rows = lambda x, n, mode="edge": jnp.pad(x, ((0, 0), (0, n - x.shape[1])), mode=mode)
+    pad_tokens = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, 0)))
     masks = Masks(
         q_pos=pad_rows(jnp.asarray(q_pos, jnp.int32), sp),
         q_seg=pad_rows(jnp.asarray(q_seg, jnp.int32), sp),
@@ -150,8 +150,8 @@ def _next_block(need_j: jax.Array, j: jax.Array) -> jax.Array:
 
 def _block_allowed(masks: Masks, i, j, bq: int, bk: int, nkv: int, g: int) -> jax.Array:
     """bool [B, K, G*bq, bk] of query block i x key block j (rows in `_query_blocks` order)."""
-    qs = lambda x: jax.lax.dynamic_slice_in_dim(x, i * bq, bq, axis=1)  # noqa: E731
-    ks = lambda x: jax.lax.dynamic_slice_in_dim(x, j * bk, bk, axis=1)  # noqa: E731
+    qs = lambda x: jax.lax.dynamic_slice_in_dim(x, i * bq, bq, axis=1)
+    ks = lambda x: jax.lax.dynamic_slice_in_dim(x, j * bk, bk, axis=1)
     allowed_bst = attention_allowed(
         qs(masks.q_pos),
         ks(masks.kv_pos),

@@ -226,7 +226,7 @@ def _dead_rows(lse):
 
 def _fix_dead_rows(cfg: _Cfg, o, lse, v):
     """Fully masked rows -> mean of all values (the XLA path's finite-MASK_VALUE convention)."""
-    b, sq, nq, hd = o.shape
+    _b, _sq, _nq, _hd = o.shape
     mean_v = jnp.mean(v.astype(jnp.float32), axis=1)  # [B, Nkv, hd]
     mean_v = jnp.repeat(mean_v, cfg.groups, axis=1)[:, None]  # [B, 1, Nq, hd]
     return jnp.where(_dead_rows(lse)[..., None], mean_v.astype(o.dtype), o)
@@ -319,7 +319,7 @@ def _bwd_calls(cfg: _Cfg, q, k, v, qseg, kseg, kmask, window, offset, do, lse, d
     g = cfg.groups
     aux, aux_specs = _aux_inputs_and_specs(cfg, qseg, kseg, kmask, window, offset)
     params = _params(cfg)
-    bwd_flops = lambda dots: _flops(cfg, b * nq * hd, dots, cfg.block_q_bwd, cfg.block_k_bwd)  # noqa: E731
+    bwd_flops = lambda dots: _flops(cfg, b * nq * hd, dots, cfg.block_q_bwd, cfg.block_k_bwd)
 
     # dq: grid over (query blocks, batch, query heads).
     q_spec = pl.BlockSpec((None, sq, None, hd), lambda i, bb, h: (bb, 0, h, 0))
@@ -375,7 +375,7 @@ def _flash_bwd(cfg: _Cfg, res, do):
     delta = jnp.swapaxes(delta, 1, 2)  # [B, Nq, Sq]
     dq, dk, dv = _bwd_calls(cfg, q, k, v, qseg, kseg, kmask, window, offset, do, lse, delta)
     # Dead rows output mean_t v[t]: dv[t] += sum over dead (s, head in group) of do / Sk.
-    b, sq, nq, hd = q.shape
+    b, _sq, nq, hd = q.shape
     dead = _dead_rows(lse)[..., None].astype(jnp.float32)  # [B, Sq, Nq, 1]
     extra = jnp.sum(dead * do.astype(jnp.float32), axis=1)  # [B, Nq, hd]
     extra = extra.reshape(b, nq // cfg.groups, cfg.groups, hd).sum(axis=2) / cfg.sk

@@ -12,7 +12,7 @@ The design: docs/design/kernels.md.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -179,7 +179,7 @@ def _gmm_call(
         transpose_rhs=transpose_rhs,
         compute_dtype=_compute_dtype(lhs.dtype, rhs.dtype),
     )
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
     used_tiles = min(n_tiles, grouped_tiles(t, groups, block_m))  # the tail's tiles run no dot
     flops = 2 * used_tiles * block_m * padded(n_dim, block_n) * padded(k_dim, block_k)
     return pl.pallas_call(
@@ -271,7 +271,7 @@ def tgmm(
         n_dim=n_dim,
         compute_dtype=_compute_dtype(lhs.dtype, dout.dtype),
     )
-    whole = lambda shape: pl.BlockSpec(shape, lambda g, i, j: (0,) * len(shape))  # noqa: E731
+    whole = lambda shape: pl.BlockSpec(shape, lambda g, i, j: (0,) * len(shape))
     flops = 2 * grouped_tiles(t, groups, bm) * bm * padded(k_dim, bk) * padded(n_dim, bn)
     return pl.pallas_call(
         kernel,

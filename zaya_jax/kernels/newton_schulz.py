@@ -10,7 +10,8 @@ The design: docs/design/kernels.md.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -190,7 +191,7 @@ def _mm(
         cols=cols,
         red=red,
     )
-    mat = lambda a: pl.BlockSpec((None, *a.shape[1:]), lambda b, i, j: (b, 0, 0))  # noqa: E731
+    mat = lambda a: pl.BlockSpec((None, *a.shape[1:]), lambda b, i, j: (b, 0, 0))
     args = [p, q] + ([c] if alpha else [])
     nb = pl.cdiv(rows, bs), pl.cdiv(cols, bs)
     tiles = nb[0] * (nb[0] + 1) // 2 if symmetric else nb[0] * nb[1]  # symmetric: tiles i <= j

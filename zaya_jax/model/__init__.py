@@ -5,10 +5,10 @@ from zaya_jax.model.router import BALANCING, init_balancing_biases
 from zaya_jax.model.transformer import ZayaForCausalLM, ZayaOutput, init_variables
 
 __all__ = [
+    "BALANCING",
     "ZayaConfig",
     "ZayaForCausalLM",
     "ZayaOutput",
-    "init_variables",
-    "BALANCING",
     "init_balancing_biases",
+    "init_variables",
 ]

@@ -58,7 +58,7 @@ def pallas_attention(
         k, v = gather(k), gather(v)
         chunks = [(0, None, None)] if r == 1 else rank_chunks(layout, r, q.shape[1])
         n = q.shape[1] // len(chunks)
-        rows = lambda x, start: None if x is None else x[:, start : start + n]  # noqa: E731
+        rows = lambda x, start: None if x is None else x[:, start : start + n]
         out = [
             flash_attention(
                 rows(q, start),
@@ -80,7 +80,7 @@ def pallas_attention(
     if mesh is None:
         return run(q_bsnh, k_bskh, v_bskh, segment_ids, key_mask)
     spec = P(ROW_AXES, CONTEXT)
-    opt = lambda x: None if x is None else spec  # noqa: E731
+    opt = lambda x: None if x is None else spec
     return jax.shard_map(
         run,
         mesh=mesh,
@@ -131,7 +131,7 @@ def blockwise_self_attention(
         # a batch the rows do not divide (a model init): XLA partitions the loops itself
         return run(*args)
     spec = P(ROW_AXES, CONTEXT)
-    opt = lambda x: None if x is None else spec  # noqa: E731
+    opt = lambda x: None if x is None else spec
     return jax.shard_map(
         run,
         mesh=mesh,

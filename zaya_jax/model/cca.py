@@ -16,8 +16,9 @@ keys and values of the whole sequence, all-gathered over the axis.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -371,7 +372,7 @@ class CCAttention(nn.Module):
         sliding_window: jax.Array | int | None = None,
         segment_ids_bs: jax.Array | None = None,
         state: CCAState | None = None,
-        kv_cache: "KVContext | None" = None,
+        kv_cache: KVContext | None = None,
     ) -> tuple[jax.Array, CCAState] | tuple[jax.Array, LayerCache]:
         """With `kv_cache` (decoding): new tokens at positions_bs are written into the layer's cache
         at kv_cache.index, attend over the whole cache, and the updated LayerCache is returned."""

@@ -219,7 +219,7 @@ class ZayaConfig:
     def params_dtype(self) -> Any:
         return jnp.dtype(self.param_dtype)
 
-    def replace(self, **changes) -> "ZayaConfig":
+    def replace(self, **changes) -> ZayaConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -229,7 +229,7 @@ class ZayaConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ZayaConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ZayaConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -238,12 +238,12 @@ class ZayaConfig:
 
     # ---------------------------------------------------------------- presets
     @classmethod
-    def zaya1_base(cls, **overrides) -> "ZayaConfig":
+    def zaya1_base(cls, **overrides) -> ZayaConfig:
         """The released ZAYA1-base / ZAYA1-8B sizes (docs/model.md §1); RoPE theta of pretraining phase 1."""
         return cls(**{"rope_theta": 10_000.0, **overrides})
 
     @classmethod
-    def tiny(cls, **overrides) -> "ZayaConfig":
+    def tiny(cls, **overrides) -> ZayaConfig:
         """A few-hundred-K-parameter model for CPU tests and the embedded-corpus demo."""
         base = dict(
             vocab_size=320,

@@ -19,7 +19,7 @@ it exists as the test reference.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -199,7 +199,7 @@ class ZayaExperts(nn.Module):
         gate_up = self.param("gate_up_proj", init, (e, d, 2 * i), cfg.params_dtype)
         down = self.param("down_proj", init, (e, i, d), cfg.params_dtype)
         dispatch = local_dispatch(cfg.moe_impl, mesh_platform(self.mesh))
-        moe = lambda x, *rest: cotangent_as(dispatch(x, *rest), x.dtype)  # noqa: E731
+        moe = lambda x, *rest: cotangent_as(dispatch(x, *rest), x.dtype)
         dt, act = cfg.compute_dtype, ACTIVATIONS[cfg.hidden_act]
         args = (x_md.astype(dt), expert_m, gate_up.astype(dt), down.astype(dt), act)
         if self.mesh is None:

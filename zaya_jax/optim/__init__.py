@@ -32,8 +32,8 @@ from zaya_jax.optim.schedules import (
 
 __all__ = [
     "DEFAULT_NS_COEFFS",
-    "MuonState",
     "ROUTING_RULES",
+    "MuonState",
     "Rule",
     "default_optim_config",
     "describe_routing",

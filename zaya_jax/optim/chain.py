@@ -36,10 +36,10 @@ from zaya_jax.params import ADAMW, MUON, PARAMS, Rule, optimizer_rule, param_pat
 
 __all__ = [
     "ADAMW",
-    "adamw",
     "MUON",
     "ROUTING_RULES",
     "Rule",
+    "adamw",
     "clip_by_global_norm",
     "default_optim_config",
     "describe_routing",

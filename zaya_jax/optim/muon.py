@@ -6,7 +6,8 @@ Tensor axes and the differences from the reference Muon: docs/design/optimizer.m
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -121,7 +121,7 @@ def warmup_stable_decay(
             f"decay_steps={decay_steps!r}, decay_fraction={decay_fraction!r}"
         )
     if decay_steps is None:
-        decay_steps = int(round(_check_fraction("decay_fraction", decay_fraction) * total_steps))
+        decay_steps = round(_check_fraction("decay_fraction", decay_fraction) * total_steps)
     decay_steps = _check_int("decay_steps", decay_steps, 0)
     if warmup_steps + decay_steps > total_steps:
         raise ValueError(

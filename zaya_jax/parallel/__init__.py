@@ -18,13 +18,13 @@ from zaya_jax.parallel.sharding import (
 
 __all__ = [
     "MESH_AXES",
-    "make_mesh",
-    "parse_mesh_spec",
-    "resolve_mesh_shape",
-    "resolve_mesh_sizes",
     "batch_sharding",
+    "make_mesh",
     "opt_state_shardings",
     "param_shardings",
+    "parse_mesh_spec",
     "per_device_bytes",
+    "resolve_mesh_shape",
+    "resolve_mesh_sizes",
     "shard_batch",
 ]

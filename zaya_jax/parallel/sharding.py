@@ -22,7 +22,8 @@ are reduce-scattered into the same layout (`zero1_param_spec`).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -89,7 +90,7 @@ def zero1_spec(
     sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
     n = sizes[axis]
     dims = list(spec) + [None] * (len(shape) - len(spec))
-    named = lambda d: () if d is None else (d if isinstance(d, tuple) else (d,))  # noqa: E731
+    named = lambda d: () if d is None else (d if isinstance(d, tuple) else (d,))
     if n == 1 or any(axis in named(d) for d in dims):
         return P(*dims)
     free = [d for d in range(len(shape)) if all(sizes[a] == 1 for a in named(dims[d])) and shape[d] % n == 0]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -107,14 +108,14 @@ def accumulate_per_rank(
     gradients summed over the ranks and laid out by grad_specs)."""
     outer, _ = step_meshes(mesh)
     dims = jax.tree.map(data_dim, grad_specs, is_leaf=lambda x: isinstance(x, P))
-    reduce = lambda grads: reduce_per_rank(grads, dims)  # noqa: E731
+    reduce = lambda grads: reduce_per_rank(grads, dims)
     each = reduces_per_microbatch(grad_reduce, mesh)
 
     def body(*args):
         sums, grads = loop(*args, reduce if each else None)
         return jax.lax.psum(sums, REPLICA), grads if each else reduce(grads)
 
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    is_spec = lambda x: isinstance(x, P)
     sums, grads = jax.shard_map(
         body,
         mesh=outer,
@@ -123,7 +124,7 @@ def accumulate_per_rank(
         axis_names={REPLICA},
         check_vma=False,
     )(*replicated, batch)
-    place = lambda g, spec: jax.lax.with_sharding_constraint(g, NamedSharding(mesh, spec))  # noqa: E731
+    place = lambda g, spec: jax.lax.with_sharding_constraint(g, NamedSharding(mesh, spec))
     return sums, jax.tree.map(place, grads, grad_specs, is_leaf=is_spec)
 
 
@@ -154,7 +155,7 @@ def step_bytes(
 def _axes(spec: P, ndim: int, mesh: Mesh) -> list[tuple[str, ...]]:
     """Per dimension the mesh axes (of size > 1) that split it."""
     dims = list(spec) + [None] * (ndim - len(spec))
-    as_tuple = lambda a: () if a is None else (a if isinstance(a, tuple) else (a,))  # noqa: E731
+    as_tuple = lambda a: () if a is None else (a if isinstance(a, tuple) else (a,))
     return [tuple(a for a in as_tuple(d) if mesh.shape[a] > 1) for d in dims]
 
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from zaya_jax.kernels import attention_choice, pick_blocks
 from zaya_jax.model.config import ZayaConfig

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.parallel.mesh import MESH_AXES
@@ -116,8 +117,8 @@ def _param_lines(pc: ParamCounts) -> list[str]:
         f"  total            {_fmt_count(pc.total):>9}  ({pc.total:,})",
         f"  embedding        {_fmt_count(pc.embedding):>9}  ({pc.embedding:,})",
         f"  non-embedding    {_fmt_count(pc.non_embedding):>9}  ({pc.non_embedding:,})",
-        f"  active           {_fmt_count(pc.active):>9}  ({pc.active:,}; non-embedding, one routed "
-        f"expert per block)",
+        (f"  active           {_fmt_count(pc.active):>9}  ({pc.active:,}; non-embedding, one routed "
+        f"expert per block)"),
     ]
 
 
@@ -178,8 +179,8 @@ def _grads_note(mem: MemoryEstimate) -> str:
 def _gemm_lines(gemms: list[tuple[str, int, int, int]], tokens: int) -> list[str]:
     lines = [
         "",
-        f"GEMMs per call at {tokens:,} tokens/device (forward; rule: ~{GEMM_PEAK_WORK_FLOPS / 1e9:.0f} "
-        "GFLOP for peak on MI300X)",
+        (f"GEMMs per call at {tokens:,} tokens/device (forward; rule: ~{GEMM_PEAK_WORK_FLOPS / 1e9:.0f} "
+        "GFLOP for peak on MI300X)"),
         f"  {'gemm':<20}{'M':>10}{'N':>8}{'K':>7}{'GFLOP':>10}",
     ]
     for name, m, n, k in gemms:

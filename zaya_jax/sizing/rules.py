@@ -5,7 +5,7 @@ device) runs far from peak."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from zaya_jax.model.config import ZayaConfig
 
