@@ -133,7 +133,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def arg_parser():
     from zaya_jax import cli
 
     p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -146,7 +146,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], help="config override for every case: key=value")
     p.add_argument("--out", default="results/gpu_check.json")
     p.add_argument("--allow-cpu", action="store_true", help="run on the CPU (checks the script only)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return arg_parser().parse_args(argv)
 
 
 def hardware_figures(spec: str) -> dict:

@@ -94,6 +94,7 @@ CLIS = (
             "evaluate",
             "gemm",
             "generate",
+            "gpu_check",
             "kernels",
             "membw",
             "newton_schulz",

@@ -462,12 +462,12 @@ def dry_run(
     hw = gpu and hardware.for_target(target, gpu.arch, gpu.name, gpu.memory_bytes, hardware_override)
     if hw:
         gpu = dataclasses.replace(gpu, memory_bytes=int(hw["memory_bytes"]))  # the figures' memory
-    print(f"dry run: compiling the train step of {name or 'the config'} for {n} {target} devices", flush=True)
     if gpu is None:
         devices = simulated_devices(n)  # first: validate's backend check would start jax with 1 device
     else:
         gpu_target.prepare_process()
         devices = gpu_target.target_devices(gpu, n)
+    print(f"dry run: compiling the train step of {name or 'the config'} for {n} {target} devices", flush=True)
     try:
         step = compile_step(c, devices)
     except jax.errors.JaxRuntimeError as e:

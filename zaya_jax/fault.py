@@ -154,6 +154,8 @@ class StopSignals:
         self.signum: int | None = None
         self._previous = {}
         self._training = startup_message is None
+        # the terminal's stderr now: the dry run points fd 2 at a file while XLA compiles
+        self._stderr = os.dup(2) if startup_message is not None else 2
         self._message = startup_message
         self._cleanups: list[Callable[[], None]] = []
         if threading.current_thread() is not threading.main_thread():
@@ -184,7 +186,7 @@ class StopSignals:
         for fn in self._cleanups:
             with contextlib.suppress(Exception):  # exiting anyway
                 fn()
-        os.write(2, f"interrupted by {signal.Signals(signum).name}: {self._message}\n".encode())
+        os.write(self._stderr, f"interrupted by {signal.Signals(signum).name}: {self._message}\n".encode())
         os._exit(128 + signum)
 
     def on_exit(self, fn: Callable[[], None]) -> None:

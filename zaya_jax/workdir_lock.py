@@ -177,7 +177,9 @@ def _remove_stale(path: str, ino: int) -> bool:
 
 def check_free(directory: str, action: str = "write into it") -> None:
     """WorkdirLocked if `directory` holds a live lock (for commands that write into a directory
-    without holding its lock themselves)."""
+    without holding its lock themselves). A path that is not a directory holds no lock."""
+    if not os.path.isdir(directory):
+        return
     path = os.path.join(directory, LOCK_FILE)
     seen = _inspect(path)
     if seen is None:
