@@ -44,12 +44,12 @@ _CALLS = re.compile(
     r"\b(body|condition|to_apply|calls|branch_computations|true_computation|false_computation)="
     r"(\{[^}]*\}|%?[\w.\-]+)"
 )
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+TRIP_COUNT_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _OPERANDS = re.compile(r"\s[a-z][\w\-]*\(([^)]*)\)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_TARGET = re.compile(r'custom_call_target="([^"]*)"')
-_TRITON_NAME = re.compile(r'\bname = "([^"]*)"')
+TARGET_RE = re.compile(r'custom_call_target="([^"]*)"')
+TRITON_NAME_RE = re.compile(r'\bname = "([^"]*)"')
 _FUSION_KIND = re.compile(r'"kind":"(__[\w]+)"')
 _DTYPE_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
 
@@ -177,7 +177,7 @@ def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
 
 def _callees(line: str, comps: dict[str, list[str]]) -> list[tuple[str, int, bool]]:
     """(callee, runs per run of the caller, whether it is a non-default branch) of one instruction."""
-    trip = _TRIP_COUNT.search(line)
+    trip = TRIP_COUNT_RE.search(line)
     out = []
     for kind, targets in _CALLS.findall(line):
         times = int(trip.group(1)) if trip and kind in ("body", "condition") else 1
@@ -314,7 +314,7 @@ def _instruction_work(line: str, declared: dict[str, str], runs: Runs) -> Work |
         return None
     result, op = m.group(1), m.group(2)
     op_name = found.group(1) if (found := _OP_NAME.search(line)) else ""
-    target = found.group(1) if (found := _TARGET.search(line)) else ""
+    target = found.group(1) if (found := TARGET_RE.search(line)) else ""
     if op == "dot":
         return Work("dot", "dot", gemm_flops(result, line, declared), op_name, runs)
     if op == "convolution" or target.startswith(CONV_CALLS):
@@ -322,7 +322,7 @@ def _instruction_work(line: str, declared: dict[str, str], runs: Runs) -> Work |
     if target.startswith(GEMM_CALLS):
         return Work("gemm", target, gemm_flops(result, line, declared), op_name, runs)
     if target == TRITON_CALL:
-        name = found.group(1) if (found := _TRITON_NAME.search(line)) else "?"
+        name = found.group(1) if (found := TRITON_NAME_RE.search(line)) else "?"
         base, tag, flops = name.rpartition(FLOPS_TAG)
         count = float(flops) if tag and flops.isdigit() else 0.0
         return Work("triton", base if tag else name, count, op_name, runs)

@@ -40,11 +40,8 @@ _CALL = re.compile(
     r"\b(calls|body|condition|branch_computations|false_computation|to_apply)=(\{[^}]*\}|%?[\w.\-]+)"
 )
 _PARAM = re.compile(r"\bparameter\((\d+)\)")
-_TARGET = re.compile(r'custom_call_target="([^"]*)"')
-_TRITON_NAME = re.compile(r'\bname = "([^"]*)"')
 _PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
 _REPLICAS = re.compile(r"\breplica_count=(\d+)")
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _DTYPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+)\[")
 DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64", "s8": "int8"}
 # Ops that launch no kernel and move no data.
@@ -177,7 +174,7 @@ class Timeline:
             types = hlo_lib.declared(self.comps.get(comp, []))
             flops, dtype = 0.0, ""
             for i in self.insts(comp):
-                target = m.group(1) if (m := _TARGET.search(i.line)) else ""
+                target = m.group(1) if (m := hlo_lib.TARGET_RE.search(i.line)) else ""
                 if i.op == "dot" or target.startswith(hlo_lib.GEMM_CALLS):
                     flops += hlo_lib.gemm_flops(i.type, i.line, types)
                     dtype = dtype or _dtype(types.get(i.operands[0], "") if i.operands else i.type)
@@ -241,9 +238,9 @@ class Timeline:
         nbytes = self.kernel_bytes(i, types)
         memory = nbytes / hw["hbm_bytes_per_second"]
         overhead = hw.get("kernel_overhead_seconds", 0.0)
-        target = m.group(1) if (m := _TARGET.search(i.line)) else ""
+        target = m.group(1) if (m := hlo_lib.TARGET_RE.search(i.line)) else ""
         if target == hlo_lib.TRITON_CALL:
-            name = m.group(1) if (m := _TRITON_NAME.search(i.line)) else ""
+            name = m.group(1) if (m := hlo_lib.TRITON_NAME_RE.search(i.line)) else ""
             base, tag, count = name.rpartition(hlo_lib.FLOPS_TAG)
             flops = float(count) if tag and count.isdigit() else 0.0
             eff = hardware.kernel_efficiency(hw, base if tag else name)
@@ -282,7 +279,7 @@ class Timeline:
         """The cost of the computations a control-flow instruction runs, or None for a kernel."""
         if i.op == "while":
             body = i.calls.get("body", []) + i.calls.get("condition", [])
-            trips = int(m.group(1)) if (m := _TRIP_COUNT.search(i.line)) else 1
+            trips = int(m.group(1)) if (m := hlo_lib.TRIP_COUNT_RE.search(i.line)) else 1
             out = Cost()
             for comp in body:
                 out.add(self.computation(comp), trips)
