@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from test_train import ROOT, SMALL, run_train, tiny_config, train_losses
+from test_train import ROOT, SMALL, run_train, tiny_config, train_cmd, train_losses
 from xla_env import xla_flags
 
 from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
@@ -147,18 +147,7 @@ FAULT_ARGS = ["--config.train.steps=10", "--config.checkpoint.every_steps=2", "-
 
 
 def _cmd(workdir, *extra):
-    return [
-        sys.executable,
-        "-m",
-        "zaya_jax.train",
-        "--config",
-        os.path.join(ROOT, "configs/tiny.py"),
-        "--workdir",
-        str(workdir),
-        *SMALL,
-        *FAULT_ARGS,
-        *extra,
-    ]
+    return train_cmd(workdir, *FAULT_ARGS, *extra)
 
 
 def _env():

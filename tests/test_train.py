@@ -36,19 +36,25 @@ SMALL = [
 ]
 
 
-def run_train(workdir, *extra, check=True, devices=1, env=None):
-    """Runs the CLI on `devices` simulated CPU devices (the default mesh takes them all)."""
-    cmd = [
+def train_cmd(workdir, *extra) -> list[str]:
+    """`python -m zaya_jax.train` of the small tiny config into `workdir`, then `extra` flags."""
+    tiny = os.path.join(ROOT, "configs/tiny.py")
+    return [
         sys.executable,
         "-m",
         "zaya_jax.train",
         "--config",
-        os.path.join(ROOT, "configs/tiny.py"),
+        tiny,
         "--workdir",
         str(workdir),
         *SMALL,
         *extra,
     ]
+
+
+def run_train(workdir, *extra, check=True, devices=1, env=None):
+    """Runs the CLI on `devices` simulated CPU devices (the default mesh takes them all)."""
+    cmd = train_cmd(workdir, *extra)
     env = {**os.environ, "XLA_FLAGS": xla_flags(devices), **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
     if check and proc.returncode != 0:

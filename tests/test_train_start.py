@@ -9,13 +9,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
 import pytest
 from test_cli_errors import _prepare, assert_one_line_error, run_cli, tree_digest
-from test_train import ROOT, SMALL, run_train, summary_of, train_losses
+from test_train import ROOT, SMALL, run_train, summary_of, train_cmd, train_losses
 from test_workdir_lock import _dead_pid, _write_lock, own_lock
 from xla_env import xla_flags
 
@@ -25,27 +24,13 @@ from zaya_jax import workdir_lock as wl
 TINY = os.path.join(ROOT, "configs", "tiny.py")
 
 
-def _cmd(workdir, *extra):
-    return [
-        sys.executable,
-        "-m",
-        "zaya_jax.train",
-        "--config",
-        TINY,
-        "--workdir",
-        str(workdir),
-        *SMALL,
-        *extra,
-    ]
-
-
 class Background:
     """A trainer started in the background; its output lines are read as they come."""
 
     def __init__(self, workdir, *extra, env=None):
         env = {**os.environ, "XLA_FLAGS": xla_flags(1), **(env or {})}
         self.proc = subprocess.Popen(
-            _cmd(workdir, *extra),
+            train_cmd(workdir, *extra),
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -109,7 +94,12 @@ def test_second_trainer_is_refused_and_a_signal_during_start_up_stops_at_once(tm
     assert holder["pid"] == a.proc.pid
     before = tree_digest(w)
     second = subprocess.run(
-        _cmd(w, "--config.train.steps=50"), cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+        train_cmd(w, "--config.train.steps=50"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert_one_line_error(second, str(w), f"pid {a.proc.pid}", f"host {socket.gethostname()}", "since")
     assert tree_digest(w) == before
