@@ -462,7 +462,7 @@ class Trainer:
 
 def _checked_inputs(c: ml_collections.ConfigDict, workdir: str):
     """(validated ZayaConfig, data.mixture sources or None, the data's tokenizer), every input
-    checked before anything is built (nothing written: the workdir lock creates `workdir`)."""
+    checked before anything is built; then creates `workdir` (every process: each writes into it)."""
     cfg = config_lib.validate(c)
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise UserError(f"--workdir {workdir} is a file, not a directory")
