@@ -3,8 +3,12 @@ a Hugging Face dataset saved to disk give the same shards as the same documents 
 `--workers 2` writes what `--workers 1` writes; bad inputs end in one error line."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -118,3 +122,82 @@ def test_two_workers_write_what_one_writes(tmp_path):
         assert "prepare: 3,500 docs" in out.stderr and "tokens/s" in out.stderr and "input 100%" in out.stderr
         runs[workers] = shards(tmp_path / f"w{workers}")
     assert len(runs[1][0]) > 4 and runs[1] == runs[2]
+
+
+class Started:
+    """`prepare` in a subprocess of its own process group (a terminal's Ctrl-C reaches it all),
+    stderr collected as it comes."""
+
+    def __init__(self, *args):
+        cmd = [sys.executable, "-m", "zaya_jax.data.prepare", *map(str, args)]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                     cwd=ROOT, start_new_session=True)  # fmt: skip
+        self.err: list[str] = []
+        threading.Thread(target=lambda: self.err.extend(iter(self.proc.stderr.readline, "")), daemon=True).start()
+
+    def until(self, ready, timeout=240.0):
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert self.proc.poll() is None, ("ended early", self.proc.returncode, self.err[-5:])
+            assert time.monotonic() < deadline, self.err[-5:]
+            time.sleep(0.05)
+
+    def stop(self, signum):
+        """(exit code, seconds from the signal to the exit, stderr lines)."""
+        t0 = time.monotonic()
+        os.killpg(self.proc.pid, signum)
+        code = self.proc.wait(timeout=60)
+        seconds = time.monotonic() - t0
+        time.sleep(0.2)
+        return code, seconds, [line.rstrip("\n") for line in self.err if line.strip()]
+
+
+@pytest.mark.slow
+def test_resume_after_kill_9_and_ctrl_c_writes_what_one_run_writes(tmp_path):
+    """`--resume` on two workers: killed with SIGKILL once it wrote shards, then stopped by a Ctrl-C
+    to its process group (exit 130 within 3 s, one line), then run to the end: the shards and
+    meta.json are those of one uninterrupted run, the shards written before an interrupt are not
+    written again, and a run with other options, or without --resume, is refused in one line."""
+    rng = np.random.default_rng(3)
+    words = np.array(["alpha", "beta", "gamma", "delta", "é", "\n"])
+    inputs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for path, n in zip(inputs, (9000, 9000)):
+        rows = [" ".join(rng.choice(words, size=int(rng.integers(50, 500)))) for _ in range(n)]
+        rows[100] = " "  # skipped; counted in meta.json as in one run
+        path.write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
+    common = ("--input", *inputs, "--shard-tokens", 100_000, "--eval-fraction", 0.03)
+    assert prepare(*common, "--out", tmp_path / "ref", "--workers", 1).returncode == 0
+    out, state = tmp_path / "out", tmp_path / ".out.prepare-resume"
+    progress = state / "progress.json"
+
+    run = Started(*common, "--out", out, "--workers", 2, "--resume")
+    run.until(progress.is_file)
+    assert run.stop(signal.SIGKILL)[0] == -signal.SIGKILL
+    first = json.loads(progress.read_text())
+    kept = {p.name: p.stat() for p in (state / "train").glob("shard_*.npy")}
+    assert first["doc_index"] > 0 and kept and not out.exists()
+
+    for args, message in (
+        (("--workers", 2), f"error: an interrupted `prepare --resume` of --out {out} left its shards in {state}"),
+        (("--resume", "--split-seed", 1), f"error: --resume: the interrupted run in {state} had other split_seed"),
+    ):
+        refused = prepare(*common, "--out", out, *args)
+        lines = refused.stderr.strip().splitlines()
+        assert refused.returncode == 2 and len(lines) == 1 and lines[0].startswith(message), refused.stderr
+
+    run = Started(*common, "--out", out, "--workers", 2, "--resume")
+    run.until(lambda: any(line.startswith("prepare: resuming") for line in run.err))
+    run.until(lambda: json.loads(progress.read_text())["doc_index"] > first["doc_index"])
+    code, seconds, lines = run.stop(signal.SIGINT)
+    assert code == 130 and seconds < 3.0, (code, seconds, lines[-5:])
+    assert lines[-1] == f"interrupted by SIGINT: nothing written to {out}; its shards are kept in {state}: run it again to continue"
+    assert all(line.startswith("prepare: ") for line in lines[:-1]), lines
+    assert not out.exists() and json.loads(progress.read_text())["doc_index"] > first["doc_index"]
+
+    done = prepare(*common, "--out", out, "--workers", 2, "--resume")
+    assert done.returncode == 0, done.stderr
+    assert f"prepare: resuming from {state}" in done.stderr and not state.exists()
+    assert shards(out) == shards(tmp_path / "ref")
+    for name, stat in kept.items():  # the same file, moved: not tokenized and written again
+        now = (out / "train" / name).stat()
+        assert (now.st_ino, now.st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns), name

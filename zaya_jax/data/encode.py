@@ -60,7 +60,15 @@ def encode_documents(
         return
     # spawn, not fork: a forked copy of an HF tokenizer's thread pool can deadlock.
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(tok,)) as pool:
+    # The workers start with SIGINT ignored (SIG_IGN outlives exec): a Ctrl-C to the process group
+    # while one still imports would print its traceback. A Ctrl-C in the milliseconds the pool
+    # takes to start goes unseen (the next one is not); once up, the main process takes it.
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tok,))
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    with pool:
         pending: collections.deque = collections.deque()
         for b in _batches(texts, batch):
             pending.append(pool.apply_async(_encode_in_worker, (b,)))

@@ -3,7 +3,7 @@
     python -m zaya_jax.data.prepare --input a.txt b.jsonl ... --out DIR \
         [--tokenizer byte|path/to/tokenizer.json] [--eval-fraction 0.01] [--shard-tokens N] \
         [--doc-separator none|blank-line|form-feed|LITERAL] [--text-field text] [--overwrite] \
-        [--workers N] [--format zaya|megatron]
+        [--workers N] [--format zaya|megatron] [--resume]
 
 Inputs (.txt / .jsonl optionally compressed: `.gz`, or `.zst` with the `data` extra):
     .txt      by default the whole file is one document; `--doc-separator` cuts it into several
@@ -16,7 +16,10 @@ Inputs (.txt / .jsonl optionally compressed: `.gz`, or `.zst` with the `data` ex
 The same documents give the same output whatever their input format. `--workers N` tokenizes on N
 processes (default: every core) and writes exactly what one writes (zaya_jax.data.encode); a
 progress line (documents, tokens, tokens/s, ETA) goes to stderr every few seconds. An interrupted
-run leaves nothing behind that looks complete, and is restarted from the beginning.
+run leaves nothing behind that looks complete. Without `--resume` it leaves nothing at all and is
+restarted from the beginning; with `--resume` its shards are kept beside DIR, and the same command
+with `--resume` continues from them without tokenizing their documents again
+(zaya_jax.data.prepare_resume), writing what one uninterrupted run writes.
 `--format megatron` writes OUT.bin + OUT.idx instead (zaya_jax.data.megatron_format): every
 document in input order, each followed by the EOS token, no split (the reader holds out
 data.eval_fraction of them as `prepare` would).
@@ -41,7 +44,9 @@ new or empty; `--overwrite` replaces an existing one (never one holding an input
 from __future__ import annotations
 
 import codecs
+import collections
 import dataclasses
+import functools
 import gzip
 import io
 import json
@@ -49,6 +54,7 @@ import math
 import multiprocessing
 import os
 import re
+import shutil
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -57,7 +63,7 @@ from pathlib import Path
 import numpy as np
 
 from zaya_jax import cli, interrupt, output_dir
-from zaya_jax.data import input_formats, is_eval_document
+from zaya_jax.data import input_formats, is_eval_document, prepare_resume
 from zaya_jax.data.encode import Progress, encode_documents
 from zaya_jax.data.megatron_format import MegatronWriter, megatron_dtype
 from zaya_jax.tokenizer import Tokenizer, load_tokenizer
@@ -290,35 +296,66 @@ def _split_text(text: str, separator: str | re.Pattern | None) -> list[str]:
 
 class _Inputs:
     """The non-empty documents of every input in order (`texts()`), counting the empty ones
-    skipped, and how far through the input bytes the reading is (`position()`, 0..1)."""
+    skipped, and how far through the input bytes the reading is (`position()`, 0..1).
+    `taken()` marks the next document as written (the tokenizing runs ahead of the writing);
+    `written()` says where the written documents end, and `start_at` starts after them."""
 
     def __init__(self, paths: list[Path], separator, text_field: str):
         self.paths, self.separator, self.text_field = paths, separator, text_field
         self.sizes = [_input_size(p) for p in paths]
-        self.skipped = 0
+        self.skipped_by_input: list[int] = []  # empty documents of each input read to its end
+        self._skipped_here = 0
+        self._first_input, self._drop = 0, 0
+        self._inputs_of_texts: collections.deque = collections.deque()
+        self._at = (0, 0)  # (input, its non-empty documents) of the written documents
         self._done_bytes = 0
         self._raw: io.BufferedIOBase | None = None
+
+    @property
+    def skipped(self) -> int:
+        return sum(self.skipped_by_input) + self._skipped_here
+
+    def start_at(self, written: dict) -> None:
+        """Skips the documents `written()` described (reading, not tokenizing them)."""
+        self.skipped_by_input = list(written["skipped_by_input"])
+        self._first_input = len(self.skipped_by_input)
+        self._drop = written["docs_in_input"]
+        self._at = (self._first_input, self._drop)
+        self._done_bytes = sum(self.sizes[: self._first_input])
+
+    def taken(self) -> None:
+        i = self._inputs_of_texts.popleft()
+        self._at = (i, (self._at[1] if i == self._at[0] else 0) + 1)
+
+    def written(self) -> dict:
+        return {"skipped_by_input": self.skipped_by_input[: self._at[0]], "docs_in_input": self._at[1]}
 
     def position(self) -> float:
         current = self._raw.tell() if self._raw is not None and not self._raw.closed else 0
         return (self._done_bytes + current) / max(sum(self.sizes), 1)
 
     def texts(self) -> Iterator[str]:
-        for path, size in zip(self.paths, self.sizes):
+        for i in range(self._first_input, len(self.paths)):
+            path, drop = self.paths[i], self._drop if i == self._first_input else 0
             self._raw = open(path, "rb") if path.is_file() else None
             try:
                 for text in iter_documents(
                     path, separator=self.separator, text_field=self.text_field, raw=self._raw
                 ):
-                    if text.strip():
-                        yield text
+                    if not text.strip():
+                        self._skipped_here += 1
+                    elif drop:
+                        drop -= 1
                     else:
-                        self.skipped += 1
+                        self._inputs_of_texts.append(i)
+                        yield text
             finally:
                 if self._raw is not None:
                     self._raw.close()
                 self._raw = None
-            self._done_bytes += size
+            self.skipped_by_input.append(self._skipped_here)
+            self._skipped_here = 0
+            self._done_bytes += self.sizes[i]
 
 
 def _input_size(path: Path) -> int:
@@ -339,7 +376,18 @@ class _ShardWriter:
         self.num_tokens = 0
         self._pending: list[np.ndarray] = []
         self._pending_tokens = 0
-        split_dir.mkdir(parents=True)
+        split_dir.mkdir(parents=True, exist_ok=True)
+
+    def restore(self, summary: dict, pending: list[np.ndarray]) -> None:
+        """Continues where a checkpoint's writer was: its shards written, `pending` not yet."""
+        self.shards = list(summary["shards"])
+        self.num_docs, self.num_tokens = summary["num_docs"], summary["num_tokens"]
+        self._pending = list(pending)
+        self._pending_tokens = sum(len(d) for d in pending)
+
+    @property
+    def pending(self) -> list[np.ndarray]:
+        return self._pending
 
     def add(self, doc: np.ndarray) -> None:
         self._pending.append(doc)
@@ -398,16 +446,23 @@ def prepare_dataset(
     workers: int = 1,
     output_format: str = "zaya",
     progress=None,
+    resume: bool = False,
 ) -> dict:
     """Tokenizes `inputs` into a prepared dataset at `out_dir` (layout in the module docstring),
     on `workers` processes; `progress`: a stream for progress lines (None: none).
     output_format "megatron" writes `out_dir`.bin + .idx instead (`_prepare_megatron`).
+    `resume`: keep the shards written when interrupted, and continue from those an interrupted
+    run with the same options kept (zaya_jax.data.prepare_resume).
 
     Returns the meta dict that was written to meta.json.
     """
     paths = [Path(p) for p in inputs]
     _check_inputs(paths, shard_tokens, eval_fraction, split_seed, text_field)
     separator = parse_separator(doc_separator)
+    if output_format not in ("zaya", "megatron"):
+        raise ValueError(f"unknown output format {output_format!r} (zaya or megatron)")
+    if resume and output_format != "zaya":
+        raise ValueError("--resume applies to --format zaya only (a --format megatron export restarts)")
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     reading = [("--input", str(p)) for p in paths]
     if isinstance(tokenizer, (str, os.PathLike)) and str(tokenizer) != "byte":
@@ -417,31 +472,84 @@ def prepare_dataset(
     encode = {"workers": 1 if sum(inputs_.sizes) < _SPAWN_MIN_BYTES else workers, "progress": progress}
     if output_format == "megatron":
         return _prepare_megatron(inputs_, str(out_dir), tok, overwrite=overwrite, reading=reading, **encode)
-    if output_format != "zaya":
-        raise ValueError(f"unknown output format {output_format!r} (zaya or megatron)")
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
+    meta = _meta(tok, dtype, paths, doc_separator, text_field, eval_fraction, split_seed)
+    output_dir.check(str(out_dir), overwrite=overwrite, reading=reading)
+    if not resume:
+        prepare_resume.refuse_leftover(out_dir)
+    state = None
+    if resume:
+        options = {k: v for k, v in meta.items() if k not in ("created_unix", "inputs")}
+        options.update(inputs=prepare_resume.input_stamps(paths), shard_tokens=shard_tokens)
+        state = prepare_resume.ResumeState.open(out_dir, options)
+    write = functools.partial(_write_splits, inputs_, tok, dtype, shard_tokens, eval_fraction, split_seed,
+                              encode=encode, progress=progress)  # fmt: skip
     # Built beside the destination and moved into place: meta.json, the last file, marks a complete dataset.
-    with output_dir.staged(str(out_dir), overwrite=overwrite, reading=reading, last=(META_FILENAME,)) as tmp:
-        tmp_dir = Path(tmp)
-        splitter = _Splitter(
-            tok,
-            {s: _ShardWriter(tmp_dir / s, dtype, shard_tokens) for s in SPLITS},
-            eval_fraction,
-            split_seed,
-        )
-        for ids in _encoded(inputs_, tok, **encode):
-            splitter.add(ids)
-        skipped = inputs_.skipped
-        writers, held_out_tokens = splitter.finish()
-        tok.save(tmp_dir)
-        meta = _meta(tok, dtype, paths, doc_separator, text_field, eval_fraction, split_seed)
-        meta.update(
-            skipped_empty_docs=skipped,
-            eval_tail_tokens=held_out_tokens,
-            splits={s: w.summary() for s, w in writers.items()},
-        )
-        (tmp_dir / META_FILENAME).write_text(json.dumps(meta, indent=2) + "\n")
+    staged = functools.partial(output_dir.staged, str(out_dir), overwrite=overwrite, reading=reading,
+                               last=(META_FILENAME,))  # fmt: skip
+    if state is None:
+        with staged() as tmp:
+            _write_meta(Path(tmp), tok, meta, *write(Path(tmp)))
+        return meta
+    written = write(state.root, state=state)  # the shards outlive an interrupt in state.root
+    with staged() as tmp:
+        for split in SPLITS:
+            shutil.move(str(state.root / split), str(Path(tmp) / split))
+        state.remove()
+        _write_meta(Path(tmp), tok, meta, *written)
     return meta
+
+
+def _write_splits(
+    inputs: _Inputs,
+    tok: Tokenizer,
+    dtype,
+    shard_tokens: int,
+    eval_fraction: float,
+    split_seed: int,
+    work: Path,
+    *,
+    encode: dict,
+    progress,
+    state: prepare_resume.ResumeState | None = None,
+) -> tuple[dict, int, int]:
+    """The train and eval shards of `inputs` in `work` (with a checkpoint of `state` after each
+    one, continuing from its last): (the writers, eval tail tokens, empty documents skipped)."""
+    splitter = _Splitter(
+        tok, {s: _ShardWriter(work / s, dtype, shard_tokens) for s in SPLITS}, eval_fraction, split_seed
+    )
+    if state is not None and state.checkpoint is not None:
+        splitter.restore(state.checkpoint, state.pending)
+        inputs.start_at(state.checkpoint)
+        _say(progress, f"prepare: resuming from {state.root}: {splitter.doc_index:,} documents in "
+                       f"{splitter.num_shards()} shards already written")  # fmt: skip
+    for ids in _encoded(inputs, tok, **encode):
+        shards_before = splitter.num_shards()
+        splitter.add(ids)
+        inputs.taken()
+        if state is not None and splitter.num_shards() != shards_before:
+            position = {"doc_index": splitter.doc_index, **inputs.written()}
+            state.save(position, splitter.writers, splitter.pending())
+    writers, held_out_tokens = splitter.finish()
+    return writers, held_out_tokens, inputs.skipped
+
+
+def _write_meta(
+    out: Path, tok: Tokenizer, meta: dict, writers: dict, held_out_tokens: int, skipped: int
+) -> None:
+    """The tokenizer files and meta.json (completed with the split sizes) into `out`."""
+    tok.save(out)
+    meta.update(
+        skipped_empty_docs=skipped,
+        eval_tail_tokens=held_out_tokens,
+        splits={s: w.summary() for s, w in writers.items()},
+    )
+    (out / META_FILENAME).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _say(progress, line: str) -> None:
+    if progress is not None:
+        print(line, file=progress, flush=True)
 
 
 def _encoded(inputs: _Inputs, tok: Tokenizer, *, workers: int, progress) -> Iterator[np.ndarray]:
@@ -527,6 +635,20 @@ class _Splitter:
         self.eval_fraction, self.split_seed = eval_fraction, split_seed
         self.doc_index = 0
         self.last_train: list[np.ndarray] = []
+
+    def num_shards(self) -> int:
+        return sum(len(w.shards) for w in self.writers.values())
+
+    def pending(self) -> dict[str, list[np.ndarray]]:
+        """The documents not yet in a shard (a checkpoint's)."""
+        return {"train": self.writers["train"].pending, "eval": self.writers["eval"].pending,
+                "last": self.last_train}  # fmt: skip
+
+    def restore(self, checkpoint: dict, pending: dict[str, list[np.ndarray]]) -> None:
+        for split, writer in self.writers.items():
+            writer.restore(checkpoint["writers"][split], pending[split])
+        self.last_train = list(pending["last"])
+        self.doc_index = checkpoint["doc_index"]
 
     def add(self, ids: np.ndarray) -> None:
         """One document's token ids (without EOS)."""
@@ -628,6 +750,12 @@ def arg_parser() -> cli.ArgumentParser:
         "the output is the same for any number",
     )
     parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the shards written if interrupted (in .DIR.prepare-resume beside DIR), and continue "
+        "from those an interrupted --resume run of the same command kept",
+    )
+    parser.add_argument(
         "--format",
         choices=("zaya", "megatron"),
         default="zaya",
@@ -638,9 +766,12 @@ def arg_parser() -> cli.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = arg_parser().parse_args(argv)
+    kept = f"nothing written to {args.out}"
+    if args.resume:
+        kept += f"; its shards are kept in {prepare_resume.state_dir(args.out)}: run it again to continue"
     try:
         # a signal raises at once: prepare_dataset removes its unfinished temporary directory
-        with interrupt.handled("prepare", mode="raise", kept=lambda: f"nothing written to {args.out}"):
+        with interrupt.handled("prepare", mode="raise", kept=lambda: kept):
             meta = prepare_dataset(
                 args.input,
                 args.out,
@@ -654,9 +785,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 workers=args.workers,
                 output_format=args.format,
                 progress=sys.stderr,
+                resume=args.resume,
             )
     except interrupt.Interrupted as e:
-        raise interrupt.Interrupted(e.signum, f"nothing written to {args.out}") from None
+        raise interrupt.Interrupted(e.signum, kept) from None
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
