@@ -132,6 +132,25 @@ def test_mixture_of_a_megatron_source_and_a_prepared_source(corpus, tmp_path):
     assert_batches_equal(batches, ref)
 
 
+def test_mixture_of_two_megatron_sources_draws_the_batches_of_their_prepared_copies(corpus, tmp_path):
+    """Two Megatron prefixes in one data.mixture draw the batches of the same mixture over
+    `prepare`'s directories of the same documents, and hold out the same eval documents."""
+    code = write_jsonl(tmp_path / "code.jsonl", 40, 5, alphabet="0123456789+=")
+    prepare_dataset([code], tmp_path / "code", eval_fraction=0.05)
+    prepare_dataset([code], tmp_path / "code_mg", output_format="megatron")
+    options = MegatronOptions("byte", eval_fraction=0.05)
+    megatron = parse_mixture(f"{corpus / 'web'}:0.75,{tmp_path / 'code_mg'}:0.25")
+    prepared = parse_mixture(f"{corpus / 'prepared'}:0.75,{tmp_path / 'code'}:0.25")
+    assert [s.name for s in megatron] == ["web", "code_mg"]
+    got = mixed_sequences(megatron, seq_len=32, seed=0, megatron=options)
+    ref = mixed_sequences(prepared, seq_len=32, seed=0)
+    assert_batches_equal(take(batch_sequences(got, global_batch_size=8), 12),
+                         take(batch_sequences(ref, global_batch_size=8), 12))  # fmt: skip
+    for mg, pr in zip(megatron, prepared):  # and the held-out documents of each source
+        a, b = load_documents(mg.path, "eval", options), load_documents(pr.path, "eval", None)
+        assert a.num_docs > 0 and [x.tolist() for x in docs_of(a)] == [x.tolist() for x in docs_of(b)]
+
+
 def test_too_few_documents_hold_out_the_tail_of_the_last_as_prepare_does(tmp_path):
     text = write_jsonl(tmp_path / "few.jsonl", 3, 7)
     prepare_dataset([text], tmp_path / "few", eval_fraction=0.05)
