@@ -113,7 +113,9 @@ def run_trainer(prefix: str, workdir: str, steps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.megatron_startup", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.megatron_startup", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--sizes-gb", default="0.1,10", help="dataset sizes in GB (.bin bytes / 1e9)")
     p.add_argument("--doc-tokens", type=int, default=2048, help="tokens per document")
     p.add_argument("--steps", type=int, default=3, help="train steps per run")

@@ -125,11 +125,15 @@ def run_prepare(corpus: str, out: str, tokenizer: str, workers: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.prepare_throughput", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.prepare_throughput", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--size-mb", type=float, default=1024, help="corpus size in MB (default 1024)")
     p.add_argument("--workers", default="1,2,all", help="worker counts; 'all' = every core (default 1,2,all)")
     p.add_argument("--tokenizers", default="byte,bpe", help="byte and/or bpe (default both)")
-    p.add_argument("--work", default=None, help="where the corpus and outputs go (default: a temporary directory)")
+    p.add_argument(
+        "--work", default=None, help="where the corpus and outputs go (default: a temporary directory)"
+    )
     add_out_arg(p, "prepare_throughput")
     args = p.parse_args(argv)
     cores = os.cpu_count() or 1
@@ -142,7 +146,10 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         docs = make_corpus(corpus, int(args.size_mb * 1e6))
         size = os.path.getsize(corpus)
-        print(f"corpus: {size / 1e6:.0f} MB, {docs:,} documents in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+        print(
+            f"corpus: {size / 1e6:.0f} MB, {docs:,} documents in {time.monotonic() - t0:.0f} s",
+            file=sys.stderr,
+        )
         names = args.tokenizers.split(",")
         tokenizers = {"byte": "byte", **({"bpe": train_bpe(corpus, work)} if "bpe" in names else {})}
         reference = reference_rate(corpus, tokenizers["bpe"]) if "bpe" in names else None
@@ -151,13 +158,19 @@ def main(argv=None) -> int:
             for n in counts:
                 print(f"prepare --tokenizer {name} --workers {n} ...", file=sys.stderr, flush=True)
                 run = run_prepare(corpus, os.path.join(work, "out"), tokenizers[name], n)
-                runs.append({"tokenizer": name, "workers": n, **run, "input_mb_per_s": size / 1e6 / run["seconds"]})
+                runs.append(
+                    {"tokenizer": name, "workers": n, **run, "input_mb_per_s": size / 1e6 / run["seconds"]}
+                )
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
     rows = [["tokenizer", "workers", "tokens", "seconds", "tokens/s", "MB/s", "vs HF encode_batch"]]
     for r in runs:
-        ratio = f"{r['tokens_per_s'] / reference['tokens_per_s']:.2f}x" if reference and r["tokenizer"] == "bpe" else "-"
+        ratio = (
+            f"{r['tokens_per_s'] / reference['tokens_per_s']:.2f}x"
+            if reference and r["tokenizer"] == "bpe"
+            else "-"
+        )
         rows.append([r["tokenizer"], str(r["workers"]), f"{r['tokens']:,}", f"{r['seconds']:.1f}",
                      f"{r['tokens_per_s']:,.0f}", f"{r['input_mb_per_s']:.1f}", ratio])  # fmt: skip
     if reference:

@@ -340,3 +340,46 @@ def test_kill_9_mid_mixture_of_megatron_and_prepared_resumes_with_identical_loss
     assert read_events(str(killed), "resume")[-1]["step"] == resumed_from
     ref, got = train_losses(tmp_path / "ref"), train_losses(killed)
     assert sorted(got) == list(range(1, 9)) and got == ref
+
+
+_OPEN_AND_READ = """
+import sys
+from zaya_jax.data.megatron import MegatronOptions, load_megatron_split
+from zaya_jax.data.megatron_format import check_token_ids
+from zaya_jax.data.pipeline import make_dataset
+
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) << 10
+
+before = rss()
+scanned = check_token_ids(sys.argv[1], 320)
+options = MegatronOptions("byte")
+num_docs = load_megatron_split(sys.argv[1], "train", options).num_docs
+batches = iter(make_dataset(sys.argv[1], seq_len=128, global_batch_size=16, megatron=options))
+for _ in range(20):
+    next(batches)
+print(scanned, num_docs, rss() - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS from /proc")
+def test_start_up_keeps_a_1_gib_bin_out_of_the_process_memory(tmp_path):
+    """The trainer's data start-up on a 1 GiB .bin (sparse: no disk used): the token-id scan, the
+    train split and 20 batches leave the process' RSS within 256 MiB of where it was, so the
+    tokens are read in place (memory-mapped; the scan reads through a 64 MiB buffer), not loaded."""
+    doc_tokens, num_docs = 2048, (1 << 29) // 2048  # uint16: 1 GiB
+    prefix = str(tmp_path / "big")
+    with open(prefix + ".bin", "wb") as f:
+        f.truncate(doc_tokens * num_docs * 2)  # zeros: the pad id, within any vocabulary
+    code = {np.dtype(t): c for c, t in DTYPES.items()}[np.dtype(np.uint16)]
+    with open(prefix + ".idx", "wb") as f:  # Megatron's documented layout (megatron_format's docstring)
+        f.write(struct.pack("<9sQBQQ", b"MMIDIDX\x00\x00", 1, code, num_docs, num_docs + 1))
+        f.write(np.full(num_docs, doc_tokens, np.int32).tobytes())
+        f.write((np.arange(num_docs, dtype=np.int64) * doc_tokens * 2).tobytes())
+        f.write(np.arange(num_docs + 1, dtype=np.int64).tobytes())
+    out = subprocess.run([sys.executable, "-c", _OPEN_AND_READ, prefix], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    scanned, train_docs, grown = map(int, out.stdout.split())
+    assert scanned == 1 << 30 and train_docs == num_docs - num_docs // 100
+    assert grown < 256 << 20, f"RSS grew by {grown / 2**20:.0f} MiB over a 1024 MiB .bin"
