@@ -105,7 +105,10 @@ class Progress:
         )
 
     def report(self) -> None:
-        print(self.line(), file=self.out, flush=True)
+        # one write, line and newline: a signal raising between print's two writes would leave the
+        # line open and the interrupt's line would follow on it
+        self.out.write(self.line() + "\n")
+        self.out.flush()
 
 
 __all__ = ["Progress", "encode_documents"]

@@ -549,7 +549,8 @@ def _write_meta(
 
 def _say(progress, line: str) -> None:
     if progress is not None:
-        print(line, file=progress, flush=True)
+        progress.write(line + "\n")  # one write (Progress.report says why)
+        progress.flush()
 
 
 def _encoded(inputs: _Inputs, tok: Tokenizer, *, workers: int, progress) -> Iterator[np.ndarray]:
