@@ -201,3 +201,12 @@ def test_resume_after_kill_9_and_ctrl_c_writes_what_one_run_writes(tmp_path):
     for name, stat in kept.items():  # the same file, moved: not tokenized and written again
         now = (out / "train" / name).stat()
         assert (now.st_ino, now.st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns), name
+
+
+def test_resume_of_a_megatron_export_is_refused_in_one_line(reference):
+    root, _, _ = reference
+    out = prepare("--input", root / "docs.jsonl", "--out", root / "mg", "--format", "megatron", "--resume")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "error: --resume applies to --format zaya only (a --format megatron export restarts)"
+    ], out.stderr
+    assert not list(root.glob("mg*")) and not list(root.glob(".mg*"))

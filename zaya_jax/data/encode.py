@@ -1,9 +1,9 @@
 """Tokenizing a stream of documents on N processes, in input order, with a progress line.
 
 Texts are cut into batches of `batch` documents; with workers > 1 each batch is encoded by one of
-N spawned processes (each holds its own copy of the tokenizer) and the results are taken back in
-submission order, at most 2 N batches in flight, so the output is exactly what one process gives
-and memory stays bounded however large the input. Token ids come back as int32 arrays (cheaper to
+N spawned processes in turn (each holds its own copy of the tokenizer), one batch in flight per
+process, and the results are taken back in submission order, so the output is exactly what one
+process gives and memory stays bounded however large the input. Token ids come back as int32 arrays (cheaper to
 pass between processes than lists).
 """
 
@@ -21,22 +21,24 @@ import numpy as np
 
 from zaya_jax.tokenizer import Tokenizer
 
-_worker_tokenizer: Tokenizer | None = None
-
-
-def _init_worker(tok: Tokenizer) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = tok
-    # Ctrl-C reaches the whole process group: the main process handles it and ends the pool
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
 
 def _encode(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:
     return [np.asarray(ids, np.int32) for ids in tok.encode_batch(texts)]
 
 
-def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
-    return _encode(_worker_tokenizer, texts)
+def _worker(conn, tok: Tokenizer) -> None:
+    """A worker process: batches of texts in, their token arrays (or the exception) out, until
+    None comes or the main process is gone."""
+    # Ctrl-C reaches the whole process group: the main process handles it and ends the workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        while (texts := conn.recv()) is not None:
+            try:
+                conn.send(_encode(tok, texts))
+            except Exception as e:  # the main process raises it
+                conn.send(e)
+    except (EOFError, OSError):  # the main process ended
+        pass
 
 
 def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
@@ -58,24 +60,68 @@ def encode_documents(
         for b in _batches(texts, batch):
             yield from _encode(tok, b)
         return
-    # spawn, not fork: a forked copy of an HF tokenizer's thread pool can deadlock.
+    procs, conns = _start_workers(tok, workers)
+    finished = False
+    try:
+        in_flight: collections.deque = collections.deque()  # workers, in the order of their batches
+        for k, b in enumerate(_batches(texts, batch)):
+            if len(in_flight) == workers:  # the oldest batch's worker is this batch's: one each
+                yield from _receive(conns[in_flight.popleft()], then_send=(conns[k % workers], b))
+            else:
+                conns[k % workers].send(b)
+            in_flight.append(k % workers)
+        while in_flight:
+            yield from _receive(conns[in_flight.popleft()])
+        finished = True
+    finally:
+        _stop_workers(procs, conns, finished)
+
+
+def _receive(conn, then_send: tuple | None = None) -> list[np.ndarray]:
+    """A worker's result; `then_send` (conn, batch) goes out before the caller takes its time
+    over the result, so that the worker is busy meanwhile."""
+    result = conn.recv()
+    if then_send is not None:
+        then_send[0].send(then_send[1])
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def _start_workers(tok: Tokenizer, workers: int) -> tuple[list, list]:
+    """`workers` spawned processes (spawn, not fork: a forked copy of an HF tokenizer's thread pool
+    can deadlock), each with a pipe; at most one batch per worker is in flight, so neither end
+    ever waits on a full pipe while the other does. Plain pipes and processes, no
+    multiprocessing.Pool: ending them is one SIGKILL each, and no lock is shared with them."""
     ctx = multiprocessing.get_context("spawn")
     # The workers start with SIGINT ignored (SIG_IGN outlives exec): a Ctrl-C to the process group
-    # while one still imports would print its traceback. A Ctrl-C in the milliseconds the pool
-    # takes to start goes unseen (the next one is not); once up, the main process takes it.
+    # while one still imports would print its traceback. A Ctrl-C in the moment the workers take
+    # to start goes unseen (the next one is not); once they are up, the main process takes it.
     handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conns, procs = [], []
     try:
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tok,))
+        for _ in range(workers):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(theirs, tok), daemon=True)
+            proc.start()
+            theirs.close()
+            conns.append(ours)
+            procs.append(proc)
     finally:
         signal.signal(signal.SIGINT, handler)
-    with pool:
-        pending: collections.deque = collections.deque()
-        for b in _batches(texts, batch):
-            pending.append(pool.apply_async(_encode_in_worker, (b,)))
-            if len(pending) >= 2 * workers:
-                yield from pending.popleft().get()
-        while pending:
-            yield from pending.popleft().get()
+    return procs, conns
+
+
+def _stop_workers(procs: list, conns: list, finished: bool) -> None:
+    """After the last batch each worker is told to end; after an error or a signal, killed at once."""
+    for conn, proc in zip(conns, procs):
+        if finished:
+            conn.send(None)
+        else:
+            proc.kill()
+    for conn, proc in zip(conns, procs):
+        proc.join(timeout=10)
+        conn.close()
 
 
 class Progress:

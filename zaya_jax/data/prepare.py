@@ -493,6 +493,7 @@ def prepare_dataset(
         return meta
     written = write(state.root, state=state)  # the shards outlive an interrupt in state.root
     with staged() as tmp:
+        state.forget()  # from here a kill restarts the run: a half-moved state must not be resumed
         for split in SPLITS:
             shutil.move(str(state.root / split), str(Path(tmp) / split))
         state.remove()

@@ -111,6 +111,10 @@ class ResumeState:
             (self.root / self.checkpoint["pending"]).unlink(missing_ok=True)
         self.checkpoint = checkpoint
 
+    def forget(self) -> None:
+        """No checkpoint any more (the shards are being moved out)."""
+        (self.root / PROGRESS).unlink(missing_ok=True)
+
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
