@@ -297,8 +297,8 @@ def _split_text(text: str, separator: str | re.Pattern | None) -> list[str]:
 class _Inputs:
     """The non-empty documents of every input in order (`texts()`), counting the empty ones
     skipped, and how far through the input bytes the reading is (`position()`, 0..1).
-    `taken()` marks the next document as written (the tokenizing runs ahead of the writing);
-    `written()` says where the written documents end, and `start_at` starts after them."""
+    `taken()` marks the next document as handed on to be written (the tokenizing runs ahead);
+    `written()` says where those documents end, and `start_at` starts after them."""
 
     def __init__(self, paths: list[Path], separator, text_field: str):
         self.paths, self.separator, self.text_field = paths, separator, text_field
@@ -527,7 +527,6 @@ def _write_splits(
     for ids in _encoded(inputs, tok, **encode):
         shards_before = splitter.num_shards()
         splitter.add(ids)
-        inputs.taken()
         if state is not None and splitter.num_shards() != shards_before:
             position = {"doc_index": splitter.doc_index, **inputs.written()}
             state.save(position, splitter.writers, splitter.pending())
@@ -558,6 +557,7 @@ def _encoded(inputs: _Inputs, tok: Tokenizer, *, workers: int, progress) -> Iter
     """Each non-empty input document's token ids, in order, with progress lines on `progress`."""
     meter = Progress(inputs.position, out=progress) if progress is not None else None
     for ids in encode_documents(inputs.texts(), tok, workers=workers, batch=_ENCODE_BATCH):
+        inputs.taken()
         if meter is not None:
             meter.add(len(ids))
         yield ids
