@@ -174,13 +174,28 @@ def kill_9_after_step(cmd, workdir, step) -> int | None:
         cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
     _wait_for_step(proc, workdir, step)
+    _wait_for_a_checkpoint(proc, workdir)
     proc.kill()
     proc.wait()
+    return _latest_checkpoint(workdir)
+
+
+def _latest_checkpoint(workdir) -> int | None:
     ck = Checkpointer(str(workdir), read_only=True)
     try:
         return ck.latest_step()
     finally:
         ck.close()
+
+
+def _wait_for_a_checkpoint(proc, workdir, timeout=120):
+    """Waits until a checkpoint is committed: saves are asynchronous, and on a loaded machine the
+    first one can still be in flight when `step` is logged (a kill then leaves nothing to resume)."""
+    t0 = time.time()
+    while time.time() - t0 < timeout and proc.poll() is None:
+        if os.path.isdir(os.path.join(workdir, "checkpoints")) and _latest_checkpoint(workdir) is not None:
+            return
+        time.sleep(0.2)
 
 
 @pytest.mark.slow
