@@ -27,6 +27,7 @@ from zaya_jax.model import ZayaConfig
 from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.parallel.sharding import grad_specs, param_shardings
 from zaya_jax.parallel.zero1 import compute_dtypes, shards_master
+from zaya_jax.reshard import reshard
 from zaya_jax.train_state import abstract_batch, train_program
 
 BF16 = ZayaConfig.tiny(num_hidden_layers=2, vocab_size=128, moe_intermediate_size=32, dtype="bfloat16")
@@ -165,7 +166,8 @@ def _latest_checkpoint(workdir, proc, timeout: float = 300) -> int:
 def test_bf16_master_trains_and_resumes_bit_exact_after_kill_9(tmp_path):
     """`python -m zaya_jax.train` with a bf16 model and bf16 gradient reduction on 8 devices (data=8:
     the fp32 master split 8 ways): a run killed with SIGKILL after its first checkpoint and restarted
-    logs the uninterrupted run's losses and ends with its fp32 master, bit for bit."""
+    logs the uninterrupted run's losses and ends with its fp32 master, bit for bit; reshard moves
+    that checkpoint onto another mesh unchanged."""
     ref = tmp_path / "ref"
     run_train(ref, *BF16_ARGS, devices=8)
     killed = tmp_path / "killed"
@@ -188,6 +190,12 @@ def test_bf16_master_trains_and_resumes_bit_exact_after_kill_9(tmp_path):
     assert sa == sb == 8
     for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"]), strict=True):
         assert x.dtype == np.float32  # the checkpoint holds the fp32 master
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # resharded onto data=2 x expert=4 (the master split 2 ways, experts 4): the same fp32 state
+    resharded = tmp_path / "resharded"
+    reshard(str(killed / "checkpoints" / "8"), str(resharded), {"data": 2, "expert": 4})
+    (_, c), (_, d) = _final_params(killed), _final_params(resharded)
+    for x, y in zip(jax.tree.leaves(c), jax.tree.leaves(d), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
