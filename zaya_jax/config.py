@@ -24,7 +24,7 @@ from zaya_jax.optim.chain import default_optim_config
 from zaya_jax.optim.schedules import DECAY_SHAPES, SCHEDULE_NAMES
 from zaya_jax.parallel.context import CONTIGUOUS, LAYOUTS
 from zaya_jax.parallel.mesh import DEFAULT_SIZES, MESH_AXES, check_mesh_sizes
-from zaya_jax.parallel.zero1 import GRAD_REDUCE
+from zaya_jax.parallel.zero1 import GRAD_REDUCE, GRAD_REDUCE_DTYPES
 
 Section = ml_collections.ConfigDict
 
@@ -53,6 +53,7 @@ def base_config() -> ml_collections.ConfigDict:
             "seq_len": 256,
             "grad_accum": 1,
             "grad_reduce": "step",
+            "grad_reduce_dtype": "float32",
             "init_from": config_dict.placeholder(str),
             "allow_schedule_change": False,
             "batch_ramp": config_dict.placeholder(str),
@@ -156,6 +157,7 @@ _DTYPE = cli.OneOf("float32", "bfloat16")
 DECLARED_VALUES: dict[str, cli.FlagValue] = {
     "seed": cli.Int(min=0),
     "train.grad_reduce": cli.OneOf(*GRAD_REDUCE),
+    "train.grad_reduce_dtype": cli.OneOf(*GRAD_REDUCE_DTYPES),
     "mesh.context_layout": cli.OneOf(*LAYOUTS),
     "model.pad_token_id": cli.Int(min=0),
     "model.bos_token_id": cli.Int(min=0),

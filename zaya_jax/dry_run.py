@@ -119,19 +119,20 @@ def axis_rows(hlo: str, mesh: jax.sharding.Mesh) -> list[str]:
 def zero1_rows(hlo: str, step: CompiledStep) -> list[str]:
     """The data-parallel traffic against the formula of docs/architecture.md (zero1.step_bytes)."""
     once, looped = data_parallel_bytes(hlo, step.mesh)
-    formula = zero1.step_bytes(step.state.params, step.mesh, step.zero1, step.grad_accum, step.grad_reduce)
+    args = (step.state.params, step.mesh, step.zero1, step.grad_accum, step.grad_reduce)
+    dtypes = dict(compute_dtype=step.cfg.compute_dtype, grad_reduce_dtype=step.grad_reduce_dtype)
+    formula = zero1.step_bytes(*args, **dtypes)
+    wire = zero1.step_bytes(*args, **dtypes, wire=True)
     ratio = f" ({once / formula:.2f}x)" if formula else ""
     each = zero1.reduces_per_microbatch(step.grad_reduce, step.mesh)
-    what = (
-        f"reduce-scattered in each of the {step.grad_accum} microbatches (train.grad_reduce=microbatch) + "
-        "the updates all-gathered: 4 P (1 + A/n)"
-        if each
-        else "reduce-scattered into the ZeRO-1 shards + the updates all-gathered: 4 P (1 + 1/n)"
-    )
+    where = f"in each of the {step.grad_accum} microbatches" if each else "once into the ZeRO-1 shards"
+    master = zero1.shards_master(step.cfg.params_dtype, step.cfg.compute_dtype, step.zero1)
+    gathered = f"the {step.cfg.dtype} compute weights" if master else "the fp32 updates"
     return [
         (f"  data-parallel (spanning the data axis): outside the model {once / 2**20:.2f} MiB{ratio}, in the "
-        f"model {looped / 2**20:.2f} MiB; formula {formula / 2**20:.2f} MiB (fp32 gradients {what}, "
-        "P the parameters a device holds)")
+        f"model {looped / 2**20:.2f} MiB (result bytes); formula {formula / 2**20:.2f} MiB, "
+        f"{wire / 2**20:.2f} MiB on the wire (ring): {step.grad_reduce_dtype} gradients reduce-scattered "
+        f"{where}, {gathered} all-gathered (docs/design/zero1.md)")
     ]
 
 
@@ -285,6 +286,7 @@ class CompiledStep:
     zero1: bool = True  # mesh.zero1
     grad_accum: int = 1  # train.grad_accum
     grad_reduce: str = "step"  # train.grad_reduce
+    grad_reduce_dtype: str = "float32"  # train.grad_reduce_dtype
     xla_log: tuple[str, ...] = ()  # XLA's log records of the compile (`captured_xla_log`)
 
 
@@ -324,6 +326,7 @@ def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> Com
         c.mesh.zero1,
         c.train.grad_accum,
         c.train.grad_reduce,
+        c.train.grad_reduce_dtype,
         tuple(log),
     )
 

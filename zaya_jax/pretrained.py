@@ -91,7 +91,11 @@ def load_checkpoint_variables(path: str, mesh: Mesh | None = None):
             )
         c = config_lib.from_json(ck.restore_config(step))
         cfg = config_lib.model_config(c)
-        variables = ck.restore_params(step, abstract_train_state(c, cfg, mesh).variables)
+        # laid out as the model reads them (a train state may keep the params in ZeRO-1 shards)
+        abstract = abstract_train_state(c, cfg, mesh).variables
+        placed = variable_shardings(abstract, jax.tree.leaves(abstract)[0].sharding.mesh)
+        struct = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+        variables = ck.restore_params(step, jax.tree.map(struct, abstract, placed))
     finally:
         ck.close()
     return c, cfg, variables, step

@@ -105,11 +105,16 @@ def variable_shardings(variables: Any, mesh: Mesh) -> dict[str, Any]:
     }
 
 
-def state_shardings(state: TrainState, mesh: Mesh, zero1: bool = True) -> TrainState:
+def state_shardings(state: TrainState, mesh: Mesh, zero1: bool = True, master: bool = False) -> TrainState:
     """Where each part of the state lives: the variables as `variable_shardings`, optimizer state
-    like its params plus ZeRO-1 over `data`, the small rest replicated."""
+    like its params plus ZeRO-1 over `data`, the small rest replicated. `master`: the params are
+    the fp32 master weights, in the ZeRO-1 shard of their optimizer state (`zero1.shards_master`)."""
     replicated = NamedSharding(mesh, P())
     variables = variable_shardings(state.variables, mesh)
+    if master:
+        to_sharding = lambda spec: NamedSharding(mesh, spec)
+        specs = grad_specs(state.params, mesh, zero1)
+        variables["params"] = jax.tree.map(to_sharding, specs, is_leaf=lambda x: isinstance(x, P))
     return TrainState(
         step=replicated,
         params=variables["params"],
@@ -166,11 +171,13 @@ def accumulated_grads(
     grad_fn: Callable, params: Any, balancing: Any, micro: Batch, reduce: Callable | None = None
 ):
     """Sums over the microbatches (leading axis of `micro`) of grad_fn's loss sum, its StepAux and
-    gradients, in one lax.scan. The aux's zeros take grad_fn's own shapes (the spill flags have one
+    gradients, in one lax.scan; the gradients in fp32 whatever the dtype of `params` (compute
+    weights in model.dtype come out with gradients in it, each upcast before it is added). The aux's zeros take grad_fn's own shapes (the spill flags have one
     entry per device the model sees, fewer inside the per-rank loop of zaya_jax/parallel/zero1.py).
     `reduce`: applied to each microbatch's gradients before they are added (train.grad_reduce
     "microbatch": the reduce-scatter into this rank's ZeRO-1 shard, so the sum is only that shard)."""
-    each = reduce or (lambda grads: grads)
+    upcast = lambda grads: jax.tree.map(lambda g: g.astype(_accumulated(g.dtype)), grads)
+    each = (lambda grads: reduce(upcast(grads))) if reduce else upcast
 
     def accumulate(carry, mb):
         (loss_sum, aux), grads = grad_fn(params, balancing, mb)
@@ -184,13 +191,16 @@ def accumulated_grads(
     zeros_of = lambda shapes: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
     first = jax.tree.map(lambda x: x[0], micro)
     (_, aux_shapes), _ = jax.eval_shape(grad_fn, params, balancing, first)
-    if reduce is None:
-        zeros = jax.tree.map(jnp.zeros_like, params)
-    else:  # the shapes of a reduced microbatch's gradients: the rank's shard
-        zeros = zeros_of(jax.eval_shape(reduce, params))
+    # the shapes of a microbatch's gradients as added: the rank's shard where reduce-scattered
+    zeros = zeros_of(jax.eval_shape(each, params))
     init = (jnp.zeros(()), zeros_of(aux_shapes), zeros)
     out, _ = jax.lax.scan(accumulate, init, micro)
     return out
+
+
+def _accumulated(dtype: Any) -> Any:
+    """The dtype gradients of `dtype` are summed in: at least fp32."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def step_gradients(
@@ -199,6 +209,7 @@ def step_gradients(
     zero1: bool = True,
     grad_reduce: str = "step",
     context_layout: str = CONTIGUOUS,
+    grad_reduce_dtype: Any = jnp.float32,
 ) -> Callable:
     """grads(params, balancing, micro) -> (loss sum, (weight, counts, dropped, spills), gradients):
     sums over the whole global batch of `accumulated_grads`.
@@ -209,8 +220,9 @@ def step_gradients(
     data-parallel collective per microbatch); with "microbatch" each microbatch's gradients inside
     the loop, the sum kept as the rank's shard. The model runs inside on the data-manual mesh of
     `zero1.step_meshes`; microbatches come in the storage order of `context_layout` (`layout_batch`).
-    Where `zero1.loop_per_rank` says no (no data axis, or a mesh XLA cannot
-    partition so), GSPMD reduces the gradients as it computes them, whatever grad_reduce."""
+    `grad_reduce_dtype` (train.grad_reduce_dtype): the dtype they cross the data axis in.
+    Where `zero1.loop_per_rank` says no (no data axis, or a mesh XLA cannot partition so), GSPMD
+    reduces the gradients as it computes them, whatever grad_reduce and grad_reduce_dtype."""
     per_rank = mesh is not None and zero1_lib.loop_per_rank(mesh)
     model = ZayaForCausalLM(cfg, zero1_lib.step_meshes(mesh)[1] if per_rank else mesh, context_layout)
     grad_fn = jax.value_and_grad(lambda p, b, mb: loss_and_counts(model, p, b, mb), has_aux=True)
@@ -223,7 +235,7 @@ def step_gradients(
 
     def grads(params, balancing, micro):
         specs = grad_specs(params, mesh, zero1)
-        args = (loop, mesh, (params, balancing), micro, specs, grad_reduce)
+        args = (loop, mesh, (params, balancing), micro, specs, grad_reduce, grad_reduce_dtype)
         (loss_sum, aux), g = zero1_lib.accumulate_per_rank(*args)
         return loss_sum, aux, g
 
@@ -301,18 +313,26 @@ def make_train_step(
     zero1: bool = True,
     grad_reduce: str = "step",
     context_layout: str = CONTIGUOUS,
+    grad_reduce_dtype: Any = jnp.float32,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """Returns train_step(state, batch) -> (state, metrics); batch leaves are [B, S] (global),
     split into `grad_accum` microbatches (split_microbatches). `zero1`: the optimizer state is laid
     out by ZeRO-1 (state_shardings' zero1), so the gradients are reduce-scattered into it, once per
     step or every microbatch (`grad_reduce`, train.grad_reduce: step_gradients). `context_layout`
-    (mesh.context_layout): which sequence chunks each context rank holds (`layout_batch`)."""
-    gradients = step_gradients(cfg, mesh, zero1, grad_reduce, context_layout)
+    (mesh.context_layout): which sequence chunks each context rank holds (`layout_batch`).
+
+    The step computes with `zero1.compute_weights` of state.params: where the params are the fp32
+    master in the ZeRO-1 shard (`zero1.shards_master`: a model.dtype narrower than fp32), each
+    weight cast to its compute dtype and all-gathered once, before the microbatch loop; with an
+    fp32 model the params themselves."""
+    gradients = step_gradients(cfg, mesh, zero1, grad_reduce, context_layout, grad_reduce_dtype)
+    master = zero1_lib.shards_master(cfg.params_dtype, cfg.compute_dtype, zero1)
 
     def train_step(state: TrainState, batch: Batch):
         batch = layout_batch(batch, context_layout, mesh)
         micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum, mesh), batch)
-        loss_sum, aux, grads = gradients(state.params, state.balancing, micro)
+        params = zero1_lib.compute_weights(state.params, cfg.compute_dtype, mesh) if master else state.params
+        loss_sum, aux, grads = gradients(params, state.balancing, micro)
         weight, counts = aux.weight, aux.counts
         denom = jnp.maximum(weight, 1.0)
         loss = loss_sum / denom
@@ -396,11 +416,12 @@ class _StateLayout:
 def _state_layout(c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh) -> _StateLayout:
     """The optimizer and balancing of config `c`, its initial-state function and that state's
     shapes and shardings on `mesh` (traced with jax.eval_shape: nothing allocated)."""
-    tx = make_optimizer(c, c.train.steps, mesh_platform(mesh), mesh, c.mesh.zero1)
+    master = zero1_lib.shards_master(cfg.params_dtype, cfg.compute_dtype, c.mesh.zero1)
+    tx = make_optimizer(c, c.train.steps, mesh_platform(mesh), mesh, c.mesh.zero1, master)
     bal_cfg = balancing_config(c)
     create = lambda: create_train_state(cfg, tx, bal_cfg or bal.BalancingConfig(), jax.random.key(c.seed))
     shapes = jax.eval_shape(create)
-    shardings = state_shardings(shapes, mesh, zero1=c.mesh.zero1)
+    shardings = state_shardings(shapes, mesh, zero1=c.mesh.zero1, master=master)
     struct = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
     return _StateLayout(tx, bal_cfg, create, shardings, jax.tree.map(struct, shapes, shardings))
 
@@ -447,8 +468,9 @@ def check_batch_divides(c: ml_collections.ConfigDict, devices: int) -> None:
 
 def train_program(c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh) -> TrainProgram:
     """The train step of config `c` (model `cfg`, validated) on `mesh`: the optimizer, LR schedule
-    and balancing of the config, the state laid out by the sharding table (ZeRO-1 per mesh.zero1),
-    the gradients reduced per train.grad_reduce."""
+    and balancing of the config, the state laid out by the sharding table (ZeRO-1 per mesh.zero1;
+    the fp32 master params in the ZeRO-1 shard where model.dtype is narrower: `zero1.shards_master`),
+    the gradients reduced per train.grad_reduce in train.grad_reduce_dtype."""
     layout = _state_layout(c, cfg, mesh)
     schedule = lr_schedule(c, total_steps=c.train.steps)
     train = c.train
@@ -462,9 +484,17 @@ def train_program(c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh) -> 
         c.mesh.zero1,
         train.grad_reduce,
         c.mesh.context_layout,
+        jnp.dtype(train.grad_reduce_dtype),
     )
     shardings = layout.shardings
-    jitted = jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
+    options = zero1_lib.compiler_options(train.grad_reduce_dtype, mesh_platform(mesh))
+    jitted = jax.jit(
+        step,
+        in_shardings=(shardings, None),
+        out_shardings=(shardings, None),
+        donate_argnums=0,
+        compiler_options=options or None,
+    )
     return TrainProgram(mesh, layout.create, shardings, jitted, layout.abstract)
 
 

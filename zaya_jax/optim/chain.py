@@ -156,10 +156,12 @@ def _orthogonalize_fn(ns_impl: str, platform: str | None):
     return functools.partial(orthogonalize, per_slice=choice == "xla per slice")
 
 
-def owned_placement(mesh: Mesh, zero1: bool = True):
+def owned_placement(mesh: Mesh, zero1: bool = True, sharded_params: bool = False):
     """Muon's placement on `mesh`: each matrix orthogonalised by the rank that owns it, the results
     all-gathered like the parameters (zaya_jax/parallel/zero1.py `owned_orthogonalize`); the
-    momentum laid out by ZeRO-1 (`zero1`, as state_shardings lays it out) or like its parameter."""
+    momentum laid out by ZeRO-1 (`zero1`, as state_shardings lays it out) or like its parameter.
+    `sharded_params`: the parameters are the fp32 master in the ZeRO-1 shard (`zero1.shards_master`),
+    and the results stay in that shard."""
     from zaya_jax.parallel.sharding import spec_for, zero1_param_spec
     from zaya_jax.parallel.zero1 import owned_orthogonalize
 
@@ -167,7 +169,7 @@ def owned_placement(mesh: Mesh, zero1: bool = True):
         shape = tuple(x.shape)
         spec = spec_for(path, shape, mesh)
         stored = zero1_param_spec(path, shape, mesh) if zero1 else spec
-        return owned_orthogonalize(ns, x, stored, spec, mesh)
+        return owned_orthogonalize(ns, x, stored, stored if sharded_params else spec, mesh)
 
     return place
 
@@ -218,7 +220,12 @@ def adamw(cfg: Any, schedule: optax.Schedule) -> optax.GradientTransformation:
 
 
 def make_optimizer(
-    cfg: Any, total_steps: int, platform: str | None = None, mesh: Mesh | None = None, zero1: bool = True
+    cfg: Any,
+    total_steps: int,
+    platform: str | None = None,
+    mesh: Mesh | None = None,
+    zero1: bool = True,
+    sharded_params: bool = False,
 ) -> optax.GradientTransformation:
     """Build the optimizer described in the module docstring.
 
@@ -232,11 +239,14 @@ def make_optimizer(
         owns it (distributed Muon, zaya_jax/parallel/zero1.py). None: wherever XLA puts it (the
         same updates).
       zero1: whether the optimizer state is laid out by ZeRO-1 on `mesh` (mesh.zero1).
+      sharded_params: whether the parameters are the fp32 master in the ZeRO-1 shard
+        (zaya_jax/parallel/zero1.py `shards_master`): Muon's results are not gathered then.
     """
     oc = _optim_section(cfg)
     schedule = lr_schedule(oc, total_steps)
     mc = oc.muon
     consistent_rms = mc.consistent_rms
+    placement = None if mesh is None or mesh.size == 1 else owned_placement(mesh, zero1, sharded_params)
     return optax.chain(
         gradient_clipping(oc),
         optax.multi_transform(
@@ -255,7 +265,7 @@ def make_optimizer(
                     weight_decay=mc.weight_decay,
                     weight_decay_mask=weight_decay_mask,
                     orthogonalize_fn=_orthogonalize_fn(getattr(mc, "ns_impl", "xla"), platform),
-                    placement=None if mesh is None or mesh.size == 1 else owned_placement(mesh, zero1),
+                    placement=placement,
                 ),
                 ADAMW: adamw(oc, schedule),
             },

@@ -20,12 +20,19 @@ from jax.sharding import PartitionSpec as P
 
 from zaya_jax.parallel.mesh import MESH_AXES
 from zaya_jax.parallel.sharding import grad_specs, param_shardings
+from zaya_jax.params import ATTENTION_MATRIX, CONV, EXPERT_MATRIX, LM_HEAD, lookup, param_path
 
 DATA = "data"
 REPLICA = "replica"  # the data axis, renamed and manual, around the microbatch loop
 # train.grad_reduce: the per-rank gradient sum reduced once per optimizer step (ZeRO-1), or every
 # microbatch's gradients reduce-scattered and only the rank's shard summed (ZeRO-2).
 GRAD_REDUCE = ("step", "microbatch")
+# train.grad_reduce_dtype: the dtype the gradients cross the data axis in (summed in fp32 locally).
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
+# The registry's weights the model casts to its compute dtype (model.dtype) before every use: a
+# copy in that dtype computes the same values. The others (embedding lookup, router, norms, scales,
+# biases) are read in fp32 and keep fp32 compute weights.
+COMPUTE_DTYPE_RULES = (ATTENTION_MATRIX, EXPERT_MATRIX, LM_HEAD, CONV)
 
 
 def step_meshes(mesh: Mesh) -> tuple[Mesh, Mesh]:
@@ -61,6 +68,46 @@ def reduces_per_microbatch(grad_reduce: str, mesh: Mesh | Mapping[str, int]) -> 
     return grad_reduce == "microbatch" and loop_per_rank(mesh)
 
 
+def shards_master(param_dtype: Any, compute_dtype: Any, zero1: bool = True) -> bool:
+    """Whether the parameters of the train state are fp32 master weights kept in the ZeRO-1 shard
+    (like the optimizer state), the step computing with a copy in the model's compute dtype
+    (`compute_weights`): with mesh.zero1 on and a compute dtype narrower than the parameters'. With
+    an fp32 model the compute weights are the parameters: replicated, no second copy."""
+    return zero1 and jnp.dtype(compute_dtype).itemsize < jnp.dtype(param_dtype).itemsize
+
+
+def compute_dtypes(params: Any, dtype: Any) -> Any:
+    """A tree like `params` of the dtype each weight is computed with: `dtype` (model.dtype) for the
+    weights of COMPUTE_DTYPE_RULES, the parameter's own for the rest."""
+
+    def one(kp, x):
+        param = lookup(param_path(kp), len(x.shape))
+        cast = param is not None and param.optimizer in COMPUTE_DTYPE_RULES
+        return jnp.dtype(dtype) if cast else jnp.dtype(x.dtype)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def compute_weights(master: Any, dtype: Any, mesh: Mesh | None) -> Any:
+    """The weights every device computes with, from the master `master` (the ZeRO-1 shards): each
+    cast to its compute dtype (`compute_dtypes`) on its shard, then all-gathered over the data axis
+    into the parameter layout (`param_shardings`): once per optimizer step, in the compute dtype."""
+    weights = jax.tree.map(lambda x, dt: x.astype(dt), master, compute_dtypes(master, dtype))
+    if mesh is None:
+        return weights
+    return jax.lax.with_sharding_constraint(weights, param_shardings(weights, mesh))
+
+
+def compiler_options(grad_reduce_dtype: Any, platform: str) -> dict[str, str]:
+    """XLA options the train step needs: on CPU with gradients reduced in bf16, XLA's all-reduce
+    promotion pass left out. It widens bf16 collectives to fp32 and aborts (jax 0.10.2) on those of
+    a partly manual shard_map, whose reduction computation ends in a sharding annotation (a copy);
+    XLA:CPU's collectives sum bf16 without it."""
+    if platform == "cpu" and jnp.dtype(grad_reduce_dtype) != jnp.float32:
+        return {"xla_disable_hlo_passes": "all-reduce-promotion"}
+    return {}
+
+
 def data_dim(spec: P) -> int | None:
     """The dimension a ZeRO-1 spec splits over the data axis (None: not split over it)."""
     for dim, axes in enumerate(spec):
@@ -76,15 +123,19 @@ def manual_part(spec: P) -> P:
     return P(*(REPLICA if d == dim else None for d in range(len(spec))))
 
 
-def reduce_per_rank(grads: Any, dims: Any) -> Any:
+def reduce_per_rank(grads: Any, dims: Any, dtype: Any = jnp.float32) -> Any:
     """Inside the loop's shard_map: each rank's summed gradients -> the sum over ranks, reduce-scattered
     over REPLICA along `dims` (a tree like `grads` of ints, or None where a leaf stays whole:
-    all-reduced). One collective per leaf per optimizer step."""
+    all-reduced). One collective per leaf per optimizer step, in `dtype` (train.grad_reduce_dtype;
+    the result back in the gradient's dtype)."""
 
     def one(g, dim):
+        x = g.astype(dtype)
         if dim is None:
-            return jax.lax.psum(g, REPLICA)
-        return jax.lax.psum_scatter(g, REPLICA, scatter_dimension=dim, tiled=True)
+            out = jax.lax.psum(x, REPLICA)
+        else:
+            out = jax.lax.psum_scatter(x, REPLICA, scatter_dimension=dim, tiled=True)
+        return out.astype(g.dtype)
 
     return jax.tree.map(one, grads, dims, is_leaf=lambda x: x is None)
 
@@ -96,6 +147,7 @@ def accumulate_per_rank(
     batch: Any,
     grad_specs: Any,
     grad_reduce: str = "step",
+    grad_reduce_dtype: Any = jnp.float32,
 ) -> tuple[Any, Any]:
     """Runs `loop(*replicated, batch, reduce)` -> (sums, grads) per data rank and reduces the
     gradients into the ZeRO-1 shards: once after the loop (grad_reduce "step": `reduce` is None),
@@ -105,10 +157,11 @@ def accumulate_per_rank(
     replicated: the arguments every data rank holds whole (params, balancing biases); batch: leaves
     [A, B, ...] with rows B split over the data axis (and any other); grad_specs: the ZeRO-1 spec of
     each gradient leaf on `mesh` (`sharding.zero1_spec`). Returns (sums over every rank: psum, the
-    gradients summed over the ranks and laid out by grad_specs)."""
+    gradients summed over the ranks and laid out by grad_specs). grad_reduce_dtype: the dtype they
+    cross the data axis in (train.grad_reduce_dtype)."""
     outer, _ = step_meshes(mesh)
     dims = jax.tree.map(data_dim, grad_specs, is_leaf=lambda x: isinstance(x, P))
-    reduce = lambda grads: reduce_per_rank(grads, dims)
+    reduce = lambda grads: reduce_per_rank(grads, dims, grad_reduce_dtype)
     each = reduces_per_microbatch(grad_reduce, mesh)
 
     def body(*args):
@@ -129,26 +182,47 @@ def accumulate_per_rank(
 
 
 def step_bytes(
-    params: Any, mesh: Mesh, zero1: bool = True, grad_accum: int = 1, grad_reduce: str = "step"
+    params: Any,
+    mesh: Mesh,
+    zero1: bool = True,
+    grad_accum: int = 1,
+    grad_reduce: str = "step",
+    compute_dtype: Any = None,
+    grad_reduce_dtype: Any = jnp.float32,
+    wire: bool = False,
 ) -> int:
-    """The data-parallel traffic of one optimizer step by the formula of docs/architecture.md
-    ("Data parallelism and ZeRO-1"), in collective result bytes per device: for each gradient leaf
-    of b bytes on a device (its share after the parameter's own expert / fsdp split) and n data
-    ranks, b / n reduce-scattered plus b all-gathered (the update) where ZeRO-1 splits it, b
-    all-reduced where it does not; the reduction `grad_accum` times where grad_reduce "microbatch"
-    reduces every microbatch (`reduces_per_microbatch`): 4 P (1 + A / n) for fp32 parameters.
-    `params`: arrays or ShapeDtypeStructs."""
+    """The data-parallel traffic of one optimizer step per device by the formula of
+    docs/design/zero1.md ("Bytes on the wire"): for each gradient leaf of e elements on a device (its
+    share after the parameter's own expert / fsdp split), n data ranks, g = e x the size of
+    `grad_reduce_dtype` and w = e x the size of the weight gathered (its compute dtype,
+    `compute_dtypes`, where `shards_master(.., compute_dtype, zero1)`; else the parameter's: the
+    fp32 update), where ZeRO-1 splits it:
+      result bytes (`wire` False): A g / n reduce-scattered + w all-gathered
+      bytes on the wire (ring):    (n - 1) / n (A g + w)
+    and where it does not, A g all-reduced (on the wire 2 (n - 1) / n A g); A = `grad_accum` where
+    grad_reduce "microbatch" reduces every microbatch (`reduces_per_microbatch`), else 1. With fp32
+    parameters, gradients and weights: 4 P (1 + A / n) result bytes, 8 P (n - 1) / n on the wire;
+    with bf16 compute weights 6 P (n - 1) / n, and 4 P (n - 1) / n with bf16 gradients too.
+    `params`: arrays or ShapeDtypeStructs (the fp32 parameters)."""
     n = mesh.shape[DATA]
     if n == 1:
         return 0
     times = grad_accum if reduces_per_microbatch(grad_reduce, mesh) else 1
-    total = 0
+    master = compute_dtype is not None and zero1
+    dtypes = compute_dtypes(params, compute_dtype) if master else jax.tree.map(lambda x: x.dtype, params)
+    size = lambda dt: jnp.dtype(dt).itemsize
+    total = 0.0
     specs = jax.tree.leaves(grad_specs(params, mesh, zero1), is_leaf=lambda x: isinstance(x, P))
     shardings = jax.tree.leaves(param_shardings(params, mesh))
-    for x, spec, sharding in zip(jax.tree.leaves(params), specs, shardings):
-        local = math.prod(sharding.shard_shape(tuple(x.shape))) * jnp.dtype(x.dtype).itemsize
-        total += times * (local // n) + local if data_dim(spec) is not None else times * local
-    return total
+    leaves = zip(jax.tree.leaves(params), specs, shardings, jax.tree.leaves(dtypes))
+    for x, spec, sharding, dtype in leaves:
+        e = math.prod(sharding.shard_shape(tuple(x.shape)))
+        g, w = e * size(grad_reduce_dtype), e * size(dtype if master else x.dtype)
+        if data_dim(spec) is None:
+            total += times * g * (2 * (n - 1) / n if wire else 1)
+        else:
+            total += (n - 1) / n * (times * g + w) if wire else times * (g // n) + w
+    return int(total)
 
 
 # ------------------------------------------------------------------------------ owned Newton-Schulz
@@ -246,7 +320,8 @@ def owned_orthogonalize(
     """fn (Newton-Schulz: batched over leading axes, one result per [m, n] matrix) of x [*stack, m,
     n] stored as `stored` (its ZeRO-1 spec), each matrix computed once, by the rank that owns it
     (`owner_plan`), and the result all-gathered into the parameter's layout `spec`: whole on every
-    rank of the data axis. Zero matrices pad the stack to a multiple of the owners (Newton-Schulz of
+    rank of the data axis, or, where `spec` splits it over the data axis too (the fp32 master in
+    the ZeRO-1 shard: `shards_master`), in that shard. Zero matrices pad the stack to a multiple of the owners (Newton-Schulz of
     0 is 0: it is normalised by 0 + eps); they are dropped before the gather (`_gather_dims`)."""
     shape = tuple(x.shape)
     plan = owner_plan(shape, stored, mesh)
@@ -285,11 +360,12 @@ def owned_orthogonalize(
                 continue
             y = jax.lax.all_to_all(gather_flat(y), axis, dim + shift, 0, tiled=True)
             pending += [] if axis in keep else [(axis, dim)]
-        if padded == count and plan.aligned:  # nothing padded: one gather over every axis
+        gather_data = plan.aligned and DATA not in keep  # `spec` keeps the data split: no gather
+        if padded == count and gather_data:  # nothing padded: one gather over every axis
             y = gather_flat(y, outer=(DATA,))
         else:
             y = gather_flat(y)[:count]
-            y = jax.lax.all_gather(y, DATA, axis=0, tiled=True) if plan.aligned else y
+            y = jax.lax.all_gather(y, DATA, axis=0, tiled=True) if gather_data else y
         for axis, dim in [(a, d) for a, d in plan.kept if a not in keep] + pending[::-1]:
             y = jax.lax.all_gather(y, axis, axis=dim + shift, tiled=True)
         return y.reshape(out_shape)
