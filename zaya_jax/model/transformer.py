@@ -138,7 +138,11 @@ class ZayaBlock(nn.Module):
             if padding_mask_bs is None
             else padding_mask_bs.astype(jnp.float32)
         )
-        counts = jnp.zeros((cfg.num_router_classes,), jnp.float32).at[routing.expert_bs].add(token_weight)
+        # A masked sum, not a scatter-add: XLA all-gathers a scatter's updates split over the context
+        # axis, and a sum of 0/1 weights is exact in any order (below 2^24 tokens).
+        classes = jnp.arange(cfg.num_router_classes, dtype=routing.expert_bs.dtype)
+        hit = routing.expert_bs[..., None] == classes
+        counts = jnp.sum(jnp.where(hit, token_weight[..., None], 0.0), axis=tuple(range(hit.ndim - 1)))
         # A scalar per block, not the [B, S] entropies: only this sum leaves the scan (telemetry).
         # stop_gradient: no tangent of entr at p = 0 (-log 0) can reach the gradients as 0 * inf.
         entropy = jnp.sum(jnp.sum(entr(jax.lax.stop_gradient(routing.probs_bse)), axis=-1) * token_weight)
