@@ -6,7 +6,8 @@ The step is the one the trainer jits (`train_state.train_program`), traced from 
 compiled for N simulated CPU devices or N deviceless GPUs (`mi300x`, `h100`, or a GpuTargetConfig
 file: zaya_jax/gpu_target.py). It prints memory per device (against sizing and the device, or this machine's RAM for the CPU
 target), the
-largest microbatch that fits (--dry_run_fit; if none, the first layout that does), the collectives with their bytes, Muon's
+remat policy with the least recompute that fits and the largest microbatch that fits with it
+(--dry_run_fit; if none, the first layout that does), the collectives with their bytes, Muon's
 Newton-Schulz FLOPs, the compiled kernels and dot FLOPs and the predicted step time (GPU targets:
 zaya_jax/timeline.py) and compile times; nothing is written to disk but --dry_run_json's report.
 What each table means: docs/guides/dry-run.md.
