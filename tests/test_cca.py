@@ -144,11 +144,12 @@ def test_incremental_state_equals_full_sequence():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+@pytest.mark.parametrize("per_tap", [False, True])
 @pytest.mark.parametrize("taps", [2, 3])
-def test_grouped_conv_values_and_gradients_equal_per_group_loop(taps):
-    """grouped_conv (XLA convolution forward, hand-written backward) equals a float64 loop over
-    groups and taps, y[t] = sum_i x[t+i] w[i] per group, and its gradients equal the loop's
-    finite differences."""
+def test_grouped_conv_values_and_gradients_equal_per_group_loop(taps, per_tap):
+    """grouped_conv (XLA convolution forward or one product per tap, hand-written backward) equals
+    a float64 loop over groups and taps, y[t] = sum_i x[t+i] w[i] per group, and its gradients
+    equal the loop's finite differences."""
     n, t, groups, h = 2, 9, 3, 4
     kx, kw, kd, kp = jax.random.split(jax.random.key(5), 4)
     x = jax.random.normal(kx, (n, t, groups * h))
@@ -164,7 +165,7 @@ def test_grouped_conv_values_and_gradients_equal_per_group_loop(taps):
                 y[:, :, cols] += x[:, i : i + t - taps + 1, cols] @ w[i][:, cols]
         return y
 
-    y, vjp = jax.vjp(lambda x, w: grouped_conv(x, w, groups), x, w)
+    y, vjp = jax.vjp(lambda x, w: grouped_conv(x, w, groups, per_tap), x, w)
     np.testing.assert_allclose(y, loop(x, w), rtol=0, atol=1e-5)
     dx, dw = vjp(dy)
     px, pw = (jax.random.normal(k, a.shape) for k, a in zip(jax.random.split(kp), (x, w)))

@@ -172,6 +172,7 @@ def test_cli_gpu_target_file_that_does_not_fit(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "8 x NVIDIA H100 80GB HBM3 (CUDA, sm_90; deviceless" in out
     assert "DOES NOT FIT" in out and "Largest microbatch that fits: none" in out
+    assert "Least recompute that fits at 1 sequences per device (train.grad_accum=1): none" in out
     for part in ("Collectives per device", "Compiled work per device", "zaya_gmm", "useful share", "cubin"):
         assert part in out, out
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

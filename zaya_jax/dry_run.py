@@ -6,7 +6,8 @@ The step is the one the trainer jits (`train_state.train_program`), traced from 
 compiled for N simulated CPU devices or N deviceless GPUs (`mi300x`, `h100`, or a GpuTargetConfig
 file: zaya_jax/gpu_target.py). It prints memory per device (against sizing and the device, or this machine's RAM for the CPU
 target), the
-largest microbatch that fits (--dry_run_fit; if none, the first layout that does), the collectives with their bytes, Muon's
+remat policy with the least recompute that fits and the largest microbatch that fits with it
+(--dry_run_fit; if none, the first layout that does), the collectives with their bytes, Muon's
 Newton-Schulz FLOPs, the compiled kernels and dot FLOPs and the predicted step time (GPU targets:
 zaya_jax/timeline.py) and compile times; nothing is written to disk but --dry_run_json's report.
 What each table means: docs/guides/dry-run.md.
@@ -728,13 +729,99 @@ def fit_rows(tries: list[FitTry]) -> list[str]:
 def fit_report(
     c, devices: list, gpu: gpu_target.GpuTarget, done: CompiledStep | None = None, own_error: str = ""
 ) -> list[str]:
-    """--dry_run_fit's section: the largest microbatch that fits (`fit_search`) and, when not even
-    one sequence per device does, the layouts that lower the memory per device, tried in turn
-    (`layout_search`) until one fits."""
+    """--dry_run_fit's section: the remat policy with the least recompute that fits at the config's
+    microbatch (`remat_search`), then the largest microbatch that fits with it (`fit_search`; with
+    full remat when none fits) and, when not even one sequence per device does, the layouts that
+    lower the memory per device, tried in turn (`layout_search`) until one fits."""
+    remats = remat_search(c, devices, gpu, done, own_error)
+    out = [*remat_rows(remats, c, len(devices)), ""]
+    chosen = next((t for t in remats if t.fits), remats[-1])
+    if chosen.remat != c.model.remat:
+        c, done, own_error = with_remat(c, chosen.remat), chosen.step, chosen.note
     tries = fit_search(c, devices, gpu, done, own_error)
-    out = fit_rows(tries)
+    out += fit_rows(tries)
     if not any(t.fits for t in tries):
         out += ["", *layout_rows(layout_search(c, devices, gpu), c, len(devices))]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RematTry:
+    """One compile of the remat search: the policy (model.remat), the bytes per device it needs and
+    its compiled model dot FLOPs per step (None when XLA did not compile it, `note` says why), and
+    the compiled step (reused by the microbatch search)."""
+
+    remat: str
+    total: int | None
+    fits: bool
+    flops: float | None = None
+    note: str = ""
+    step: CompiledStep | None = dataclasses.field(default=None, compare=False, repr=False)
+
+
+def with_remat(c: ml_collections.ConfigDict, remat: str) -> ml_collections.ConfigDict:
+    """A copy of `c` with model.remat = `remat`."""
+    out = c.copy_and_resolve_references()
+    out.model.remat = remat
+    return out
+
+
+def sizing_flops(c: ml_collections.ConfigDict, devices: int) -> float:
+    """The model's dot FLOPs per device per step without remat (sizing.flops_per_token x tokens)."""
+    tokens = c.train.batch_size * c.train.seq_len / devices
+    return sizing.flops_per_token(config_lib.model_config(c), c.train.seq_len) * tokens
+
+
+def remat_search(
+    c, devices: list, gpu: gpu_target.GpuTarget, done: CompiledStep | None = None, own_error: str = ""
+) -> list[RematTry]:
+    """The remat policies (sizing.REMAT_CHOICES: least recompute first) compiled in turn at the
+    config's microbatch, up to the first whose compiled step fits the device: the memory is XLA's
+    for the step as compiled (arguments + outputs - alias + temporaries), so whatever lowers it is
+    counted. `done`, the config's own step, is reused (`own_error`: XLA refused it); a compile XLA
+    refuses counts as not fitting."""
+    tries: list[RematTry] = []
+    for remat in sizing.REMAT_CHOICES:
+        own = remat == c.model.remat
+        if own and own_error:
+            tries.append(RematTry(remat, None, False, note=own_error[:120]))
+            continue
+        try:
+            step = done if own and done is not None else compile_step(with_remat(c, remat), devices)
+        except Exception as e:
+            over = remat_shortfall(getattr(e, "xla_log", ()))
+            note = "over XLA's limit" if over else str(e).strip().splitlines()[0][:120]
+            tries.append(RematTry(remat, over[1] if over else None, False, note=note))
+            continue
+        total = memory_total(step.compiled.memory_analysis())
+        flops = flops_per_step(hlo_lib.work(step.compiled.as_text()), is_model) or None
+        tries.append(RematTry(remat, total, total <= gpu.memory_bytes, flops, step=step))
+        if tries[-1].fits:
+            break
+    return tries
+
+
+def remat_rows(tries: list[RematTry], c: ml_collections.ConfigDict, devices: int) -> list[str]:
+    micro = sizing.config_micro_batch(c, devices)
+    best = [t for t in tries if t.fits]
+    at = f"{micro} sequences per device (train.grad_accum={c.train.grad_accum})"
+    chosen = f"--config.model.remat={best[0].remat}" if best else "none"
+    head = f"Least recompute that fits at {at}: {chosen}"
+    none = next((t.flops for t in tries if t.remat == "none" and t.flops), None)
+    model = sizing_flops(c, devices)
+    ratio = lambda a, b: f"{a / b:>12.2f}x" if a and b else f"{'-':>13}"
+    columns = f"{'GiB/device':>12}{'FLOP/step':>12}{'x none':>13}{'x model':>13}"
+    out = [head, f"  {'model.remat':<16}{columns}   verdict"]
+    for t in tries:
+        gib = f"{t.total / sizing.GIB:>12.2f}" if t.total is not None else f"{'-':>12}"
+        flops = f"{_flops(t.flops):>12}" if t.flops else f"{'-':>12}"
+        failed = f"did not compile: {t.note}"
+        verdict = "fits" if t.fits else ("does not fit" if t.total is not None else failed)
+        out.append(f"  {t.remat:<16}{gib}{flops}{ratio(t.flops, none)}{ratio(t.flops, model)}   {verdict}")
+    out.append(
+        "  (FLOP/step: the compiled model dot FLOPs per device; x none: over remat none's compiled; "
+        "x model: over sizing's model FLOPs without remat)"
+    )
     return out
 
 

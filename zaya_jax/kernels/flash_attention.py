@@ -17,6 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -354,6 +355,10 @@ def _bwd_calls(cfg: _Cfg, q, k, v, qseg, kseg, kmask, window, offset, do, lse, d
     return dq, dk, dv
 
 
+# The residuals of the forward a remat policy can keep by name (jax.ad_checkpoint.checkpoint_name).
+FLASH_OUT, FLASH_LSE = "flash_attention_out", "flash_attention_lse"
+
+
 # ------------------------------------------------------------------------------------ custom_vjp
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(cfg: _Cfg, q, k, v, qseg, kseg, kmask, window, offset):
@@ -364,6 +369,9 @@ def _flash(cfg: _Cfg, q, k, v, qseg, kseg, kmask, window, offset):
 def _flash_fwd(cfg: _Cfg, q, k, v, qseg, kseg, kmask, window, offset):
     o, lse = _fwd_call(cfg, q, k, v, qseg, kseg, kmask, window, offset)
     o = _fix_dead_rows(cfg, o, lse, v)
+    # Named: a remat policy that keeps them (model.remat="matmuls") skips the forward kernel in the
+    # backward; the inputs q, k, v are recomputed from the kept projections.
+    o, lse = checkpoint_name(o, FLASH_OUT), checkpoint_name(lse, FLASH_LSE)
     return o, (q, k, v, qseg, kseg, kmask, window, offset, o, lse)
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -287,6 +288,10 @@ def tgmm(
     )(starts, sizes, lhs, dout)
 
 
+# The output a remat policy can keep by name (jax.ad_checkpoint.checkpoint_name).
+GMM_OUT = "grouped_matmul_out"
+
+
 # ------------------------------------------------------------------------------------ custom_vjp
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _gmm(lhs, rhs, group_sizes, opts):
@@ -307,7 +312,9 @@ def _gmm(lhs, rhs, group_sizes, opts):
 
 
 def _gmm_fwd(lhs, rhs, group_sizes, opts):
-    return _gmm(lhs, rhs, group_sizes, opts), (lhs, rhs, group_sizes)
+    # Named: a remat policy that keeps it (model.remat="matmuls") recomputes no grouped matmul in the
+    # backward (the SwiGLU's second input is elementwise work on the first's output).
+    return checkpoint_name(_gmm(lhs, rhs, group_sizes, opts), GMM_OUT), (lhs, rhs, group_sizes)
 
 
 def _gmm_bwd(opts, res, dout):

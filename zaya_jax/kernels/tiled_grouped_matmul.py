@@ -14,8 +14,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from zaya_jax.kernels.grouped_matmul import _compute_dtype, group_offsets
+from zaya_jax.kernels.grouped_matmul import GMM_OUT, _compute_dtype, group_offsets
 
 
 def pick_tile(t: int, g: int) -> int:
@@ -218,6 +219,8 @@ def _swiglu(x_td, gu_gdf, dn_gfd, starts_g, sizes_g, tm, act):
 
 def _swiglu_fwd(x_td, gu_gdf, dn_gfd, starts_g, sizes_g, tm, act):
     y, h = _swiglu_loop(x_td, gu_gdf, dn_gfd, starts_g, sizes_g, tm, act, True)
+    # Both projections' outputs, named as the Pallas kernel's (grouped_matmul.GMM_OUT).
+    y, h = checkpoint_name(y, GMM_OUT), checkpoint_name(h, GMM_OUT)
     return y, (x_td, gu_gdf, dn_gfd, starts_g, sizes_g, h)
 
 

@@ -156,8 +156,10 @@ def _products_bwd(res, cts):
     x_bsd, kernels = res
     dy = jnp.concatenate(cts, axis=-1)
     dx = jnp.dot(dy, jnp.concatenate(kernels, axis=1).T)
-    d = x_bsd.shape[-1]
-    dk = jnp.dot(x_bsd.reshape(-1, d).T, dy.reshape(-1, dy.shape[-1]))
+    # Contracted over the leading axes as they are: flattening [B, S] first would make XLA's SPMD
+    # partitioner all-gather a sequence split over the context axis.
+    lead = tuple(range(x_bsd.ndim - 1))
+    dk = jax.lax.dot_general(x_bsd, dy, ((lead, lead), ((), ())))
     cuts = np.cumsum([k.shape[1] for k in kernels])[:-1].tolist()
     return dx.astype(x_bsd.dtype), tuple(jnp.split(dk, cuts, axis=-1))
 
@@ -165,8 +167,12 @@ def _products_bwd(res, cts):
 _products.defvjp(_products_fwd, _products_bwd)
 
 
-def _grouped_conv_btc(x_btc: jax.Array, w_kic: jax.Array, groups: int, pad: int) -> jax.Array:
-    """XLA's grouped convolution over time, fp32 out: x [B, T, C], w [k, C/groups, C] (WIO)."""
+def _grouped_conv_btc(x_btc: jax.Array, w_kic: jax.Array, groups: int, pad: int, taps: bool) -> jax.Array:
+    """Grouped cross-correlation over time, fp32 out: x [..., T, C], w [k, C/groups, C] (WIO),
+    `pad` zero rows on both sides of T. `taps`: one product per tap (`_grouped_taps`), else XLA's
+    grouped convolution (one batch axis)."""
+    if taps:
+        return _grouped_taps(x_btc, w_kic, groups, pad)
     return jax.lax.conv_general_dilated(
         x_btc,
         w_kic,
@@ -178,37 +184,60 @@ def _grouped_conv_btc(x_btc: jax.Array, w_kic: jax.Array, groups: int, pad: int)
     )
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def grouped_conv(x_btc: jax.Array, w_kic: jax.Array, groups: int) -> jax.Array:
-    """Grouped 'valid' cross-correlation [B, T, C] -> [B, T-k+1, C] (fp32), one group per head.
+def _grouped_taps(x_btc: jax.Array, w_kic: jax.Array, groups: int, pad: int) -> jax.Array:
+    """sum_i x[..., t + i, g, :] @ w[i][:, g, :] per group g: the grouped convolution as k batched
+    products (groups the batch axis, every leading axis of x a free one). XLA's SPMD partitioner
+    all-gathers a grouped convolution's batch when it is split over an automatic mesh axis (the
+    context axis' chunks); these products it keeps split."""
+    k, h, c = w_kic.shape
+    if pad:
+        x_btc = jnp.pad(x_btc, [(0, 0)] * (x_btc.ndim - 2) + [(pad, pad), (0, 0)])
+    *lead, t, _ = x_btc.shape
+    t_out = t - k + 1
+    x_tgi = x_btc.reshape(*lead, t, groups, h)
+    w_kigo = w_kic.reshape(k, h, groups, c // groups)
+    tap = lambda i: jnp.einsum(
+        "...tgi,igo->...tgo", x_tgi[..., i : i + t_out, :, :], w_kigo[i], preferred_element_type=jnp.float32
+    )
+    y = sum(tap(i) for i in range(k))
+    return y.reshape(*lead, t_out, c)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def grouped_conv(x_btc: jax.Array, w_kic: jax.Array, groups: int, taps: bool = False) -> jax.Array:
+    """Grouped 'valid' cross-correlation [..., T, C] -> [..., T-k+1, C] (fp32), one group per head;
+    one leading axis unless `taps` (`_grouped_taps`, any leading axes).
 
     On XLA:CPU the grouped convolution is faster forward than one einsum per tap, but
     autodiff's backward of it is slow (fwd+bwd slower than the einsums). So the backward is
     written out: the input gradient is again a convolution (padded, with the kernel flipped in
     time and each group's block transposed), the weight gradient one matmul per tap."""
-    return _grouped_conv_btc(x_btc, w_kic, groups, 0)
+    return _grouped_conv_btc(x_btc, w_kic, groups, 0, taps)
 
 
-def _grouped_conv_fwd(x_btc, w_kic, groups):
-    return _grouped_conv_btc(x_btc, w_kic, groups, 0), (x_btc, w_kic)
+def _grouped_conv_fwd(x_btc, w_kic, groups, taps):
+    return _grouped_conv_btc(x_btc, w_kic, groups, 0, taps), (x_btc, w_kic)
 
 
-def _grouped_conv_bwd(groups, res, dy_btc):
+def _grouped_conv_bwd(groups, taps, res, dy_btc):
     x_btc, w_kic = res
     k, h, c = w_kic.shape
-    b, t, _ = x_btc.shape
+    *lead, t, _ = x_btc.shape
     t_out = t - k + 1
     # dx[t] = sum_i dy[t - i] w[i]^T per group: a full convolution with the kernel flipped in time
     # and each group's [in, out] block transposed.
     w_flip = w_kic.reshape(k, h, groups, h)[::-1].transpose(0, 3, 2, 1).reshape(k, h, c)
-    dx = _grouped_conv_btc(dy_btc.astype(x_btc.dtype), w_flip, groups, k - 1)
-    # dw[i] = sum over (b, t) of x[t + i]^T dy[t] per group.
-    x_btgi = x_btc.reshape(b, t, groups, h)
-    dy_btgo = dy_btc.reshape(b, t_out, groups, h).astype(x_btc.dtype)
+    dx = _grouped_conv_btc(dy_btc.astype(x_btc.dtype), w_flip, groups, k - 1, taps)
+    # dw[i] = sum over (leading axes, t) of x[t + i]^T dy[t] per group.
+    x_tgi = x_btc.reshape(*lead, t, groups, h)
+    dy_tgo = dy_btc.reshape(*lead, t_out, groups, h).astype(x_btc.dtype)
     dw = jnp.stack(
         [
             jnp.einsum(
-                "btgi,btgo->igo", x_btgi[:, i : i + t_out], dy_btgo, preferred_element_type=jnp.float32
+                "...tgi,...tgo->igo",
+                x_tgi[..., i : i + t_out, :, :],
+                dy_tgo,
+                preferred_element_type=jnp.float32,
             )
             for i in range(k)
         ]
@@ -230,6 +259,9 @@ class GroupedConv(nn.Module):
     groups: int
     dtype: Any
     param_dtype: Any
+    # One product per tap (`_grouped_taps`) instead of XLA's convolution: for inputs whose leading
+    # axes are split over an automatic mesh axis (CCA's chunks on a "context" mesh).
+    taps: bool = False
 
     @nn.compact
     def __call__(self, u_tc: jax.Array) -> jax.Array:
@@ -238,7 +270,10 @@ class GroupedConv(nn.Module):
         h = c // g
         w = self.param("kernel", torch_conv_init(h * k), (k, h, c), self.param_dtype).astype(self.dtype)
         bias = self.param("bias", torch_conv_init(h * k), (c,), self.param_dtype).astype(self.dtype)
-        out = grouped_conv(u_tc.reshape(-1, t, c), w, g).reshape(*lead, t - k + 1, c)
+        if self.taps:
+            out = grouped_conv(u_tc, w, g, True)
+        else:
+            out = grouped_conv(u_tc.reshape(-1, t, c), w, g).reshape(*lead, t - k + 1, c)
         return (out + bias.astype(jnp.float32)).astype(self.dtype)
 
 
@@ -302,7 +337,9 @@ class CCAttention(nn.Module):
         self.v_proj_current = weights(nkv * hd // 2)
         self.v_proj_delayed = weights(nkv * hd // 2)
         self.conv_qk_depthwise = DepthwiseConv(cfg.cca_time0, cfg.compute_dtype, cfg.params_dtype)
-        self.conv_qk_grouped = GroupedConv(cfg.cca_time1, nq + nkv, cfg.compute_dtype, cfg.params_dtype)
+        # Split chunks (a context mesh): XLA would all-gather a grouped convolution's batch.
+        taps = context_size(self.mesh) > 1
+        self.conv_qk_grouped = GroupedConv(cfg.cca_time1, nq + nkv, cfg.compute_dtype, cfg.params_dtype, taps)
         # HF initialises temp to 0 as a loading placeholder; from scratch it must start at 1
         # (docs/model.md §2.1.5).
         self.temp = self.param("temp", nn.initializers.ones, (nkv,), cfg.params_dtype)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 LAYER_TYPES = ("hybrid", "hybrid_sliding")
 MOE_IMPLS = ("auto", "tiled", "ragged_dot", "pallas", "dense")
 ATTENTION_IMPLS = ("xla", "pallas", "blockwise", "auto")
-REMAT_POLICIES = ("none", "full", "dots_saveable")
+REMAT_POLICIES = ("none", "full", "dots_saveable", "matmuls")
 SCAN_LAYERS = ("auto", "scan", "unroll")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -75,8 +75,10 @@ class ZayaConfig:
     # dense XLA softmax, transformers' own, below: a long sequence never builds [S, S] scores)
     attention_impl: str = "auto"
     # Rematerialisation of the blocks: "none"; "full" keeps each block's input carry and recomputes
-    # the rest in the backward; "dots_saveable" also keeps the matmul outputs. Both keep what the
-    # expert exchange received (zaya_jax/parallel/expert.py), so the backward does not replay it.
+    # the rest in the backward; "dots_saveable" also keeps XLA's matmul outputs; "matmuls" also
+    # keeps our kernels' (flash attention's output, the grouped expert matmuls'), so only
+    # elementwise work is recomputed. All keep what the expert exchange received
+    # (zaya_jax/parallel/expert.py), so the backward does not replay it.
     remat: str = "none"
     # How the blocks run: "scan" = one lax.scan over the [l, ...] parameter stacks (one compiled block
     # whatever the depth), "unroll" = the same scan fully unrolled (straight-line blocks: no stacked

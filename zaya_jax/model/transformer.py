@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.scipy.special import entr
 from jax.sharding import Mesh
 
+from zaya_jax.kernels.flash_attention import FLASH_LSE, FLASH_OUT
+from zaya_jax.kernels.grouped_matmul import GMM_OUT
 from zaya_jax.model.cca import CCAttention, KVContext, LayerCache
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.model.moe import ZayaExperts
@@ -138,7 +140,11 @@ class ZayaBlock(nn.Module):
             if padding_mask_bs is None
             else padding_mask_bs.astype(jnp.float32)
         )
-        counts = jnp.zeros((cfg.num_router_classes,), jnp.float32).at[routing.expert_bs].add(token_weight)
+        # A masked sum, not a scatter-add: XLA all-gathers a scatter's updates split over the context
+        # axis, and a sum of 0/1 weights is exact in any order (below 2^24 tokens).
+        classes = jnp.arange(cfg.num_router_classes, dtype=routing.expert_bs.dtype)
+        hit = routing.expert_bs[..., None] == classes
+        counts = jnp.sum(jnp.where(hit, token_weight[..., None], 0.0), axis=tuple(range(hit.ndim - 1)))
         # A scalar per block, not the [B, S] entropies: only this sum leaves the scan (telemetry).
         # stop_gradient: no tangent of entr at p = 0 (-log 0) can reach the gradients as 0 * inf.
         entropy = jnp.sum(jnp.sum(entr(jax.lax.stop_gradient(routing.probs_bse)), axis=-1) * token_weight)
@@ -168,13 +174,16 @@ def resolve_scan_layers(scan_layers: str, num_layers: int, platform: str) -> str
     return "unroll" if platform == "cpu" and num_layers <= MAX_AUTO_UNROLLED_LAYERS else "scan"
 
 
-# Both policies save what the expert exchange received (parallel/expert.py EXCHANGE_NAMES): the
+# Every policy saves what the expert exchange received (parallel/expert.py EXCHANGE_NAMES): the
 # backward reuses it instead of replaying the forward all-to-alls (4 exchanges per MoE block, not 6).
+# "matmuls" also keeps our kernels' matmul outputs, which dots_saveable cannot see (a Pallas call is
+# no dot): flash attention's output and log-sum-exp, the grouped expert matmuls' outputs.
 _SAVE_EXCHANGE = jax.checkpoint_policies.save_only_these_names(*EXCHANGE_NAMES)
+_SAVE_KERNELS = jax.checkpoint_policies.save_only_these_names(*EXCHANGE_NAMES, FLASH_OUT, FLASH_LSE, GMM_OUT)
+_DOTS = jax.checkpoint_policies.dots_saveable
 REMAT_POLICIES = {
-    "dots_saveable": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_saveable, _SAVE_EXCHANGE
-    ),
+    "matmuls": jax.checkpoint_policies.save_from_both_policies(_DOTS, _SAVE_KERNELS),
+    "dots_saveable": jax.checkpoint_policies.save_from_both_policies(_DOTS, _SAVE_EXCHANGE),
     "full": _SAVE_EXCHANGE,
 }
 

@@ -2,7 +2,7 @@
 rules of the MI300X (docs/model.md §4). Also the MFU formula the trainer reports.
 
     python -m zaya_jax.sizing --config configs/zaya1_base.py[:phase] [--config.key=value ...]
-        [--mesh data=8,fsdp=1,expert=1] [--num-devices 8] [--remat full|dots_saveable|none]
+        [--mesh data=8,fsdp=1,expert=1] [--num-devices 8] [--remat full|dots_saveable|matmuls|none]
         [--micro-batch B] [--device-memory-gib 192] [--zero1=true] [--json PATH]
 
 One module per concern:

@@ -98,9 +98,10 @@ def flops_per_token(cfg: ZayaConfig, seq_len: int, training: bool = True) -> flo
 
 
 # Dot work of a training step relative to forward + backward: "full" remat runs the forward
-# twice (4 forward-sized passes instead of 3); "dots_saveable" keeps every dot's output, so only
-# elementwise work is recomputed.
-REMAT_DOT_FACTOR = {"none": 1.0, "dots_saveable": 1.0, "full": 4.0 / 3.0}
+# twice (4 forward-sized passes instead of 3); "dots_saveable" keeps every XLA dot's output and
+# "matmuls" our kernels' too, so only elementwise work is recomputed (dots_saveable recomputes the
+# Pallas kernels' forward: flash attention, the grouped expert matmuls, on GPUs).
+REMAT_DOT_FACTOR = {"none": 1.0, "matmuls": 1.0, "dots_saveable": 1.0, "full": 4.0 / 3.0}
 
 
 def newton_schulz_flops(cfg: ZayaConfig, ns_steps: int = 5) -> float:

@@ -14,7 +14,7 @@ zaya_jax/parallel/sharding.py:
                   Each leaf is laid out like its parameter and, with ZeRO-1, additionally split over
                   `data` along its largest free dimension that divides evenly (sharding.zero1_spec).
   activations     a documented per-token estimate of what the backward pass keeps for one
-                  microbatch (`activation_bytes`), for remat none / dots_saveable / full.
+                  microbatch (`activation_bytes`), for remat none / matmuls / dots_saveable / full.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def state_bytes_per_device(
     return out
 
 
-REMAT_CHOICES = ("none", "dots_saveable", "full")
+REMAT_CHOICES = ("none", "matmuls", "dots_saveable", "full")  # least recompute first
 
 
 def activation_terms(cfg: ZayaConfig, seq_len: int, attention: str = "xla") -> dict[str, float]:
@@ -226,6 +226,14 @@ def _dots_saved_per_token(cfg: ZayaConfig, seq_len: int) -> float:
     )
 
 
+def _kernels_saved_per_token(cfg: ZayaConfig) -> float:
+    """Bytes per token per block that `matmuls` keeps besides `dots_saveable`'s: flash attention's
+    output (compute dtype [Nq*hd]) and log-sum-exp (fp32 [Nq]), the grouped matmuls' fp32 outputs
+    ([2I] and [d])."""
+    nq, hd, b = cfg.num_attention_heads, cfg.head_dim, _DTYPE_BYTES[cfg.dtype]
+    return b * nq * hd + 4 * nq + 4 * (2 * cfg.moe_intermediate_size + cfg.hidden_size)
+
+
 def activation_bytes(
     cfg: ZayaConfig,
     *,
@@ -243,6 +251,7 @@ def activation_bytes(
       none           L x (the `activation_terms` of a block) per token
       dots_saveable  L x (block carry + matmul outputs) per token, + one block's full activations
                      while it is recomputed in the backward pass
+      matmuls        as dots_saveable, + L x the kernels' saved outputs (`_kernels_saved_per_token`)
       full           L x block carry (h fp32 [d] + router state fp32 [R]) per token, + one block's
                      full activations while it is recomputed
     and, with remat and `expert_axis` n > 1, L x what each block's expert exchange received (its
@@ -264,6 +273,8 @@ def activation_bytes(
         per_token = n * block
     elif remat == "dots_saveable":
         per_token = n * (carry + _dots_saved_per_token(cfg, seq_len)) + block
+    elif remat == "matmuls":
+        per_token = n * (carry + _dots_saved_per_token(cfg, seq_len) + _kernels_saved_per_token(cfg)) + block
     else:
         per_token = n * carry + block
     exchange = 0.0
