@@ -14,9 +14,9 @@ import pytest
 from jax._src import config as jax_config  # a config option as a context: not public
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.exchange import all_to_all_bytes
 from xla_env import COMPILE_FLAGS
 
-from benchmarks.collectives import all_to_all_bytes
 from zaya_jax import dry_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -192,7 +192,7 @@ def test_compiled_step_exchange_main_path_and_spill(monkeypatch):
     """The tiny train step at data=2 x expert=4 (64 tokens per device, fp32, the config of
     test_expert_exchange's byte count): the dry run's every-step all-to-all bytes are the main round's
     (C = 24 slots per peer: x / ids forward, y, dy, dx) and its spill row the T - C = 40 others'; both
-    agree with benchmarks.collectives.all_to_all_bytes."""
+    agree with the exchange's count from the HLO (tests/support/exchange.py)."""
     from jax._src import compilation_cache
 
     from zaya_jax.config import base_config, set_model
