@@ -67,8 +67,10 @@ def _free_compiled_programs(request):
     cannot map its code: XLA:CPU then crashes the process (docs/xla-cpu-map-count.md). A later file
     compiling the same program reads it back from the persistent cache."""
     yield
-    for value in vars(request.module).values():
-        if callable(getattr(value, "cache_clear", None)) and hasattr(value, "cache_info"):
+    module = request.module
+    for value in vars(module).values():
+        # the file's own functools caches (a package's cache may be a singleton it relies on)
+        if hasattr(value, "cache_info") and getattr(value, "__module__", None) == module.__name__:
             value.cache_clear()
     jax.clear_caches()
     gc.collect()
