@@ -31,18 +31,14 @@ $(TEST_STAMP): $(TRAIN_STAMP)
 train: $(TRAIN_STAMP)
 	$(PY) -m zaya_jax.train --config configs/tiny.py --workdir $(WORKDIR) $(ARGS)
 
-# tests/test_zero1.py in a process of its own: XLA:CPU (jax 0.10.2) aborted compiling its
-# data=4 x fsdp=2 step at the end of one long pytest process (four CI runs, in the compile or in
-# writing it to the compilation cache), while the same tests pass in a fresh process.
-ISOLATED := tests/test_zero1.py
 # Two pytest workers (pytest-xdist) on CI's two cores: most of a test is one XLA compile on one
 # thread. Each test file stays in one worker (loadfile), where its shared compiled programs live;
-# the isolated file's tests, independent compiles, spread over both. TEST_WORKERS=0: one process.
+# the files go out heaviest first (tests/conftest.py orders them), so no long file starts last.
+# TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=$(ISOLATED) $(ARGS)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load $(ISOLATED) $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 clean:
 	rm -rf $(VENV) workdirs

@@ -6,7 +6,7 @@
     ref.variables      # the same fp32 weights for zaya_jax, read back from the saved HF directory
     ref.device_info    # torch device / versions / threads, for the JSON report
 
-`randomize_weights` also serves tests/hf_reference.py: parameters HF initialises to constants
+`randomize_weights`: parameters HF initialises to constants
 (residual scales and biases, CCA temperatures, norm weights, balancing biases) are drawn at random
 too, so a term that one side drops shows in the comparison instead of multiplying by 1 or adding 0.
 torch and transformers are imported inside the functions: `--skip-torch` runs never import them.

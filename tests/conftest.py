@@ -1,5 +1,6 @@
 """Test set-up: 8 simulated CPU devices (multi-device code is tested on CPU), set before jax loads."""
 
+import collections
 import os
 import tempfile
 
@@ -12,15 +13,64 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # `python -m zaya_jax.train` re-executes itself once to set this (zaya_jax/host_memory.py); set
 # here, the CLI subprocesses start with it (tests/test_train.py runs one without it).
 os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
-# Identical programs (the same tiny train step in several tests and CLI subprocesses) compile once.
+# Identical programs (the same tiny train step in several tests, test files, pytest workers and CLI
+# subprocesses) compile once: every process reads and writes the cache.
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "zaya_jax_test_xla_cache")
 )
 
-import jax
+import gc
 
-# The test process itself reads the cache but never writes it (the CLI subprocesses it starts
-# write): XLA:CPU (jax 0.10.2) aborted the whole process serializing an executable into the cache
-# late in the full suite (three CI runs; the same compile alone serializes fine). jax reads the
-# minimum compile time at every write, so this holds for every compile of the session.
-jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+import jax
+import pytest
+
+# The test files that keep one worker longest, longest first (docs/performance.md, "Test suite"):
+# pytest-xdist hands whole files out in collection order (`make test`: --dist loadfile
+# --no-loadscope-reorder), so these start first and no long file starts last, alone at the end.
+# The other files follow, most tests first.
+HEAVIEST_FIRST = (
+    "test_zero1.py",
+    "test_cli_errors.py",
+    "test_context_parallel.py",
+    "test_checkpoint.py",
+    "test_dry_run.py",
+    "test_train_start.py",
+    "test_train.py",
+    "test_lm_eval_backend.py",
+    "test_benchmarks.py",
+    "test_train_state.py",
+    "test_interrupt.py",
+    "test_export.py",
+    "test_megatron.py",
+    "test_kernels_integration.py",
+    "test_gpu_compile.py",
+    "test_parallel.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    """Orders the files heaviest first (HEAVIEST_FIRST); a file's own tests keep their order."""
+    counts = collections.Counter(item.path.name for item in items)
+    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
+    items.sort(
+        key=lambda item: (rank.get(item.path.name, len(rank)), -counts[item.path.name], str(item.path))
+    )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs(request):
+    """Frees a test file's compiled programs when the file ends: its functools caches, jax's caches.
+
+    Every live XLA:CPU executable holds about three memory mappings per LLVM module of its code
+    (code, constants, data), released when the executable is freed. A process that keeps every
+    program of the suite alive reaches the kernel's vm.max_map_count (65,530) and the next compile
+    cannot map its code: XLA:CPU then crashes the process (docs/xla-cpu-map-count.md). A later file
+    compiling the same program reads it back from the persistent cache."""
+    yield
+    module = request.module
+    for value in vars(module).values():
+        # the file's own functools caches (a package's cache may be a singleton it relies on)
+        if hasattr(value, "cache_info") and getattr(value, "__module__", None) == module.__name__:
+            value.cache_clear()
+    jax.clear_caches()
+    gc.collect()

@@ -1,8 +1,7 @@
 """Builds random `transformers` ZayaForCausalLM models to compare against (tests only).
 
 Every parameter HF initialises to a constant (residual scales and biases, temps, norm weights,
-router state scales, balancing biases) is randomised too, so that no term can be silently dropped
-(`benchmarks.reference.randomize_weights`, shared with the side-by-side benchmarks).
+router state scales, balancing biases) is randomised too, so that no term can be silently dropped.
 """
 
 from __future__ import annotations
@@ -14,7 +13,19 @@ import torch
 from transformers import ZayaConfig as HFZayaConfig
 from transformers import ZayaForCausalLM as HFZayaForCausalLM
 
-from benchmarks.reference import randomize_weights
+
+def randomize_weights(model, seed: int):
+    """Draws every constant-initialised parameter and the balancing biases at random (in place)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(s in name for s in ("scale", "bias", "temp", "norm")):
+                base = 1.0 if ("scale" in name or "norm" in name or "temp" in name) else 0.0
+                p.copy_(base + 0.3 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("balancing_biases"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+    return model
 
 
 @dataclasses.dataclass(frozen=True)

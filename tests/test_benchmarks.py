@@ -613,3 +613,120 @@ ENTRY %main.3 (x.1: f32[4]) -> f32[4] {
 }
 """
     assert hlo.op_names(text) == {"x.1": "", "sine.2": "jit(f)/layers/mlp/sin", "copy.3": ""}
+
+
+# ------------------------------------------------------------------------- benchmarks/kernels
+@pytest.mark.slow
+def test_kernel_benchmark_check_mode(tmp_path):
+    """benchmarks/kernels.py on CPU: check mode (tiny shapes, interpret), table + JSON report."""
+    from benchmarks import kernels as bench
+
+    out = tmp_path / "k.json"
+    result = bench.main(["--kernels", "ns", "--iters", "1", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["mode"] == "check" and saved["errors"] == [] and len(saved["results"]) == 2
+    assert saved["peak_tflops"]["bfloat16"] is None  # CPU
+    assert result["max_rel_err"] < 1e-5
+
+
+# ------------------------------------------------------------------- benchmarks/checkpoint_io
+@pytest.mark.slow
+def test_checkpoint_io_benchmark_runs(tmp_path):
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.checkpoint_io",
+            "--out",
+            str(tmp_path),
+            "--repeats",
+            "1",
+            "--steps",
+            "2",
+            "--dir",
+            str(tmp_path / "scratch"),
+            "--set",
+            "train.batch_size=2",
+            "--set",
+            "train.seq_len=32",
+            "--set",
+            "model.num_hidden_layers=1",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "checkpoint_io.json").read_text())
+    assert r["save"]["MBps"] > 0 and r["restore"]["MBps"] > 0 and r["disk"]["write_MBps"] > 0
+    assert r["async_save"]["stall_s"] >= 0
+    # a trained state (random moments: incompressible), its size on disk next to its size in memory
+    assert "random" in r["method"]["state_fill"] and "moments" in r["method"]["state_fill"]
+    assert r["checkpoint_bytes_on_disk"] > 0.5 * r["state_bytes"] > 0
+    assert r["on_disk_over_state"] == r["checkpoint_bytes_on_disk"] / r["state_bytes"]
+    assert r["save"]["fraction_of_disk_write"] > 0 and len(r["save"]["seconds"]) == 1
+    # each operation's own process and its own peak RSS (never a parent's high-water mark)
+    assert "own" in r["method"]["processes"] and "VmHWM" in r["method"]["peak_rss"]
+    for part in (r["save"], r["restore"]):
+        assert part["peak_rss_bytes"] > 0 and part["extra_peak_rss_bytes"] >= 0, part
+    assert r["restore"]["peak_over_state"] == r["restore"]["peak_rss_bytes"] / r["state_bytes"]
+    export = r["export"]
+    for dtype in ("float32", "bfloat16"):
+        e = export[dtype]
+        assert e["peak_rss_bytes"] > 0 and e["hf_bytes"] > 0, e
+        assert e["extra_rss_bytes"] == e["peak_rss_bytes"] - export["baseline_peak_rss_bytes"]
+        assert e["peak_over_state"] == e["peak_rss_bytes"] / r["state_bytes"]
+    assert "orbax save" in proc.stdout and "export float32: peak RSS" in proc.stdout
+    assert not (tmp_path / "scratch").exists()
+
+
+# ------------------------------------------------------------------------- benchmarks/gpu_check
+def test_gpu_check_cases_are_valid_one_device_configs():
+    from benchmarks import gpu_check
+    from zaya_jax import config as config_lib
+
+    shapes = {}
+    for name in gpu_check.CASES:
+        c = gpu_check.case_config(name)
+        cfg = config_lib.validate(c, "cuda")
+        shapes[name] = (cfg.num_hidden_layers, c.train.batch_size, c.train.seq_len, c.mesh.data)
+    assert shapes["zaya1_2l"] == (2, 4, 4096, 1) and shapes["long"] == (2, 1, 32768, 1)
+    assert shapes["tiny"][3] == 1
+    assert gpu_check.signed_error(1.2, 1.0) == pytest.approx(0.2)
+    assert gpu_check.signed_error(0.9, 1.0) == pytest.approx(-0.1)
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
+    """The script's whole path (compile, predict, run, time, report) on one CPU device; without
+    --allow-cpu it refuses the CPU with one error line."""
+    from test_timeline import one_error
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.gpu_check",
+        "--cases",
+        "tiny",
+        "--set",
+        "model.num_hidden_layers=1",
+    ]
+    cmd += ["--set", "train.batch_size=2", "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "r.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600, check=False)
+    assert "no GPU here" in one_error(proc)
+    proc = subprocess.run(
+        [*cmd, "--allow-cpu"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "r.json").read_text())["cases"]
+    assert row["case"] == "tiny" and len(row["measured_all_seconds"]) == 2
+    assert row["measured_seconds"] > 0 and row["predicted_seconds"] > 0
+    assert row["error"] == pytest.approx(
+        (row["predicted_seconds"] - row["measured_seconds"]) / row["measured_seconds"]
+    )
+    assert "tiny" in proc.stdout and "%" in proc.stdout

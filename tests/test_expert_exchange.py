@@ -1,12 +1,12 @@
 """The dropless expert exchange (zaya_jax/parallel/expert.py) on 8 simulated CPU devices: the main
 round plus the spill equals the single device whatever the routing (balanced, skewed onto one
-rank, skewed on one data group only), the dropping mode still drops and counts, and the compiled
-train step's all-to-all bytes per MoE block stay within 2x the ideal 4 x T x d x itemsize."""
+rank, skewed on one data group only), and the dropping mode still drops and counts. The compiled
+train step's all-to-all bytes per MoE block (within 2x the ideal 4 x T x d x itemsize) are
+tests/test_systems_benchmarks.py's, through `benchmarks.collectives --expert-exchange`."""
 
 from __future__ import annotations
 
 import functools
-import json
 import math
 
 import jax
@@ -16,8 +16,6 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks import collectives
-from benchmarks.collectives import all_to_all_bytes, ideal_exchange_bytes
 from zaya_jax import hlo
 from zaya_jax.metrics import read_metrics
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
@@ -214,65 +212,6 @@ def test_model_with_skewed_router_matches_single_device(mesh_shape, remat, model
         np.testing.assert_allclose(
             np.asarray(b), np.asarray(a), atol=1e-5, err_msg=jax.tree_util.keystr(path)
         )
-
-
-EXCHANGE_CONFIG = """
-from zaya_jax.config import base_config, set_model
-from zaya_jax.model import ZayaConfig
-
-
-def get_config():
-    c = base_config()
-    set_model(c, ZayaConfig.tiny(hidden_size=64, num_hidden_layers=2, num_experts=8,
-                                 moe_intermediate_size=32, vocab_size=128))
-    c.model.remat = "full"
-    c.train.batch_size, c.train.seq_len = 8, 64
-    return c
-"""
-
-
-@pytest.mark.slow
-def test_train_step_all_to_all_bytes_near_ideal(tmp_path, capsys):
-    """`python -m benchmarks.collectives --expert-exchange CONFIG` (in process) on the compiled train
-    step at data=2 x expert=4 (64 tokens per device, fp32, remat "full"): the main path moves C = 24
-    slots per peer (1.5 x T/n, rounded to 8) each way, forward and backward, i.e. 1.5x the ideal
-    plus one byte per slot for the expert ids: 4 exchanges, as without remat (the backward reuses
-    what the forward received). The spill (in the cond) has T - C = 40 slots and is replayed
-    when taken (6 exchanges: its outputs are not kept). The C = T exchange (factor 4 = n, every
-    token's slot to every peer) moves 4x the ideal."""
-    (tmp_path / "exchange.py").write_text(EXCHANGE_CONFIG)
-    argv = ["--expert-exchange", str(tmp_path / "exchange.py"), "--exchange-mesh", "2,1,4"]
-    rows = collectives.main([*argv, "--out", str(tmp_path)])["results"]
-    n, t, d, itemsize = 4, 64, CFG.hidden_size, 4
-    ideal = ideal_exchange_bytes(t, d, itemsize)
-    assert [r["exchange_factor"] for r in rows] == [1.5, 4.0]  # default: 1.5 and n
-    for row, cap in zip(rows, (24, 64)):
-        assert row["tokens_per_device"] == t and row["ideal_bytes_per_block"] == ideal
-        assert row["bytes_per_block"] == 4 * n * cap * d * itemsize + n * cap  # x / ids / y / dy / dx
-        assert row["spill_bytes_per_block"] == (6 * n * (t - cap) * d * itemsize + 2 * n * (t - cap))
-    assert rows[0]["ratio_to_ideal"] <= 2.0
-    assert rows[1]["ratio_to_ideal"] >= 4.0
-    assert "x ideal" in capsys.readouterr().out
-    assert json.loads((tmp_path / "expert_exchange.json").read_text())["results"] == rows
-
-
-def test_all_to_all_bytes_main_path_and_spill():
-    """The HLO reader on a small compiled program: an all-to-all in a 3-trip loop, and one in each
-    branch of a cond (branch 0 = main path, branch 1 = spill)."""
-    mesh = make_mesh(1, 1, 8)
-
-    def body(x):
-        x = jax.lax.fori_loop(0, 3, lambda i, v: jax.lax.all_to_all(v, "expert", 0, 0, tiled=True), x)
-        flag = jax.lax.pmax((jnp.sum(x) > 0).astype(jnp.int32), "expert") > 0
-        a2a = lambda v: jax.lax.all_to_all(v * 2, "expert", 0, 0, tiled=True)
-        return jax.lax.cond(
-            flag, lambda v: a2a(jnp.concatenate([v, v])), lambda v: a2a(v)[:8].repeat(2, 0), x
-        )
-
-    fn = jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert"), check_vma=False)
-    x = jax.device_put(jnp.ones((64, 4)), NamedSharding(mesh, P("expert")))
-    main, spill = all_to_all_bytes(jax.jit(fn).lower(x).compile().as_text())
-    assert (main, spill) == (3 * 8 * 4 * 4 + 8 * 4 * 4, 16 * 4 * 4)
 
 
 def test_bad_exchange_capacity_factor_is_a_one_line_error(tmp_path):

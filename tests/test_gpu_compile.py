@@ -22,8 +22,8 @@ import pytest
 pytest.importorskip("jax_plugins.xla_cuda12", reason="the gpu_compile extra is not installed")
 
 import rocm_standins
+from support.exchange import all_to_all_bytes
 
-from benchmarks.collectives import all_to_all_bytes
 from zaya_jax import dry_run, gpu_target, hlo, sizing
 from zaya_jax.config import base_config, set_model
 from zaya_jax.kernels import pick_blocks

@@ -391,3 +391,25 @@ def layer_table(markdown: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 def test_architecture_doc_has_the_layer_table():
     assert layer_table((REPO / "docs" / "architecture.md").read_text()) == LAYERS
+
+
+BENCHMARK_TESTS = {"test_benchmarks.py", "test_systems_benchmarks.py"}
+
+
+def test_tests_import_nothing_from_benchmarks_but_their_own():
+    """Only the benchmarks' own tests import `benchmarks`; the helpers the tests share live in
+    tests/support/ or the package."""
+    found = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        if path.name in BENCHMARK_TESTS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            bad = [n for n in names if n == "benchmarks" or n.startswith("benchmarks.")]
+            found += [f"{path.relative_to(REPO)}:{node.lineno} imports {n}" for n in bad]
+    assert not found, found

@@ -138,21 +138,6 @@ def test_lowers_to_triton(monkeypatch, platform, ns_dtype):
     assert names == ["zaya_ns_matmul"] * 3, names
 
 
-@pytest.mark.slow
-def test_kernel_benchmark_check_mode(tmp_path):
-    """benchmarks/kernels.py on CPU: check mode (tiny shapes, interpret), table + JSON report."""
-    from benchmarks import kernels as bench
-
-    out = tmp_path / "k.json"
-    result = bench.main(["--kernels", "ns", "--iters", "1", "--out", str(out)])
-    import json
-
-    saved = json.loads(out.read_text())
-    assert saved["mode"] == "check" and saved["errors"] == [] and len(saved["results"]) == 2
-    assert saved["peak_tflops"]["bfloat16"] is None  # CPU
-    assert result["max_rel_err"] < 1e-5
-
-
 def test_zz_report():
     """Prints the errors measured above (pytest -s); runs last in this file."""
     for (name, dtype), errs in sorted(ERRORS.items()):

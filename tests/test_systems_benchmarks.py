@@ -1,6 +1,7 @@
 """benchmarks/collectives.py, gemm.py, membw.py: the nccl-tests / STREAM formulas against hand-computed
 values, and each script run end to end at CI sizes on 8 simulated CPU devices (schema, positive
-finite bandwidths and throughputs, plots). Timings themselves are never asserted."""
+finite bandwidths and throughputs, plots); the expert exchange's all-to-all bytes of the compiled
+train step next to the ideal. Timings themselves are never asserted."""
 
 from __future__ import annotations
 
@@ -11,10 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from xla_env import xla_flags
 
 from benchmarks import collectives, gemm, membw
+from zaya_jax.parallel import make_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -211,3 +217,63 @@ def test_membw_cpu(tmp_path):
     for r in rows:
         assert _positive_finite(r["GBps"]) and _positive_finite(r["best_GBps"]) and r["devices"] == 2
         assert r["bytes_moved"] == membw.STREAM_ARRAYS[r["kernel"]] * r["array_bytes_per_device"] * 2
+
+
+# ------------------------------------------------------------------ expert exchange
+EXCHANGE_CONFIG = """
+from zaya_jax.config import base_config, set_model
+from zaya_jax.model import ZayaConfig
+
+
+def get_config():
+    c = base_config()
+    set_model(c, ZayaConfig.tiny(hidden_size=64, num_hidden_layers=2, num_experts=8,
+                                 moe_intermediate_size=32, vocab_size=128))
+    c.model.remat = "full"
+    c.train.batch_size, c.train.seq_len = 8, 64
+    return c
+"""
+
+
+@pytest.mark.slow
+def test_train_step_all_to_all_bytes_near_ideal(tmp_path, capsys):
+    """`python -m benchmarks.collectives --expert-exchange CONFIG` (in process) on the compiled train
+    step at data=2 x expert=4 (64 tokens per device, fp32, remat "full"): the main path moves C = 24
+    slots per peer (1.5 x T/n, rounded to 8) each way, forward and backward, i.e. 1.5x the ideal
+    plus one byte per slot for the expert ids: 4 exchanges, as without remat (the backward reuses
+    what the forward received). The spill (in the cond) has T - C = 40 slots and is replayed
+    when taken (6 exchanges: its outputs are not kept). The C = T exchange (factor 4 = n, every
+    token's slot to every peer) moves 4x the ideal."""
+    (tmp_path / "exchange.py").write_text(EXCHANGE_CONFIG)
+    argv = ["--expert-exchange", str(tmp_path / "exchange.py"), "--exchange-mesh", "2,1,4"]
+    rows = collectives.main([*argv, "--out", str(tmp_path)])["results"]
+    n, t, d, itemsize = 4, 64, 64, 4  # EXCHANGE_CONFIG's hidden_size
+    ideal = collectives.ideal_exchange_bytes(t, d, itemsize)
+    assert [r["exchange_factor"] for r in rows] == [1.5, 4.0]  # default: 1.5 and n
+    for row, cap in zip(rows, (24, 64)):
+        assert row["tokens_per_device"] == t and row["ideal_bytes_per_block"] == ideal
+        assert row["bytes_per_block"] == 4 * n * cap * d * itemsize + n * cap  # x / ids / y / dy / dx
+        assert row["spill_bytes_per_block"] == (6 * n * (t - cap) * d * itemsize + 2 * n * (t - cap))
+    assert rows[0]["ratio_to_ideal"] <= 2.0
+    assert rows[1]["ratio_to_ideal"] >= 4.0
+    assert "x ideal" in capsys.readouterr().out
+    assert json.loads((tmp_path / "expert_exchange.json").read_text())["results"] == rows
+
+
+def test_all_to_all_bytes_main_path_and_spill():
+    """collectives.all_to_all_bytes on a small compiled program: an all-to-all in a 3-trip loop, and one in each
+    branch of a cond (branch 0 = main path, branch 1 = spill)."""
+    mesh = make_mesh(1, 1, 8)
+
+    def body(x):
+        x = jax.lax.fori_loop(0, 3, lambda i, v: jax.lax.all_to_all(v, "expert", 0, 0, tiled=True), x)
+        flag = jax.lax.pmax((jnp.sum(x) > 0).astype(jnp.int32), "expert") > 0
+        a2a = lambda v: jax.lax.all_to_all(v * 2, "expert", 0, 0, tiled=True)
+        return jax.lax.cond(
+            flag, lambda v: a2a(jnp.concatenate([v, v])), lambda v: a2a(v)[:8].repeat(2, 0), x
+        )
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert"), check_vma=False)
+    x = jax.device_put(jnp.ones((64, 4)), NamedSharding(mesh, P("expert")))
+    main, spill = collectives.all_to_all_bytes(jax.jit(fn).lower(x).compile().as_text())
+    assert (main, spill) == (3 * 8 * 4 * 4 + 8 * 4 * 4, 16 * 4 * 4)
