@@ -3,7 +3,7 @@
 
 import jax
 
-from zaya_jax.hlo import FLOPS_TAG
+from zaya_jax.kernels.flops import FLOPS_TAG
 
 
 def lowered_triton_kernels(monkeypatch, fn, *avals, platform, flops=False):

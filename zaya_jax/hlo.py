@@ -27,6 +27,8 @@ import re
 
 import numpy as np
 
+from zaya_jax.kernels.flops import FLOPS_TAG  # our kernels' names end with it and their FLOPs
+
 COLLECTIVES = (
     "all-reduce",
     "all-gather",
@@ -245,9 +247,6 @@ def collectives(hlo: str) -> list[Collective]:
 
 # ------------------------------------------------------------------------------------------- work
 TRITON_CALL = "__gpu$xla.gpu.triton"  # a Pallas (Triton lowering) kernel in XLA:GPU's HLO
-# Our kernels' names end with FLOPS_TAG + the dot FLOPs one call can do at most (zaya_jax/kernels/
-# flops.py): a Triton kernel's work is inside its IR, not in the HLO.
-FLOPS_TAG = "_flops_"
 # Vendor GEMM calls: cuBLAS / cuBLASLt, and on ROCm the same targets run rocBLAS / hipBLASLt.
 GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul")
 CONV_CALLS = ("__cudnn$conv", "__miopen$conv")

@@ -2,7 +2,7 @@
 
 A Triton kernel is opaque in XLA's HLO: the custom call names its grid, not the work of a program
 (which lives in its IR). So each of our pallas_calls is named `tagged(name, flops)`: its name plus
-`zaya_jax.hlo.FLOPS_TAG` and the count, which `zaya_jax.hlo.work` reads back from a compiled step
+`FLOPS_TAG` and the count, which `zaya_jax.hlo.work` reads back from a compiled step
 (the dry run's FLOPs table, tests/test_gpu_compile.py's expert work). The count follows the
 kernel's own loops over padded tiles: what its programs execute when every row they may own is
 used, i.e. an upper bound over the data (a grouped matmul's tiles of empty groups, a causal
@@ -11,7 +11,9 @@ kernel's blocks past the diagonal are counted only where the kernel can run them
 
 from __future__ import annotations
 
-from zaya_jax.hlo import FLOPS_TAG
+# A kernel's name ends with FLOPS_TAG + the dot FLOPs one call can do at most: a Triton kernel's
+# work is inside its IR, not in the HLO.
+FLOPS_TAG = "_flops_"
 
 
 def tagged(name: str, flops: float) -> str:
