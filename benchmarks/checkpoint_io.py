@@ -52,7 +52,7 @@ from benchmarks.common import (
     set_env,
     simulate_cpu_devices,
 )
-from zaya_jax import cli
+from zaya_jax.runtime import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATE_FILL = (
@@ -103,7 +103,7 @@ def state_sizes(config) -> tuple[int, int]:
     import jax
 
     from zaya_jax.parallel.mesh import mesh_from_config
-    from zaya_jax.train_state import train_program
+    from zaya_jax.training.train_state import train_program
 
     c, cfg = config
     abstract = train_program(c, cfg, mesh_from_config(c)).abstract_state()
@@ -120,7 +120,7 @@ def _trained_state(program, seed: int):
     import jax
     import jax.numpy as jnp
 
-    from zaya_jax.train_state import run_once
+    from zaya_jax.training.train_state import run_once
 
     def fill(state):
         leaves, treedef = jax.tree.flatten(state.opt_state)
@@ -140,9 +140,9 @@ def save_child(config, scratch: str, repeats: int, steps: int, seed: int) -> dic
     """In its own process: the trained state saved --repeats times (sync), then the async stall."""
     import jax
 
-    from zaya_jax.checkpoint import Checkpointer
     from zaya_jax.parallel.mesh import mesh_from_config
-    from zaya_jax.train_state import train_program
+    from zaya_jax.training.checkpoint import Checkpointer
+    from zaya_jax.training.train_state import train_program
 
     c, cfg = config
     program = train_program(c, cfg, mesh_from_config(c))
@@ -177,7 +177,7 @@ def async_stall(c, program, state, directory: str, steps: int, config_json: dict
     import jax.numpy as jnp
     import numpy as np
 
-    from zaya_jax.checkpoint import Checkpointer
+    from zaya_jax.training.checkpoint import Checkpointer
 
     B, S = c.train.batch_size, c.train.seq_len
     ids = np.random.default_rng(0).integers(3, 259, size=(B, S + 1)).astype(np.int32)
@@ -228,9 +228,9 @@ def restore_child(config, workdir: str) -> dict[str, Any]:
     """In a fresh process, as a resume: the latest checkpoint straight into the sharded state."""
     import jax
 
-    from zaya_jax.checkpoint import Checkpointer
     from zaya_jax.parallel.mesh import mesh_from_config
-    from zaya_jax.train_state import train_program
+    from zaya_jax.training.checkpoint import Checkpointer
+    from zaya_jax.training.train_state import train_program
 
     c, cfg = config
     abstract = train_program(c, cfg, mesh_from_config(c)).abstract_state()

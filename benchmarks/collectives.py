@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from benchmarks.common import simulate_cpu_devices, write_report
-from zaya_jax import cli
+from zaya_jax.runtime import cli
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
@@ -126,13 +126,13 @@ def all_to_all_bytes(hlo: str) -> tuple[int, int]:
     """(main path, spill) all-to-all bytes per call of a compiled per-device HLO module.
 
     Bytes are each all-to-all's result (= operand) bytes times how often its computation runs (while
-    bodies x their known trip count), as the dry run counts them (`zaya_jax.hlo`): the main path
+    bodies x their known trip count), as the dry run counts them (`zaya_jax.analysis.hlo`): the main path
     takes every conditional's default branch (`lax.cond`'s false branch: the expert exchange's
     no-overflow case); the other branches' all-to-alls are the spill, counted once as if taken.
     The optimizer's (distributed Muon bringing matrices whole to their owners,
     zaya_jax/parallel/zero1.py) are not the exchange and are left out."""
-    from zaya_jax import hlo as hlo_lib
-    from zaya_jax.train_state import OPTIMIZER_SCOPE
+    from zaya_jax.analysis import hlo as hlo_lib
+    from zaya_jax.training.train_state import OPTIMIZER_SCOPE
 
     ops = [c for c in hlo_lib.collectives(hlo) if c.op == "all-to-all" and OPTIMIZER_SCOPE not in c.op_name]
     return sum(c.bytes * c.runs.main for c in ops), sum(c.bytes * c.runs.branch for c in ops)
@@ -150,7 +150,7 @@ def expert_exchange(c, factors: Sequence[float], devices: Sequence[Any]) -> list
     token's slot sent to every peer), against the ideal 4 x T x d x itemsize."""
     import jax.numpy as jnp
 
-    from zaya_jax.dry_run import compile_step
+    from zaya_jax.analysis.dry_run import compile_step
 
     rows = []
     for f in factors:

@@ -26,7 +26,7 @@ def simulate_cpu_devices(n: int | None) -> None:
     through its config, which it read from JAX_PLATFORMS at import."""
     if not n:
         return
-    from zaya_jax import xla_flags  # here, not at the top: a torch side's process imports no jax
+    from zaya_jax.runtime import xla_flags  # here, not at the top: a torch side's process imports no jax
 
     xla_flags.set_flag(xla_flags.DEVICE_COUNT, n)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

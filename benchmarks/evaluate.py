@@ -70,8 +70,8 @@ from benchmarks.reference import (
     tiny_config,
     weights,
 )
-from zaya_jax import cli
 from zaya_jax.parallel.mesh import MESH_FLAG
+from zaya_jax.runtime import cli
 
 BUCKETED, UNBUCKETED, TORCH = "bucketed", "unbucketed", "torch"
 CHOICES_PER_EXAMPLE = 4
@@ -107,8 +107,8 @@ def make_examples(num_requests: int, max_len: int, lengths: str, seed: int):
 
 
 def make_requests(num_requests: int, max_len: int, lengths: str, seed: int):
+    from zaya_jax.data.tokenizer import ByteTokenizer
     from zaya_jax.evaluate.multiple_choice import choice_requests
-    from zaya_jax.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     examples = make_examples(num_requests, max_len, lengths, seed)
@@ -210,7 +210,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     }
     variables, ref = weights(cfg, args)
     if mesh is not None:  # laid out once, so that score() does not move them on every pass
-        from zaya_jax.pretrained import variable_shardings
+        from zaya_jax.hf.pretrained import variable_shardings
 
         variables = jax.device_put(variables, variable_shardings(variables, mesh))
     sides: list[Any] = [

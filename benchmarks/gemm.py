@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.common import simulate_cpu_devices, write_report
-from zaya_jax import cli
+from zaya_jax.runtime import cli
 
 DTYPES = ("float32", "bfloat16")
 

@@ -64,7 +64,7 @@ from benchmarks.reference import (
     tiny_config,
     weights,
 )
-from zaya_jax import cli
+from zaya_jax.runtime import cli
 
 CACHED, RECOMPUTE, TORCH = "cached", "recompute", "torch"
 

@@ -1,4 +1,4 @@
-"""The predicted step time (zaya_jax/timeline.py, `train --dry_run`) against the measured one, on one
+"""The predicted step time (zaya_jax/analysis/timeline.py, `train --dry_run`) against the measured one, on one
 GPU: the prepared check to run whenever a GPU is at hand.
 
     python -m benchmarks.gpu_check [--cases tiny,zaya1_2l,long] [--hardware h200|h100|mi300x|FILE]
@@ -10,9 +10,9 @@ Each case is a config that fits one device (mesh of 1):
   zaya1_2l   configs/zaya1_base.py:phase1 (ZAYA1's widths) with 2 layers, 4 sequences of 4096
   long       the same 2 layers with one sequence of 32768 (flash attention's long-context path)
 
-For each, the train step the trainer jits is compiled for this device (zaya_jax.dry_run.compile_step:
+For each, the train step the trainer jits is compiled for this device (zaya_jax.analysis.dry_run.compile_step:
 the same program, shardings and donation), its HLO predicted on the hardware's figures
-(zaya_jax.prediction.predict), then that same executable run on a real initial state and a random
+(zaya_jax.analysis.prediction.predict), then that same executable run on a real initial state and a random
 token batch: `--warmup` untimed steps, then `--steps` steps each timed to completion; measured is
 their median. The error is signed: (predicted - measured) / measured (positive: the prediction is
 slow). Targets: within 20%; a case far off names which figures (the efficiency tables of the
@@ -72,7 +72,7 @@ def measure(step: Any, c: Any, warmup: int, steps: int) -> list[float]:
     import jax
     import numpy as np
 
-    from zaya_jax.train_state import abstract_batch, train_program
+    from zaya_jax.training.train_state import abstract_batch, train_program
 
     program = train_program(c, step.cfg, step.mesh)
     state = program.initial_state()
@@ -99,7 +99,7 @@ def run_case(name: str, hw: dict, args: argparse.Namespace) -> dict[str, Any]:
     """One case: predicted (from the compiled step's HLO) and measured step seconds, signed error."""
     import jax
 
-    from zaya_jax import dry_run, prediction
+    from zaya_jax.analysis import dry_run, prediction
 
     c = case_config(name, tuple(args.set))
     step = dry_run.compile_step(c, jax.devices()[:1])
@@ -134,7 +134,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def arg_parser():
-    from zaya_jax import cli
+    from zaya_jax.runtime import cli
 
     p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", type=cli.ListOf(CASES), default=list(CASES))
@@ -154,7 +154,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def hardware_figures(spec: str) -> dict:
-    from zaya_jax import hardware
+    from zaya_jax.analysis import hardware
 
     if spec in hardware.FILES:
         return hardware.builtin(spec)
@@ -187,6 +187,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from zaya_jax import cli
+    from zaya_jax.runtime import cli
 
     cli.run(main)

@@ -10,12 +10,12 @@ child before anything reads it (OMP_WAIT_POLICY for torch).
 
 How the child starts follows what the side imports:
 - ours (`JaxSide`): a `multiprocessing` spawn; the child sets glibc's malloc as the trainer does
-  (zaya_jax.host_memory) before it builds the side.
+  (zaya_jax.runtime.host_memory) before it builds the side.
 - a factory marked `JAX_FREE` (`benchmarks.torch_side.TorchSide`): `python -m benchmarks.isolated FD`
   started with subprocess, the pipe's end passed as a file descriptor. A spawned child re-imports the
   parent's `-m` main module (benchmarks/train_step.py), and with it jax: ~134 MB of the torch side's
   peak RSS that a torch user never pays. Its malloc settings come through its environment (the
-  parent's GLIBC_TUNABLES: zaya_jax.host_memory.huge_pages_for_children); nothing here imports jax.
+  parent's GLIBC_TUNABLES: zaya_jax.runtime.host_memory.huge_pages_for_children); nothing here imports jax.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def serve(conn: Connection, build: Any, host_memory_mode: str) -> None:
 def _spawned(conn: Connection, factory: Any, kwargs: dict[str, Any], env: dict, reuse: bool) -> None:
     """A spawned child (our sides): environment, then malloc as the trainer sets it, then serve."""
     set_env(env)
-    from zaya_jax import host_memory
+    from zaya_jax.runtime import host_memory
 
     host_memory.configure(reuse, reexec=False)  # huge pages came with the environment (main)
     serve(conn, lambda: factory(**kwargs), host_memory.mode())
@@ -85,9 +85,9 @@ def _child_env(env: dict[str, str | None]) -> dict[str, str]:
 
 def _huge_pages_inherited(env: dict[str, str]) -> str:
     """The malloc mode a JAX_FREE child runs with: huge pages if its environment carries glibc's
-    tunable for them (zaya_jax.host_memory.HUGE_PAGES_TUNABLE, set by the parent), else glibc's
+    tunable for them (zaya_jax.runtime.host_memory.HUGE_PAGES_TUNABLE, set by the parent), else glibc's
     defaults (the "reuse" settings need zaya_jax, i.e. jax, in the child)."""
-    from zaya_jax import host_memory  # the parent's import: it has jax already
+    from zaya_jax.runtime import host_memory  # the parent's import: it has jax already
 
     return "huge_pages" if host_memory.has_huge_pages_tunable(env.get("GLIBC_TUNABLES", "")) else "default"
 

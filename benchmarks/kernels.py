@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from zaya_jax import cli
+from zaya_jax.runtime import cli
 
 KERNELS = ("attention", "gmm", "swiglu", "ns")
 # Interpret-mode programs are big while loops: XLA's CPU optimisation passes only cost time.

@@ -37,8 +37,8 @@ def measure(config: str, impl: str, seq: int, batch: int, steps: int, block: int
 
     from zaya_jax.config import model_config
     from zaya_jax.kernels import block_sizes
-    from zaya_jax.loss import token_cross_entropy
     from zaya_jax.model import ZayaForCausalLM, init_variables
+    from zaya_jax.model.loss import token_cross_entropy
 
     if block:  # this measuring process only
         block_sizes.TABLE["blockwise_attention"] = {"block_q": block, "block_k": block}

@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # `python benchmarks/membw.py`: make the repo roo
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.collectives import BYTES_FLAG, human_bytes, message_sizes
-from zaya_jax import cli
+from zaya_jax.runtime import cli
 
 KERNELS = ("copy", "scale", "add", "triad")
 # Arrays each kernel reads or writes (STREAM's byte counting).

@@ -36,7 +36,8 @@ from benchmarks.common import (
     set_env,
 )
 from benchmarks.train_step import add_config_args, build_config, checked_config
-from zaya_jax import cli, sizing
+from zaya_jax import sizing
+from zaya_jax.runtime import cli
 
 OURS, TORCH = "zaya_jax", "torch_muon"
 

@@ -7,7 +7,7 @@ The bare step of `benchmarks.train_step` (`JaxSide`: our train step with the con
 jit-compiled, the state donated, one random batch): `--warmup` untimed steps, `--timed` timed ones,
 then `--steps` under `jax.profiler.trace`. The trace is read back: each op's self time (its span
 less the spans of ops nested in it, e.g. a while loop less its body's ops, per thread), named by the
-`op_name` metadata the compiled HLO gives its instruction (`zaya_jax.hlo.op_names`), and grouped by
+`op_name` metadata the compiled HLO gives its instruction (`zaya_jax.analysis.hlo.op_names`), and grouped by
 
   phase   forward, backward (autodiff's transpose), recompute (rematerialised forward), optimizer
   site    the module path under `layers/` (self_attn/self_attn.qkv, mlp/experts, ...) or the last
@@ -39,7 +39,8 @@ from typing import Any
 
 from benchmarks.common import add_out_arg, fmt, format_rows, host_info, print_and_write
 from benchmarks.train_step import JaxSide, add_config_args, build_config, checked_config, random_tokens
-from zaya_jax import cli, hlo, host_memory
+from zaya_jax.analysis import hlo
+from zaya_jax.runtime import cli, host_memory
 
 PHASES = ("forward", "backward", "recompute", "optimizer")
 NO_SOURCE = "(no op_name)"  # instructions XLA made itself: copies, layout changes, loop plumbing

@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from zaya_jax import cli
+from zaya_jax.runtime import cli
 
 
 def _cuda_device(text: str) -> str:

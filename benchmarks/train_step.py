@@ -20,7 +20,7 @@ repeat, ABBA) with torch running the same optimizer (`torch_muon` below): `--war
 then `--steps` timed. After its loop, each trainer process also times the bare step (below)
 for `--warmup` + `--steps` steps: 1 - bare step time / loop step time, within that one process,
 is our share of time outside the step (the median over the repeats). Where the step runs on the
-calling thread (one CPU device, zaya_jax/host_memory.py `keep_step_buffers`) each `train_step` call
+calling thread (one CPU device, zaya_jax/runtime/host_memory.py `keep_step_buffers`) each `train_step` call
 of the loop is timed too, and 1 - the window's mean call / its step time is that share measured in
 the loop's own window (`outside_step_fraction_in_window`).
 
@@ -57,7 +57,7 @@ ratio no implementation of that side could beat here. At a small batch Muon's fl
 exceed torch's whole AdamW step (configs/mid.py on a CPU).
 
 `--host-memory reuse` (the default) sets glibc's malloc as `python -m zaya_jax.train` does
-(`train.reuse_host_memory`, zaya_jax/host_memory.py) in every side's process before its framework
+(`train.reuse_host_memory`, zaya_jax/runtime/host_memory.py) in every side's process before its framework
 starts: huge pages where the kernel has them (every side's process starts with the tunable), else
 the "reuse" settings; each record's `host_memory` says which. `default` leaves the C library's
 settings, for comparison.
@@ -108,23 +108,20 @@ from benchmarks.isolated import IsolatedSide
 from benchmarks.reference import add_torch_args, hf_config, model_report, resolve_torch_device
 from benchmarks.torch_muon import model_muon_names
 from benchmarks.torch_side import TORCH, TORCH_MUON, TORCH_SGD, TorchSide, side_name
-from zaya_jax import balancing as bal
-from zaya_jax import (
-    cli,
-    host_memory,
-    sizing,
-)
 from zaya_jax import config as config_lib
+from zaya_jax import sizing
 from zaya_jax.model import ZayaConfig
 from zaya_jax.model.moe import resolve_moe_impl
 from zaya_jax.model.transformer import resolve_scan_layers
+from zaya_jax.optim import balancing as bal
 from zaya_jax.optim.chain import adamw, gradient_clipping, lr_schedule, make_optimizer
 from zaya_jax.parallel.mesh import (
     mesh_from_config,
     mesh_platform,
 )
 from zaya_jax.parallel.sharding import shard_batch
-from zaya_jax.train_state import (
+from zaya_jax.runtime import cli, host_memory
+from zaya_jax.training.train_state import (
     balancing_config,
     create_train_state,
     make_train_step,
@@ -903,7 +900,7 @@ def arg_parser() -> cli.ArgumentParser:
         "--host-memory",
         choices=("reuse", "default"),
         default="reuse",
-        help="reuse (default): glibc malloc set as zaya_jax.train sets it (zaya_jax/host_memory.py), "
+        help="reuse (default): glibc malloc set as zaya_jax.train sets it (zaya_jax/runtime/host_memory.py), "
         "for both sides; default: the C library's defaults",
     )
     p.add_argument(

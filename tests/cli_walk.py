@@ -1,5 +1,5 @@
 """Walks every numeric or enumerated flag of every CLI with values outside what the flag declares
-(zaya_jax/cli.py, "declared flag values"), each through the CLI's real `__main__` entry point
+(zaya_jax/runtime/cli.py, "declared flag values"), each through the CLI's real `__main__` entry point
 (runpy, as `python -m MODULE` runs it), all in this one process: `python tests/cli_walk.py` prints
 one JSON object (see `walk`). tests/test_cli_ranges.py runs it and checks every case.
 
@@ -115,7 +115,7 @@ def _long_name(option_strings: list[str]) -> str:
 
 def argparse_flags(parser: argparse.ArgumentParser):
     """(cases [(flag, value)], undeclared numeric flags, flags whose default is outside)."""
-    from zaya_jax import cli
+    from zaya_jax.runtime import cli
 
     cases, undeclared, bad_defaults = [], [], []
     for action in parser._actions:
@@ -158,7 +158,7 @@ def _run_case(c: Cli, argv: list[str]) -> tuple[int | str, str]:
     """(exit code or 'accepted', stderr) of `python -m c.run *argv`, run here; the parse is the end."""
     from absl import flags
 
-    from zaya_jax import cli
+    from zaya_jax.runtime import cli
 
     err = io.StringIO()
     before = set(flags.FLAGS)

@@ -10,7 +10,7 @@ os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-# `python -m zaya_jax.train` re-executes itself once to set this (zaya_jax/host_memory.py); set
+# `python -m zaya_jax.train` re-executes itself once to set this (zaya_jax/runtime/host_memory.py); set
 # here, the CLI subprocesses start with it (tests/test_train.py runs one without it).
 os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
 # Identical programs (the same tiny train step in several tests, test files, pytest workers and CLI

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from hf_reference import Case, random_hf_model
 
+from zaya_jax.data.tokenizer import ByteTokenizer
 from zaya_jax.import_hf import import_hf
-from zaya_jax.tokenizer import ByteTokenizer
 
 # vocab 259 = the byte tokenizer's, so text tasks run end to end through the tokenizer
 BYTE_CASE = Case(

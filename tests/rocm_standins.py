@@ -140,7 +140,7 @@ def standins(tmpdir: str) -> str | None:
     plugin = plugin_library()
     if plugin is None:
         return "jax-rocm7-plugin is not installed (pip install -e '.[gpu_compile]')"
-    from zaya_jax.gpu_target import missing_libraries
+    from zaya_jax.runtime.gpu_target import missing_libraries
 
     if not missing_libraries(plugin):
         return None  # a real ROCm install (or stand-ins loaded already)

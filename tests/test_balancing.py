@@ -1,4 +1,4 @@
-"""Tests for zaya_jax.balancing: the aux-loss-free bias controller (docs/model.md §2.2.4).
+"""Tests for zaya_jax.optim.balancing: the aux-loss-free bias controller (docs/model.md §2.2.4).
 
 Unit tests of the update rule, then the acceptance test: a collapsed router on the tiny model with
 fixed random weights is rebalanced by the bias updates alone.
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zaya_jax import balancing as bal
 from zaya_jax.model import ZayaConfig, ZayaForCausalLM, init_variables
+from zaya_jax.optim import balancing as bal
 
 E = 4
 

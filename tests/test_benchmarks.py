@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from xla_env import xla_flags
 
-from zaya_jax import host_memory
+from zaya_jax.runtime import host_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = [
@@ -602,7 +602,7 @@ def test_profile_step_names_the_step_time_by_phase_and_site(tmp_path):
 
 
 def test_op_names_reads_each_instruction_source():
-    from zaya_jax import hlo
+    from zaya_jax.analysis import hlo
 
     text = """HloModule jit_f, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
 

@@ -17,10 +17,10 @@ import pytest
 from test_train import ROOT, SMALL, run_train, tiny_config, train_cmd, train_losses
 from xla_env import xla_flags
 
-from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
-from zaya_jax.events import EventLog, read_events
-from zaya_jax.fault import StepWatchdog
-from zaya_jax.metrics import read_metrics
+from zaya_jax.training.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
+from zaya_jax.training.events import EventLog, read_events
+from zaya_jax.training.fault import StepWatchdog
+from zaya_jax.training.metrics import read_metrics
 
 
 def _state(step):
@@ -126,7 +126,7 @@ def test_watchdog_fires_only_on_a_slow_step():
 
 def test_watchdog_dumps_stacks_and_exits_3(tmp_path):
     code = (
-        "import time; from zaya_jax.fault import StepWatchdog\n"
+        "import time; from zaya_jax.training.fault import StepWatchdog\n"
         "wd = StepWatchdog(0.3); wd.start(7); time.sleep(30)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)

@@ -15,8 +15,8 @@ import pytest
 from test_train import ROOT, SMALL, run_train, train_losses
 from xla_env import xla_flags
 
-from zaya_jax import device_memory
-from zaya_jax.checkpoint import Checkpointer
+from zaya_jax.runtime import device_memory
+from zaya_jax.training.checkpoint import Checkpointer
 
 TINY = os.path.join(ROOT, "configs/tiny.py")
 ENV = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
@@ -544,7 +544,7 @@ def test_reshard_copies_the_tokenizer(trained, tmp_path):
 def test_resume_on_data_of_another_tokenizer_is_refused(trained, tmp_path):
     from test_tokenizer import build_hf_tokenizer
 
-    from zaya_jax.tokenizer import HFTokenizer
+    from zaya_jax.data.tokenizer import HFTokenizer
 
     w = copy_run(trained, tmp_path)
     assert (w / "tokenizer" / "zaya_tokenizer.json").is_file()  # the trainer stored it

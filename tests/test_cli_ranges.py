@@ -1,6 +1,6 @@
 """Every numeric or enumerated flag of every CLI, and every enumerated or numeric config key,
 refuses a value outside what it declares with one `error:` line naming it, exit 2, before anything
-is loaded (zaya_jax/cli.py, "declared flag values"; zaya_jax/config.py). The flags are walked by
+is loaded (zaya_jax/runtime/cli.py, "declared flag values"; zaya_jax/config.py). The flags are walked by
 tests/cli_walk.py in one subprocess through each CLI's real `__main__`; a new CLI is one row of its
 CLIS table, a new flag is walked as soon as it is defined."""
 

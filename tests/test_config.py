@@ -115,8 +115,8 @@ def test_every_balancing_field_is_settable_from_the_command_line():
     from absl import flags
     from ml_collections import config_flags
 
-    from zaya_jax.balancing import BalancingConfig
-    from zaya_jax.train_state import balancing_config
+    from zaya_jax.optim.balancing import BalancingConfig
+    from zaya_jax.training.train_state import balancing_config
 
     values = {
         "lr": 0.02,

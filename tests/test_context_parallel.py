@@ -19,15 +19,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_train import run_train, train_losses
 
-from zaya_jax import balancing as bal
-from zaya_jax.checkpoint import Checkpointer
 from zaya_jax.config import base_config, validate
 from zaya_jax.kernels import reference_attention
 from zaya_jax.kernels.blockwise_attention import visited_blocks
-from zaya_jax.loss import token_cross_entropy
-from zaya_jax.metrics import read_metrics
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
 from zaya_jax.model.attention import pallas_attention
+from zaya_jax.model.loss import token_cross_entropy
+from zaya_jax.optim import balancing as bal
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
 from zaya_jax.parallel import make_mesh
 from zaya_jax.parallel.context import (
@@ -48,7 +46,9 @@ from zaya_jax.parallel.context import (
 )
 from zaya_jax.parallel.mesh import MESH_AXES
 from zaya_jax.parallel.sharding import batch_sharding
-from zaya_jax.train_state import (
+from zaya_jax.training.checkpoint import Checkpointer
+from zaya_jax.training.metrics import read_metrics
+from zaya_jax.training.train_state import (
     check_batch_divides,
     create_train_state,
     layout_batch,

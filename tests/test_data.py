@@ -21,7 +21,7 @@ from zaya_jax.data.pipeline import (
     source_tokenizer,
 )
 from zaya_jax.data.prepare import TokenDocuments, load_split, prepare_dataset
-from zaya_jax.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from zaya_jax.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KEYS = {"input_ids", "targets", "loss_mask"}

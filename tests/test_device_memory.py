@@ -1,4 +1,4 @@
-"""zaya_jax/device_memory.py: what a compiled step needs against what the devices have (the
+"""zaya_jax/runtime/device_memory.py: what a compiled step needs against what the devices have (the
 trainer's start-up refusal; its CLI cases are in tests/test_cli_errors.py)."""
 
 import types
@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from zaya_jax import device_memory
+from zaya_jax.runtime import device_memory
 
 MEMINFO = "MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n"
 
@@ -63,9 +63,9 @@ def test_a_compile_refused_for_memory_is_one_error_and_the_new_workdir_goes(tmp_
     """A compiler that refuses the start-up compile for memory (as XLA may on a real GPU) gives the
     same one-line refusal, and the directories the run made are removed; other compile errors pass."""
     from zaya_jax import train as train_lib
-    from zaya_jax.cli import UserError
     from zaya_jax.config import base_config
     from zaya_jax.parallel.mesh import mesh_from_config
+    from zaya_jax.runtime.cli import UserError
 
     c = base_config()
     c.mesh.data = 1

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from support.exchange import all_to_all_bytes
 from xla_env import COMPILE_FLAGS
 
-from zaya_jax import dry_run
+from zaya_jax.analysis import dry_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("dry run: ", "Memory per device", "Collectives per device", "Compile: ")
@@ -272,7 +272,7 @@ ENTRY %main (x: bf16[64,32], w: bf16[32,8], s: (s32[], bf16[4,64,32], bf16[4,32,
 def test_hlo_replica_groups_in_each_form():
     """Device groups from XLA's explicit, iota and mesh-axes forms (a -done takes its -start's), and
     the mesh axes they span on a data=4 x expert=2 mesh (device i at position i of the mesh)."""
-    from zaya_jax import hlo
+    from zaya_jax.analysis import hlo
 
     groups = {
         "replica_groups={{0,2,4,6},{1,3,5,7}}": ((0, 2, 4, 6), (1, 3, 5, 7)),
@@ -308,7 +308,7 @@ def test_hlo_work_reads_gpu_style_text():
     """XLA:GPU's text names operands without shapes: a dot's contraction comes from its operand's
     declaration; a while body's work runs its trip count; our Triton call's FLOPs are the ones its
     name declares; a cuBLAS call's from its dot dimension numbers."""
-    from zaya_jax import hlo
+    from zaya_jax.analysis import hlo
 
     works = {(w.kind, w.name): w for w in hlo.work(GPU_STYLE_HLO)}
     dot = works[("dot", "dot")]
@@ -321,7 +321,7 @@ def test_hlo_work_reads_gpu_style_text():
 
 def test_hlo_work_reads_cpu_text():
     """XLA:CPU writes operand shapes inline: the same count from a compiled CPU dot."""
-    from zaya_jax import hlo
+    from zaya_jax.analysis import hlo
 
     f = jax.jit(lambda a, b: a @ b)
     text = f.lower(jnp.ones((8, 16)), jnp.ones((16, 4))).compile().as_text()

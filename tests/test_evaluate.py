@@ -11,9 +11,9 @@ import pytest
 import torch
 from eval_models import TASK, TEXT, orbax_from_hf, save_byte_hf_model, write_task, write_text
 
+from zaya_jax.data.tokenizer import ByteTokenizer
 from zaya_jax.evaluate import evaluate, parse_data_spec, parse_mesh
 from zaya_jax.evaluate.__main__ import main as evaluate_main
-from zaya_jax.tokenizer import ByteTokenizer
 
 OPTS = dict(max_len=48, min_bucket=16, separator="blank-line")
 

@@ -8,10 +8,10 @@ import jax
 import numpy as np
 import pytest
 
+from zaya_jax.data.tokenizer import ByteTokenizer
 from zaya_jax.evaluate.multiple_choice import Example, choice_requests, encode_pair, load_task, score_task
 from zaya_jax.evaluate.scoring import Scorer
 from zaya_jax.model import ZayaConfig, init_variables
-from zaya_jax.tokenizer import ByteTokenizer
 
 V, D, A = 259, 272, 2.0  # byte vocab, width, logit of the successor token
 

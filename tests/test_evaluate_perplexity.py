@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from zaya_jax.data.prepare import prepare_dataset
+from zaya_jax.data.tokenizer import ByteTokenizer
 from zaya_jax.evaluate.perplexity import (
     perplexity,
     rolling_windows,
@@ -16,7 +17,6 @@ from zaya_jax.evaluate.perplexity import (
 )
 from zaya_jax.evaluate.scoring import Scorer
 from zaya_jax.model import ZayaConfig, ZayaForCausalLM, init_variables
-from zaya_jax.tokenizer import ByteTokenizer
 
 
 def test_rolling_windows_lm_eval_example():

@@ -16,15 +16,15 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zaya_jax import hlo
-from zaya_jax.metrics import read_metrics
+from zaya_jax.analysis import hlo
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
 from zaya_jax.model.moe import cotangent_as, dense_moe, tiled_moe
 from zaya_jax.model.transformer import REMAT_POLICIES
 from zaya_jax.parallel import make_mesh
 from zaya_jax.parallel.expert import BATCH, capacity, expert_parallel_moe, remat_saved_bytes
 from zaya_jax.parallel.sharding import batch_sharding
-from zaya_jax.train_state import SPILL_BLOCKS, SPILL_STEP_FRACTION, loss_and_counts
+from zaya_jax.training.metrics import read_metrics
+from zaya_jax.training.train_state import SPILL_BLOCKS, SPILL_STEP_FRACTION, loss_and_counts
 
 CFG = ZayaConfig.tiny(
     hidden_size=64, num_hidden_layers=2, num_experts=8, moe_intermediate_size=32, vocab_size=128

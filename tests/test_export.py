@@ -14,11 +14,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from xla_env import xla_flags
 
 from zaya_jax import model
+from zaya_jax.data.tokenizer import ByteTokenizer, load_tokenizer
 from zaya_jax.export import export, skip_bias_warning
 from zaya_jax.generate import main as generate_main
+from zaya_jax.hf.pretrained import load_checkpoint_variables
 from zaya_jax.import_hf import import_hf
-from zaya_jax.pretrained import load_checkpoint_variables
-from zaya_jax.tokenizer import ByteTokenizer, load_tokenizer
 from zaya_jax.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,7 +181,7 @@ def test_import_hf_then_init_from(trained, tmp_path):
     assert summary["start_step"] == 0 and summary["final_step"] == 2
     # It started from the imported params: the first loss is the trained model's, not a fresh init's.
     fresh = train(tiny_config(steps=1), str(tmp_path / "fresh"))
-    from zaya_jax.metrics import read_metrics
+    from zaya_jax.training.metrics import read_metrics
 
     first = read_metrics(str(w), split="train")[0]["loss"]
     assert first < fresh["loss"] - 0.05

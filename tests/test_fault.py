@@ -1,4 +1,4 @@
-"""Loss-spike detection (zaya_jax/fault.py): robust statistics, the relative-jump floor, confirmation
+"""Loss-spike detection (zaya_jax/training/fault.py): robust statistics, the relative-jump floor, confirmation
 by the next batch; on the recorded loss sequence of the default demo run and end to end on a
 small-batch run over another text (no spike event), with an injected spike still rolled back."""
 
@@ -14,9 +14,9 @@ import pytest
 from test_train import ROOT, run_train, summary_of, train_losses
 
 from zaya_jax.config import base_config
-from zaya_jax.events import read_events
-from zaya_jax.fault import Do, FaultMonitor, SpikeDetector, agree, confirmed_spikes
-from zaya_jax.metrics import read_metrics
+from zaya_jax.training.events import read_events
+from zaya_jax.training.fault import Do, FaultMonitor, SpikeDetector, agree, confirmed_spikes
+from zaya_jax.training.metrics import read_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -117,8 +117,8 @@ def test_top_p_keeps_the_smallest_nucleus():
 def test_cli_from_orbax_and_hf_checkpoints_agree(tmp_path, capsys):
     from eval_models import orbax_from_hf, save_byte_hf_model
 
+    from zaya_jax.data.tokenizer import ByteTokenizer
     from zaya_jax.generate import main
-    from zaya_jax.tokenizer import ByteTokenizer
 
     save_byte_hf_model(str(tmp_path / "hf"))
     ckpt = orbax_from_hf(str(tmp_path / "hf"), str(tmp_path / "run"))
@@ -145,7 +145,7 @@ def test_cli_from_orbax_and_hf_checkpoints_agree(tmp_path, capsys):
     assert [r["prompt"] for r in rows] == ["Call me", "It is a way", "Short."]
     assert [r["prompt"] + r["completion"] for r in rows] == many
     assert all(1 <= len(r["tokens"]) <= 6 and r["eos"] == (r["tokens"][-1] == tok.eos_id) for r in rows)
-    from zaya_jax import cli
+    from zaya_jax.runtime import cli
 
     with pytest.raises(SystemExit):  # as `python -m zaya_jax.generate` runs main
         cli.run(main, ["--checkpoint", str(tmp_path / "hf")])
@@ -202,7 +202,7 @@ def test_a_stop_callback_ends_rows_and_changes_no_token(hf_pair):
 @pytest.mark.slow
 def test_rows_over_a_mesh_give_the_one_device_tokens(hf_pair):
     from zaya_jax.evaluate import parse_mesh
-    from zaya_jax.pretrained import variable_shardings
+    from zaya_jax.hf.pretrained import variable_shardings
 
     _, cfg, variables = hf_pair
     mesh = parse_mesh("data=2,fsdp=4")  # rows over 8 devices, the model's width over 4

@@ -1,5 +1,5 @@
 """The train step compiled by XLA's GPU compiler for 8 x H100 and 8 x MI300X, without a GPU
-(zaya_jax/gpu_target.py, `train --dry_run_target`).
+(zaya_jax/runtime/gpu_target.py, `train --dry_run_target`).
 
 Every fact the GPU claims rest on, checked on the compiled step rather than on the kernels alone:
 our Pallas kernels reach Triton inside the real step (chosen by the target's platform, not this
@@ -24,11 +24,13 @@ pytest.importorskip("jax_plugins.xla_cuda12", reason="the gpu_compile extra is n
 import rocm_standins
 from support.exchange import all_to_all_bytes
 
-from zaya_jax import dry_run, gpu_target, hlo, sizing
+from zaya_jax import sizing
+from zaya_jax.analysis import dry_run, hlo
 from zaya_jax.config import base_config, set_model
 from zaya_jax.kernels import pick_blocks
 from zaya_jax.model import ZayaConfig
-from zaya_jax.train_state import OPTIMIZER_SCOPE
+from zaya_jax.runtime import gpu_target
+from zaya_jax.training.train_state import OPTIMIZER_SCOPE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = {"zaya_gmm", "zaya_tgmm", "zaya_flash_attention_fwd", "zaya_flash_attention_dq"}
@@ -192,7 +194,7 @@ def test_rocm_without_its_libraries_is_one_line(tmp_path):
     probe = [
         sys.executable,
         "-c",
-        f"from zaya_jax.gpu_target import missing_libraries as m; print(m({plugin!r}))",
+        f"from zaya_jax.runtime.gpu_target import missing_libraries as m; print(m({plugin!r}))",
     ]
     missing = subprocess.run(probe, capture_output=True, text=True, env=env, check=True).stdout.strip()
     if missing == "[]":

@@ -17,9 +17,9 @@ from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM
 
 from zaya_jax import hf, model
-from zaya_jax.cli import UserError
 from zaya_jax.hf import names
 from zaya_jax.hf.safetensors_io import SafetensorsError, write_file
+from zaya_jax.runtime.cli import UserError
 
 TOL = 1e-4  # max abs logits difference, fp32
 

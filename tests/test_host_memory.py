@@ -1,4 +1,4 @@
-"""zaya_jax/host_memory.py: with glibc's malloc set by reuse_freed_memory, a jit-compiled program's
+"""zaya_jax/runtime/host_memory.py: with glibc's malloc set by reuse_freed_memory, a jit-compiled program's
 temporary buffer comes from the heap and, freed, stays there for the next run instead of going back
 to the system (to be mapped and page-faulted in again by the next run).
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from zaya_jax import host_memory
+from zaya_jax.runtime import host_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -23,7 +23,7 @@ MIB = 1 << 20
 # unmapped after it.
 PROGRAM = """
 import ctypes, json, sys, time, types
-from zaya_jax import host_memory
+from zaya_jax.runtime import host_memory
 if sys.argv[1] == "keep":
     host_memory.run_cpu_programs_inline()  # as configure does, before jax's backend
 applied = host_memory.reuse_freed_memory() if sys.argv[1] == "reuse" else None
@@ -120,7 +120,7 @@ def test_kernel_has_huge_pages_reads_the_selected_mode(tmp_path):
 # The 64 MiB temporary's page faults per run (steady state), under the default settings or with the tunable.
 FAULTS = """
 import json, os, resource, sys
-from zaya_jax import host_memory
+from zaya_jax.runtime import host_memory
 if sys.argv[1:] == ["configure"]:
     host_memory.configure(True, reexec=False)  # as the trainer, once re-executed
 import jax, jax.numpy as jnp
@@ -164,7 +164,7 @@ def test_huge_pages_fault_a_temporary_in_2_mib_at_a_time():
 
 TRIM = """
 import ctypes, json
-from zaya_jax import host_memory
+from zaya_jax.runtime import host_memory
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
 libc.free.argtypes = (ctypes.c_void_p,)
@@ -214,7 +214,7 @@ def test_lean_compile_sets_the_flags_once_and_a_users_flag_stands(monkeypatch):
 # peak, in a fresh process, with the flag set by lean_compile (before jax's backend) or not.
 COMPILE = """
 import json, sys
-from zaya_jax import host_memory
+from zaya_jax.runtime import host_memory
 lean = host_memory.lean_compile(sys.argv[1] == "lean")
 import jax, jax.numpy as jnp
 

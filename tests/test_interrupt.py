@@ -17,8 +17,8 @@ from eval_models import BYTE_CASE, write_text
 from hf_reference import random_hf_model
 from test_cli_errors import ENV, ROOT, assert_one_line_error, run_cli, tree_digest
 
-from zaya_jax import interrupt
-from zaya_jax.tokenizer import ByteTokenizer
+from zaya_jax.data.tokenizer import ByteTokenizer
+from zaya_jax.runtime import interrupt
 
 STOP_S = 10.0  # from the signal to the exit, at most (a few seconds; this box is shared and slow)
 

@@ -12,12 +12,12 @@ import pytest
 from test_context_parallel import CFG, _padded_batch
 from test_train import run_train, train_losses
 
-from zaya_jax import hlo
+from zaya_jax.analysis import hlo
 from zaya_jax.kernels import attention_choice, block_sizes
 from zaya_jax.kernels.blockwise_attention import blockwise_attention, visited_blocks
 from zaya_jax.kernels.xla_attention import attention_allowed, xla_attention
-from zaya_jax.loss import token_cross_entropy
 from zaya_jax.model import BALANCING, ZayaForCausalLM, init_variables
+from zaya_jax.model.loss import token_cross_entropy
 from zaya_jax.parallel import make_mesh
 from zaya_jax.parallel.sharding import batch_sharding
 

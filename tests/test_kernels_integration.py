@@ -6,14 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zaya_jax import balancing as bal
 from zaya_jax.config import base_config
 from zaya_jax.kernels import NS_AUTO_PALLAS, check_backend, ns_choice, use_pallas
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
+from zaya_jax.optim import balancing as bal
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
 from zaya_jax.parallel import make_mesh
 from zaya_jax.parallel.sharding import batch_sharding
-from zaya_jax.train_state import create_train_state, loss_and_counts, make_train_step
+from zaya_jax.training.train_state import create_train_state, loss_and_counts, make_train_step
 
 XLA = ZayaConfig.tiny(
     hidden_size=64,

@@ -18,10 +18,10 @@ from test_metrics import _event_tags
 from test_train import ROOT, SMALL
 from xla_env import xla_flags
 
-from zaya_jax import cli
+from zaya_jax.data.tokenizer import ByteTokenizer
 from zaya_jax.export import export
-from zaya_jax.metrics import read_metrics
-from zaya_jax.tokenizer import ByteTokenizer
+from zaya_jax.runtime import cli
+from zaya_jax.training.metrics import read_metrics
 
 MAX_LEN = 64  # several rolling windows per document; the longest prompt is cut from the left
 MAX_GEN = 40  # new tokens: three chunks between stop checks (STOP_EVERY = 16)
@@ -38,7 +38,7 @@ TASKS = ["zaya_mc", "zaya_ppl", "zaya_gen"]
 def free_continuation(ckpt: str, prompt: str) -> list[int]:
     """Our greedy continuation of `prompt` without stop sequences (lm-eval's prefix none)."""
     from zaya_jax.generate import generate
-    from zaya_jax.pretrained import load_model
+    from zaya_jax.hf.pretrained import load_model
 
     m = load_model(ckpt, prefix="none")
     return generate(m.cfg, m.variables, [m.tokenizer.encode(prompt)], MAX_GEN)[0]

@@ -1,11 +1,11 @@
-"""Chunked cross-entropy (zaya_jax/loss.py) equals the plain full-logits loss, values and grads."""
+"""Chunked cross-entropy (zaya_jax/model/loss.py) equals the plain full-logits loss, values and grads."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zaya_jax.loss import chunked_cross_entropy, chunked_token_logprobs, token_cross_entropy
+from zaya_jax.model.loss import chunked_cross_entropy, chunked_token_logprobs, token_cross_entropy
 
 
 @pytest.mark.parametrize("s, chunk", [(16, 4), (13, 5), (7, 64)])

@@ -20,7 +20,7 @@ from zaya_jax.data.megatron_format import DTYPES, MegatronWriter, check_token_id
 from zaya_jax.data.mixture import mixed_sequences, parse_mixture
 from zaya_jax.data.pipeline import batch_sequences, load_documents, make_dataset, make_eval_dataset
 from zaya_jax.data.prepare import prepare_dataset
-from zaya_jax.tokenizer import ByteTokenizer
+from zaya_jax.data.tokenizer import ByteTokenizer
 
 BYTE = MegatronOptions("byte")
 
@@ -311,7 +311,7 @@ def test_a_megatron_dataset_trains_on_the_batches_of_the_prepared_documents(corp
     )
     a, b = train_losses(tmp_path / "prepared"), train_losses(tmp_path / "megatron")
     assert sorted(a) == [1, 2, 3, 4] and a == b
-    from zaya_jax.metrics import read_metrics
+    from zaya_jax.training.metrics import read_metrics
 
     evals = [[(r["step"], r["eval_loss"]) for r in read_metrics(str(tmp_path / w)) if r["split"] == "eval"]
              for w in ("prepared", "megatron")]  # fmt: skip
@@ -323,7 +323,7 @@ def test_kill_9_mid_mixture_of_megatron_and_prepared_resumes_with_identical_loss
     from test_checkpoint import kill_9_after_step
     from test_train import SMALL
 
-    from zaya_jax.events import read_events
+    from zaya_jax.training.events import read_events
 
     code = write_jsonl(tmp_path / "code.jsonl", 40, 5, alphabet="0123456789+=")
     prepare_dataset([code], tmp_path / "code", eval_fraction=0.1)

@@ -1,4 +1,4 @@
-"""Tests for zaya_jax.metrics: the JSONL record format, resume truncation, TensorBoard scalars and
+"""Tests for zaya_jax.training.metrics: the JSONL record format, resume truncation, TensorBoard scalars and
 the console progress line."""
 
 import io
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zaya_jax.metrics import MetricsLogger, read_metrics, to_python, truncate_metrics
+from zaya_jax.training.metrics import MetricsLogger, read_metrics, to_python, truncate_metrics
 
 
 def _events(logdir):
@@ -154,7 +154,7 @@ def test_tensorboard_writer_does_not_import_torch(tmp_path):
     # tensorboardX imports torch whenever it is installed; the trainer never passes torch tensors,
     # so a user's run should not pay for torch (~180 MB resident). A fresh process: pytest's has torch.
     code = (
-        "import sys; from zaya_jax.metrics import MetricsLogger\n"
+        "import sys; from zaya_jax.training.metrics import MetricsLogger\n"
         f"with MetricsLogger({str(tmp_path)!r}, console=False) as log: log.log_train(1, {{'loss': 1.0}})\n"
         "print('torch' in sys.modules)"
     )

@@ -24,8 +24,8 @@ from zaya_jax.data.pipeline import (
 )
 from zaya_jax.data.prepare import prepare_dataset
 from zaya_jax.data.ramp import BatchRamp, parse_batch_ramp
-from zaya_jax.events import read_events
-from zaya_jax.metrics import read_metrics
+from zaya_jax.training.events import read_events
+from zaya_jax.training.metrics import read_metrics
 
 # Two sources told apart by their alphabets: every row of a batch shows which one it came from.
 ALPHABETS = {"web": "abcdefgh ", "code": "0123456789+="}

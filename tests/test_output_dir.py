@@ -1,4 +1,4 @@
-"""zaya_jax.output_dir: what a command writes appears complete or not at all, and an interrupted
+"""zaya_jax.runtime.output_dir: what a command writes appears complete or not at all, and an interrupted
 write leaves what was there (the commands themselves are walked in tests/test_cli_errors.py)."""
 
 import os
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from zaya_jax import output_dir
-from zaya_jax.cli import UserError
+from zaya_jax.runtime import output_dir
+from zaya_jax.runtime.cli import UserError
 
 
 def _tree(path):

@@ -1,4 +1,4 @@
-"""zaya_jax/gpu_plugins.py: the GPU plugins' no-GPU notices are dropped from a command's output, all
+"""zaya_jax/runtime/gpu_plugins.py: the GPU plugins' no-GPU notices are dropped from a command's output, all
 else kept (the CLIs' one-line errors rely on it once the gpu_compile extra is installed)."""
 
 import logging
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import zaya_jax
-from zaya_jax import gpu_plugins
+from zaya_jax.runtime import gpu_plugins
 
 NO_DRIVER = pytest.mark.skipif(gpu_plugins.nvidia_driver_present(), reason="an NVIDIA driver is present")
 
@@ -56,4 +56,4 @@ def test_a_fresh_process_prints_only_its_own_stderr(platforms):
     env |= {"JAX_PLATFORMS": platforms} if platforms else {}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert proc.stderr.splitlines() == ["native line", "python line"], proc.stderr
-    assert zaya_jax.gpu_plugins is gpu_plugins
+    assert zaya_jax.runtime.gpu_plugins is gpu_plugins

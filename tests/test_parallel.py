@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from zaya_jax import balancing as bal
 from zaya_jax.config import base_config
 from zaya_jax.model import ZayaConfig
+from zaya_jax.optim import balancing as bal
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
 from zaya_jax.parallel import make_mesh, resolve_mesh_shape
 from zaya_jax.parallel.expert import capacity
 from zaya_jax.parallel.mesh import MESH_AXES, parse_mesh_spec, resolve_mesh_sizes
 from zaya_jax.parallel.sharding import batch_sharding, global_bytes, per_device_bytes
-from zaya_jax.train_state import create_train_state, make_train_step, state_shardings
+from zaya_jax.training.train_state import create_train_state, make_train_step, state_shardings
 
 CFG = ZayaConfig.tiny(
     hidden_size=64, num_hidden_layers=2, num_experts=8, moe_intermediate_size=32, vocab_size=128
@@ -93,7 +93,7 @@ def test_mesh_matches_single_device(name, single_device):
 def test_first_step_gradients_match_per_parameter():
     """Every parameter's gradient on data=2 x fsdp=2 x expert=2 equals the single-device one."""
     from zaya_jax.model import BALANCING, ZayaForCausalLM, init_variables
-    from zaya_jax.train_state import loss_and_counts
+    from zaya_jax.training.train_state import loss_and_counts
 
     variables = init_variables(CFG, jax.random.key(1))
     batch = jax.tree.map(jnp.asarray, _batch(0))

@@ -1,4 +1,4 @@
-"""load_model (zaya_jax/pretrained.py): Orbax and HF sources, tokenizer and prefix rules, errors."""
+"""load_model (zaya_jax/hf/pretrained.py): Orbax and HF sources, tokenizer and prefix rules, errors."""
 
 import dataclasses
 import shutil
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from eval_models import BYTE_CASE, orbax_from_hf, save_byte_hf_model
 
+from zaya_jax.data.tokenizer import ByteTokenizer
+from zaya_jax.hf.pretrained import load_model, resolve_prefix
 from zaya_jax.parallel.mesh import make_mesh
-from zaya_jax.pretrained import load_model, resolve_prefix
-from zaya_jax.tokenizer import ByteTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_plain_hf_tokenizer_dir_uses_bos(dirs, tmp_path):
 
 def test_hf_dir_with_only_transformers_tokenizer_files(dirs, tmp_path):
     """Our export re-saved by transformers (no zaya_tokenizer.json) reads back as the byte tokenizer."""
-    from zaya_jax.tokenizer import save_for_transformers
+    from zaya_jax.data.tokenizer import save_for_transformers
 
     d, _ = dirs
     hf = tmp_path / "hf"

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from zaya_jax import dry_run, gpu_target, sizing
+from zaya_jax import sizing
+from zaya_jax.analysis import dry_run
 from zaya_jax.config import base_config, set_model
 from zaya_jax.kernels.flash_attention import FLASH_LSE, FLASH_OUT
 from zaya_jax.kernels.grouped_matmul import GMM_OUT
@@ -21,6 +22,7 @@ from zaya_jax.model import ZayaConfig
 from zaya_jax.model.config import REMAT_POLICIES
 from zaya_jax.model.transformer import REMAT_POLICIES as POLICIES
 from zaya_jax.model.transformer import ZayaBlock, ZayaForCausalLM, init_variables
+from zaya_jax.runtime import gpu_target
 
 CFG = ZayaConfig.tiny(num_hidden_layers=2, num_experts=4, initializer_range=0.2, scan_layers="scan")
 # Our kernels, interpreted on CPU: the paths whose outputs "matmuls" keeps by name.

@@ -12,12 +12,12 @@ from test_export import tiny_config
 from xla_env import xla_flags
 
 from zaya_jax import config as config_lib
-from zaya_jax.checkpoint import Checkpointer
-from zaya_jax.metrics import read_metrics
 from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.reshard import reshard
 from zaya_jax.train import train
-from zaya_jax.train_state import abstract_train_state
+from zaya_jax.training.checkpoint import Checkpointer
+from zaya_jax.training.metrics import read_metrics
+from zaya_jax.training.train_state import abstract_train_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 5

@@ -1,4 +1,4 @@
-"""Routing telemetry (zaya_jax/routing_telemetry.py): the step's per-layer / per-expert routing
+"""Routing telemetry (zaya_jax/training/routing_telemetry.py): the step's per-layer / per-expert routing
 metrics against numpy, the dead-expert window, the model's summed router entropy against its
 router probabilities, TensorBoard's per-expert scalars, and end to end: a `python -m zaya_jax.train`
 run logs them (checked against its own checkpoint and TensorBoard files) and `python -m
@@ -16,10 +16,10 @@ from test_metrics import _event_tags
 from test_plot import _is_png
 from test_train import ROOT, run_train
 
-from zaya_jax import balancing as bal
-from zaya_jax.metrics import MetricsLogger, read_metrics, tensorboard_scalars
 from zaya_jax.model import ZayaConfig, ZayaForCausalLM, init_variables
-from zaya_jax.routing_telemetry import STEP_METRICS, DeadExperts, step_metrics
+from zaya_jax.optim import balancing as bal
+from zaya_jax.training.metrics import MetricsLogger, read_metrics, tensorboard_scalars
+from zaya_jax.training.routing_telemetry import STEP_METRICS, DeadExperts, step_metrics
 
 
 def test_step_metrics_against_numpy():
@@ -118,7 +118,7 @@ def test_training_logs_the_telemetry_and_plot_draws_it(tmp_path):
         want = np.sum(seen[-1] & seen[-2], axis=-1).tolist() if len(seen) >= 2 else [0] * num_layers
         assert r["expert_dead"] == want
     # The logged biases are the state's after the step: the last checkpoint holds them bit for bit.
-    from zaya_jax.pretrained import load_model
+    from zaya_jax.hf.pretrained import load_model
 
     saved = np.asarray(bal.get_balancing_biases(load_model(str(w)).variables))
     np.testing.assert_array_equal(np.float32(train[-1]["balancing_bias"]), saved[:, :num_experts])

@@ -1,4 +1,4 @@
-"""The step-time model (zaya_jax/timeline.py, zaya_jax/hardware.py) on programs whose answer is known:
+"""The step-time model (zaya_jax/analysis/timeline.py, zaya_jax/analysis/hardware.py) on programs whose answer is known:
 one dot, an async all-gather with and without compute beside it, a while loop's trips, the bus
 bandwidth of each collective by where its group lies. Hand-written HLO in XLA:GPU's post-optimisation
 form (operands named, not typed; async collectives as -start / -done pairs) and small programs
@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zaya_jax import hardware, timeline
+from zaya_jax.analysis import hardware, timeline
 
 PEAK, HBM, INTRA, INTER, LATENCY = 1e12, 1e20, 1e9, 1e8, 1e-5
 TEST_HW = hardware.check(
@@ -202,7 +202,7 @@ def test_gemm_efficiency_interpolates_in_log_flops():
 @pytest.fixture(scope="module")
 def h100():
     pytest.importorskip("jax_plugins.xla_cuda12", reason="the gpu_compile extra is not installed")
-    from zaya_jax import gpu_target
+    from zaya_jax.runtime import gpu_target
 
     gpu = gpu_target.load_target("h100")
     gpu_target.prepare_process()

@@ -1,11 +1,11 @@
-"""Tests for zaya_jax.tokenizer: byte tokenizer, HF tokenizer.json wrapper, load_tokenizer/save."""
+"""Tests for zaya_jax.data.tokenizer: byte tokenizer, HF tokenizer.json wrapper, load_tokenizer/save."""
 
 import json
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from zaya_jax.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from zaya_jax.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 TEXTS = ["the cat sat on the mat", "the dog sat on the log", "a cat and a dog"]
 
@@ -111,7 +111,7 @@ def test_byte_tokenizer_in_transformers_auto_tokenizer(tmp_path):
     import numpy as np
     from transformers import AutoTokenizer
 
-    from zaya_jax.tokenizer import save_for_transformers
+    from zaya_jax.data.tokenizer import save_for_transformers
 
     # config.json of model_type zaya: tokenizer_config.json's class must win over the Gemma default
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "zaya"}))
@@ -141,7 +141,7 @@ def test_byte_tokenizer_in_transformers_auto_tokenizer(tmp_path):
 def test_hf_tokenizer_in_transformers_auto_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
-    from zaya_jax.tokenizer import save_for_transformers
+    from zaya_jax.data.tokenizer import save_for_transformers
 
     src = build_hf_tokenizer(tmp_path / "src.json", specials=("<|endoftext|>", "<unk>", "<s>"))
     ours = HFTokenizer(src, pad="<unk>")

@@ -13,10 +13,10 @@ import pytest
 from eval_models import write_harness_tasks, write_task
 from xla_env import xla_flags
 
-from zaya_jax import host_memory
 from zaya_jax.evaluate import evaluate
 from zaya_jax.export import export
-from zaya_jax.metrics import read_metrics
+from zaya_jax.runtime import host_memory
+from zaya_jax.training.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = [

@@ -19,7 +19,7 @@ from test_workdir_lock import _dead_pid, _write_lock, own_lock
 from xla_env import xla_flags
 
 from zaya_jax import config as config_lib
-from zaya_jax import workdir_lock as wl
+from zaya_jax.runtime import workdir_lock as wl
 
 TINY = os.path.join(ROOT, "configs", "tiny.py")
 

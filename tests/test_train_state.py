@@ -1,4 +1,4 @@
-"""The jit train step (zaya_jax/train_state.py): accumulation, non-finite skipping, determinism."""
+"""The jit train step (zaya_jax/training/train_state.py): accumulation, non-finite skipping, determinism."""
 
 import jax
 import jax.numpy as jnp
@@ -6,11 +6,11 @@ import numpy as np
 import optax
 import pytest
 
-from zaya_jax import balancing as bal
 from zaya_jax.config import base_config
 from zaya_jax.model import ZayaConfig
+from zaya_jax.optim import balancing as bal
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
-from zaya_jax.train_state import create_train_state, make_train_step
+from zaya_jax.training.train_state import create_train_state, make_train_step
 
 CFG = ZayaConfig.tiny(num_hidden_layers=2)
 
@@ -138,7 +138,7 @@ def test_one_abstract_train_state_for_the_trainer_and_every_checkpoint_reader():
     the mesh's shardings (the variables' from variable_shardings), and allocates nothing."""
     from zaya_jax import config as config_lib
     from zaya_jax.parallel.mesh import make_mesh
-    from zaya_jax.train_state import abstract_train_state, train_program, variable_shardings
+    from zaya_jax.training.train_state import abstract_train_state, train_program, variable_shardings
 
     c = base_config()
     config_lib.set_model(c, CFG)
@@ -176,7 +176,7 @@ def test_initial_state_is_the_created_state_and_keeps_no_executable():
 
     from zaya_jax import config as config_lib
     from zaya_jax.parallel.mesh import make_mesh
-    from zaya_jax.train_state import train_program
+    from zaya_jax.training.train_state import train_program
 
     c = base_config()
     config_lib.set_model(c, CFG)

@@ -1,4 +1,4 @@
-"""zaya_jax/workdir_lock.py: one command writing into a workdir at a time; a lock left by a dead
+"""zaya_jax/runtime/workdir_lock.py: one command writing into a workdir at a time; a lock left by a dead
 process (same host: pid gone or reused; another host: no heartbeat) does not block the next. The
 trainer's own use (a second trainer refused while one runs) is in tests/test_train_start.py."""
 
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from zaya_jax import workdir_lock as wl
-from zaya_jax.cli import UserError
+from zaya_jax.runtime import workdir_lock as wl
+from zaya_jax.runtime.cli import UserError
 
 
 def _write_lock(workdir, **holder):

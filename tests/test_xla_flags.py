@@ -1,9 +1,9 @@
-"""zaya_jax.xla_flags: XLA_FLAGS as tokens (the trainer's lean compile, the dry run's and the
+"""zaya_jax.runtime.xla_flags: XLA_FLAGS as tokens (the trainer's lean compile, the dry run's and the
 benchmarks' simulated devices all edit it through this)."""
 
 import os
 
-from zaya_jax import xla_flags
+from zaya_jax.runtime import xla_flags
 
 COUNT = xla_flags.DEVICE_COUNT
 

@@ -18,7 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax import config as config_lib
-from zaya_jax import dry_run, sizing
+from zaya_jax import sizing
+from zaya_jax.analysis import dry_run
 from zaya_jax.config import base_config, set_model
 from zaya_jax.model import ZayaConfig, init_variables
 from zaya_jax.optim.chain import make_optimizer
@@ -26,7 +27,7 @@ from zaya_jax.parallel import make_mesh
 from zaya_jax.parallel.mesh import MESH_AXES, mesh_from_config
 from zaya_jax.parallel.sharding import batch_sharding, opt_state_shardings, param_shardings
 from zaya_jax.parallel.zero1 import owner_plan, step_bytes
-from zaya_jax.train_state import abstract_batch, train_program
+from zaya_jax.training.train_state import abstract_batch, train_program
 
 # 8 layers: the data axis (8 or 4) divides the layer stacks, so every rank owns whole matrices.
 CFG = ZayaConfig.tiny(num_hidden_layers=8, vocab_size=128, moe_intermediate_size=32)

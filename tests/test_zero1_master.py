@@ -21,14 +21,14 @@ from test_train import ROOT, run_train, train_cmd, train_losses
 from xla_env import xla_flags
 
 from zaya_jax import config as config_lib
-from zaya_jax import hlo
-from zaya_jax.checkpoint import Checkpointer
+from zaya_jax.analysis import hlo
 from zaya_jax.model import ZayaConfig
 from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.parallel.sharding import grad_specs, param_shardings
 from zaya_jax.parallel.zero1 import compute_dtypes, shards_master
 from zaya_jax.reshard import reshard
-from zaya_jax.train_state import abstract_batch, train_program
+from zaya_jax.training.checkpoint import Checkpointer
+from zaya_jax.training.train_state import abstract_batch, train_program
 
 BF16 = ZayaConfig.tiny(num_hidden_layers=2, vocab_size=128, moe_intermediate_size=32, dtype="bfloat16")
 CAST = {

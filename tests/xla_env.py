@@ -1,7 +1,7 @@
 """The XLA_FLAGS of the test process and of the subprocesses tests start: `devices` simulated CPU
 devices, and XLA:CPU's default fusion emitters named explicitly (COMPILE_FLAGS), so `python -m
 zaya_jax.train` keeps them (its train.lean_cpu_compile trades 20-45% longer compiles for a lower
-peak, zaya_jax/host_memory.py; the suite compiles hundreds of programs). tests/test_train.py runs the
+peak, zaya_jax/runtime/host_memory.py; the suite compiles hundreds of programs). tests/test_train.py runs the
 CLI once with the trainer's default.
 
 Not here: `--xla_backend_optimization_level=0` (LLVM unoptimised; 20% off four test files) keeps

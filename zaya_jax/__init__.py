@@ -3,11 +3,11 @@
 import logging
 import os
 
-from zaya_jax import gpu_plugins
+from zaya_jax.runtime import gpu_plugins
 
 # jax is imported here, before any command's own imports, so that what the GPU compilers of the
 # `gpu_compile` extra print on a machine without a GPU stays out of every command's output
-# (zaya_jax/gpu_plugins.py); ZAYA_DEBUG=1 shows it.
+# (zaya_jax/runtime/gpu_plugins.py); ZAYA_DEBUG=1 shows it.
 if os.environ.get("ZAYA_DEBUG", "") in ("", "0"):
     logging.getLogger("jax._src.xla_bridge").addFilter(gpu_plugins.drop_no_gpu_record)
 gpu_plugins.import_jax()

@@ -14,17 +14,17 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
-from zaya_jax import cli
-from zaya_jax.balancing import BalancingConfig
-from zaya_jax.balancing import from_config as balancing_from_config
 from zaya_jax.data.ramp import parse_batch_ramp
 from zaya_jax.data.tasks import parse_data_spec
 from zaya_jax.model.config import ZayaConfig
+from zaya_jax.optim.balancing import BalancingConfig
+from zaya_jax.optim.balancing import from_config as balancing_from_config
 from zaya_jax.optim.chain import default_optim_config
 from zaya_jax.optim.schedules import DECAY_SHAPES, SCHEDULE_NAMES
 from zaya_jax.parallel.context import CONTIGUOUS, LAYOUTS
 from zaya_jax.parallel.mesh import DEFAULT_SIZES, MESH_AXES, check_mesh_sizes
 from zaya_jax.parallel.zero1 import GRAD_REDUCE, GRAD_REDUCE_DTYPES
+from zaya_jax.runtime import cli
 
 Section = ml_collections.ConfigDict
 
@@ -151,7 +151,7 @@ _FRACTION = cli.Float(min=0.0, max=1.0)
 _BETA = cli.Float(min=0.0, max=1.0, max_open=True)
 _NON_NEGATIVE = cli.Float(min=0.0)
 _DTYPE = cli.OneOf("float32", "bfloat16")
-# Keys whose values are declared as a CLI flag's are (zaya_jax/cli.py); the other keys are checked
+# Keys whose values are declared as a CLI flag's are (zaya_jax/runtime/cli.py); the other keys are checked
 # below or by their section's own code (ZayaConfig, BalancingConfig, the mesh). None (a placeholder
 # left unset) is always allowed.
 DECLARED_VALUES: dict[str, cli.FlagValue] = {
@@ -417,7 +417,7 @@ def _validate_data(c: ml_collections.ConfigDict) -> None:
 
 def _near(key: str, base: ml_collections.ConfigDict) -> str:
     """' (did you mean config.X?)' for the known key nearest to an unknown one."""
-    from zaya_jax.cli import near_key
+    from zaya_jax.runtime.cli import near_key
 
     def leaves(c: ml_collections.ConfigDict, prefix: str) -> list[str]:
         return [

@@ -4,14 +4,14 @@
 Writes a training checkpoint as a transformers ZayaForCausalLM directory: config.json,
 generation_config.json, safetensors (sharded with an index past --max-shard-bytes) and the
 tokenizer: zaya_tokenizer.json (ours) and tokenizer.json + tokenizer_config.json, which
-`AutoTokenizer.from_pretrained` reads with the same ids (zaya_jax.tokenizer.save_for_transformers).
+`AutoTokenizer.from_pretrained` reads with the same ids (zaya_jax.data.tokenizer.save_for_transformers).
 config.json and generation_config.json carry the tokenizer's pad / bos / eos ids. Only the params and balancing biases are read from the Orbax checkpoint (no
 optimizer state); the model config is rebuilt from the training config saved with it. The
 safetensors are written tensor by tensor (zaya_jax.hf.save_pretrained). Without --tokenizer the
-run's own tokenizer is written (WORKDIR/tokenizer; see zaya_jax/pretrained.py), and stderr names the
+run's own tokenizer is written (WORKDIR/tokenizer; see zaya_jax/hf/pretrained.py), and stderr names the
 file it was read from.
 HF_DIR must be new or empty (`--overwrite` replaces an existing one) and outside the checkpoint's
-workdir; it appears complete or not at all (zaya_jax.output_dir).
+workdir; it appears complete or not at all (zaya_jax.runtime.output_dir).
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ import sys
 import numpy as np
 from absl import logging
 
-from zaya_jax import cli, hf, output_dir, workdir_lock
-from zaya_jax.checkpoint import checkpoint_workdir
-from zaya_jax.pretrained import checkpoint_tokenizer, is_hf_dir, load_checkpoint_variables, tokenizer_file
-from zaya_jax.tokenizer import load_tokenizer, save_for_transformers
+from zaya_jax import hf
+from zaya_jax.data.tokenizer import load_tokenizer, save_for_transformers
+from zaya_jax.hf.pretrained import checkpoint_tokenizer, is_hf_dir, load_checkpoint_variables, tokenizer_file
+from zaya_jax.runtime import cli, output_dir, workdir_lock
+from zaya_jax.training.checkpoint import checkpoint_workdir
 
 
 def skip_bias_warning(variables: dict) -> str | None:

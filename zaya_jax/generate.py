@@ -18,7 +18,7 @@ per bucket rather than one per length.
         [--prompts-file FILE] [--batch-size 8] [--max-new-tokens N] [--temperature T] [--top-p P]
         [--seed S] [--tokenizer T] [--prefix auto|bos|eos|ID|none] [--out completions.jsonl]
 
-The checkpoint is an Orbax training checkpoint or an HF directory (zaya_jax.pretrained.load_model);
+The checkpoint is an Orbax training checkpoint or an HF directory (zaya_jax.hf.pretrained.load_model);
 each prompt is encoded after the model's prefix token (the document boundary it was trained with).
 A prompt + --max-new-tokens beyond the model's max_position_embeddings is refused before anything
 runs. Prompts are generated --batch-size at a time, decoded in chunks of about CHUNK_S seconds: a
@@ -44,10 +44,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zaya_jax import cli, interrupt
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.model.transformer import KVCache, ZayaForCausalLM, init_cache
 from zaya_jax.parallel.sharding import BATCH_AXES
+from zaya_jax.runtime import cli, interrupt
 
 __all__ = [
     "KVCache",
@@ -327,7 +327,7 @@ def read_prompts(prompts: Sequence[str] | None, prompts_file: str | None) -> lis
 
 
 def arg_parser() -> cli.ArgumentParser:
-    from zaya_jax.pretrained import PREFIX_FLAG
+    from zaya_jax.hf.pretrained import PREFIX_FLAG
 
     ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -428,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
 
     from absl import logging
 
-    from zaya_jax.pretrained import load_model, tokenizer_line
+    from zaya_jax.hf.pretrained import load_model, tokenizer_line
 
     logging.set_verbosity(logging.WARNING)
     prefix = "auto" if args.prefix == "none" else args.prefix

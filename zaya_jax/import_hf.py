@@ -22,13 +22,14 @@ import jax.numpy as jnp
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zaya_jax import cli, hf, output_dir, workdir_lock
 from zaya_jax import config as config_lib
-from zaya_jax.checkpoint import Checkpointer
+from zaya_jax import hf
+from zaya_jax.data.tokenizer import CONFIG_FILENAME, HF_FILENAME, load_tokenizer
+from zaya_jax.hf.pretrained import TOKENIZER_DIR
 from zaya_jax.parallel.mesh import mesh_from_config
-from zaya_jax.pretrained import TOKENIZER_DIR
-from zaya_jax.tokenizer import CONFIG_FILENAME, HF_FILENAME, load_tokenizer
-from zaya_jax.train_state import train_program
+from zaya_jax.runtime import cli, output_dir, workdir_lock
+from zaya_jax.training.checkpoint import Checkpointer
+from zaya_jax.training.train_state import train_program
 
 
 def import_hf(hf_dir: str, out: str, c=None, *, overwrite: bool = False) -> dict:

@@ -1,6 +1,6 @@
 """Plot a run's metrics: ``python -m zaya_jax.plot WORKDIR [--out DIR] [--log-y] [--smooth A]``.
 
-Reads ``WORKDIR/metrics.jsonl`` (written by :class:`zaya_jax.metrics.MetricsLogger`) and writes
+Reads ``WORKDIR/metrics.jsonl`` (written by :class:`zaya_jax.training.metrics.MetricsLogger`) and writes
 
 * ``loss.png`` — train loss vs step (a line; with ``--smooth`` the raw curve is faded behind
   an exponential moving average) and eval loss as points;
@@ -10,7 +10,7 @@ Reads ``WORKDIR/metrics.jsonl`` (written by :class:`zaya_jax.metrics.MetricsLogg
   Skipped (with a note) when no record has the load.
 * ``expert_load_heatmap.png`` — one panel per layer, experts (rows) x steps (columns), coloured by
   each expert's share of the layer's tokens relative to the balanced share 1/E (``expert_load``
-  [L][E] of the routing telemetry, zaya_jax/routing_telemetry.py): white = balanced, red =
+  [L][E] of the routing telemetry, zaya_jax/training/routing_telemetry.py): white = balanced, red =
   overloaded, blue = underloaded (log scale, 1/8x to 8x), black = no token at all; each panel's
   title gives the layer's skip fraction, router entropy (of at most ln(E+1)) and dead experts at
   the last logged step.
@@ -33,14 +33,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from zaya_jax import cli
-from zaya_jax.metrics import METRICS_FILE, read_metrics
+from zaya_jax.runtime import cli
+from zaya_jax.training.metrics import METRICS_FILE, read_metrics
 
 # Record keys holding per-layer [L] values; the first one present is used. The unprefixed names
-# are what zaya_jax.balancing returns, in case a trainer logs them as they come.
+# are what zaya_jax.optim.balancing returns, in case a trainer logs them as they come.
 LOAD_KEYS = ("expert_load_max_over_mean", "load_max_over_mean")
 SKIP_KEYS = ("expert_skip_fraction", "skip_fraction")
-# The trainer's spill metrics (zaya_jax/train_state.py SPILL_BLOCKS, SPILL_STEP_FRACTION).
+# The trainer's spill metrics (zaya_jax/training/train_state.py SPILL_BLOCKS, SPILL_STEP_FRACTION).
 SPILL_BLOCKS, SPILL_STEP_FRACTION = "expert_exchange/spill_blocks", "expert_exchange/spill_step_fraction"
 
 

@@ -9,7 +9,7 @@ abstract TrainState of the new mesh (`train_state.abstract_train_state`). Mesh k
 the source's values. `--config.mesh.zero1` may be changed too. A run on the new mesh then
 resumes from DST (`python -m zaya_jax.train --workdir DST ...` with the same config and new mesh).
 DST must be new or empty (`--overwrite` replaces an existing one, never the source's workdir) and
-appears complete or not at all (zaya_jax.output_dir).
+appears complete or not at all (zaya_jax.runtime.output_dir).
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_dict, config_flags
 
-from zaya_jax import cli, output_dir, workdir_lock
 from zaya_jax import config as config_lib
-from zaya_jax.checkpoint import Checkpointer, checkpoint_workdir
+from zaya_jax.data.tokenizer import load_tokenizer
+from zaya_jax.hf.pretrained import TOKENIZER_DIR, store_tokenizer
 from zaya_jax.parallel.mesh import check_mesh_sizes, mesh_from_config
-from zaya_jax.pretrained import TOKENIZER_DIR, store_tokenizer
-from zaya_jax.tokenizer import load_tokenizer
-from zaya_jax.train_state import abstract_train_state
+from zaya_jax.runtime import cli, output_dir, workdir_lock
+from zaya_jax.training.checkpoint import Checkpointer, checkpoint_workdir
+from zaya_jax.training.train_state import abstract_train_state
 
 MESH_KEYS = ("data", "fsdp", "expert", "zero1")
 

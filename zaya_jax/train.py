@@ -7,10 +7,10 @@ its latest checkpoint, data position included, read straight into the sharded ar
 of another model or optimizer is an error that moves nothing; an unreadable newest checkpoint is
 skipped with a warning; if none is readable the run stops with an error).
 
-One run per workdir: the run holds WORKDIR/zaya_jax.lock (zaya_jax/workdir_lock.py). A resume
+One run per workdir: the run holds WORKDIR/zaya_jax.lock (zaya_jax/runtime/workdir_lock.py). A resume
 says which checkpoint it read and refuses other data or another learning-rate plan unless
-allowed (zaya_jax/resume.py). Before the first step the train and eval steps are compiled and
-their memory compared with the devices' (zaya_jax/device_memory.py): a step that cannot fit is one
+allowed (zaya_jax/training/resume.py). Before the first step the train and eval steps are compiled and
+their memory compared with the devices' (zaya_jax/runtime/device_memory.py): a step that cannot fit is one
 `error:` line, the workdir left as it was. Fault handling, the one-step-late loss read, and where each part
 lives: docs/design/trainer.md.
 """
@@ -31,22 +31,9 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zaya_jax import (
-    cli,
-    device_memory,
-    dry_run,
-    fault,
-    gpu_target,
-    hardware,
-    host_memory,
-    prediction,
-    resume,
-    sizing,
-    workdir_lock,
-)
 from zaya_jax import config as config_lib
-from zaya_jax.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
-from zaya_jax.cli import UserError
+from zaya_jax import sizing
+from zaya_jax.analysis import dry_run, hardware, prediction
 from zaya_jax.data import mixture as mixture_lib
 from zaya_jax.data.megatron import MegatronOptions
 from zaya_jax.data.megatron_format import check_token_ids, megatron_prefix, stderr_progress
@@ -58,17 +45,21 @@ from zaya_jax.data.pipeline import (
     source_tokenizer,
 )
 from zaya_jax.data.ramp import BatchRamp, parse_batch_ramp
-from zaya_jax.events import EventLog
-from zaya_jax.fault import Do, FaultMonitor
-from zaya_jax.metrics import MetricsLogger, to_python
+from zaya_jax.hf.pretrained import check_stored_tokenizer, store_tokenizer
 from zaya_jax.parallel.context import row_devices
 from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.parallel.sharding import shard_batch
-from zaya_jax.pretrained import check_stored_tokenizer, store_tokenizer
-from zaya_jax.routing_telemetry import DEAD, DeadExperts
-from zaya_jax.train_eval import downstream_tasks, eval_rows, evaluate, harness_tasks
-from zaya_jax.train_state import (
+from zaya_jax.runtime import cli, device_memory, gpu_target, host_memory, workdir_lock
+from zaya_jax.runtime.cli import UserError
+from zaya_jax.trainer.evaluations import downstream_tasks, eval_rows, evaluate, harness_tasks
+from zaya_jax.training import fault, resume
+from zaya_jax.training.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
+from zaya_jax.training.events import EventLog
+from zaya_jax.training.fault import Do, FaultMonitor
+from zaya_jax.training.metrics import MetricsLogger, to_python
+from zaya_jax.training.routing_telemetry import DEAD, DeadExperts
+from zaya_jax.training.train_state import (
     SPILL_BLOCKS,
     SPILL_STEP_FRACTION,
     TrainState,
@@ -223,7 +214,7 @@ class Trainer:
         # saved with every checkpoint: data paths absolute, so the workdir's commands run from anywhere
         self.config_json = config_lib.with_absolute_paths(json.loads(c.to_json_best_effort()))
         self.state = self._restore_or_create()
-        if self.primary:  # the workdir holds the tokenizer its commands read (zaya_jax/pretrained.py)
+        if self.primary:  # the workdir holds the tokenizer its commands read (zaya_jax/hf/pretrained.py)
             store_tokenizer(self.tokenizer, workdir)
         self.step = start = int(self.state.step)
         self.peak = sizing.peak_flops_per_device()
@@ -499,7 +490,7 @@ def _check_megatron_tokens(c: ml_collections.ConfigDict, sources, vocab_size: in
 
 
 def _lock_workdir(workdir: str) -> workdir_lock.WorkdirLock | None:
-    """Process 0 takes the workdir's lock for the whole run (zaya_jax/workdir_lock.py); the other
+    """Process 0 takes the workdir's lock for the whole run (zaya_jax/runtime/workdir_lock.py); the other
     processes of the run (one run, several processes) learn its outcome and stop with it."""
     lock, refused = None, ""
     if jax.process_index() == 0:
@@ -518,7 +509,7 @@ def _lock_workdir(workdir: str) -> workdir_lock.WorkdirLock | None:
 def _check_memory(c: ml_collections.ConfigDict, program, abstract_state, eval_step) -> None:
     """Refuses, before anything is allocated or saved, a train step at the full batch, or the held-out
     evaluation's step (every run evaluates at its last step), that needs more memory than this
-    process' devices have (zaya_jax/device_memory.py). Both are compiled here from abstract shapes;
+    process' devices have (zaya_jax/runtime/device_memory.py). Both are compiled here from abstract shapes;
     the run's first calls reuse the compiles."""
     mesh = program.mesh
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
@@ -683,7 +674,7 @@ FLAGS = flags.FLAGS
 
 def _define_flags(fv=None) -> None:
     """CLI flags, defined only when run as a program: importing this module defines none. On absl's
-    FLAGS, or the FlagValues `fv`; numeric and enumerated ones declare their values (zaya_jax/cli.py)."""
+    FLAGS, or the FlagValues `fv`; numeric and enumerated ones declare their values (zaya_jax/runtime/cli.py)."""
     fv = FLAGS if fv is None else fv
     config_flags.DEFINE_config_file(
         "config", None, "Training config file (configs/<name>.py[:arg]).", lock_config=True, flag_values=fv
@@ -695,7 +686,7 @@ def _define_flags(fv=None) -> None:
         "dry_run",
         False,
         "Compile the full-size train step (for --dry_run_target), print memory per device, "
-        "collectives and compile time, and exit; needs no --workdir (zaya_jax/dry_run.py).",
+        "collectives and compile time, and exit; needs no --workdir (zaya_jax/analysis/dry_run.py).",
         flag_values=fv,
     )
     cli.define_flag(
@@ -722,7 +713,7 @@ def _define_flags(fv=None) -> None:
     cli.define_flag(
         "dry_run_hardware",
         None,
-        "A JSON file of hardware figures (any keys of zaya_jax/hardware.py) overriding the "
+        "A JSON file of hardware figures (any keys of zaya_jax/analysis/hardware.py) overriding the "
         "--dry_run_target's in the predicted step, e.g. a cluster's measured bandwidths.",
         cli.Parsed(hardware.read_file, "a JSON file of hardware keys", invalid=("/nonexistent/hw.json",)),
         fv,
@@ -748,7 +739,7 @@ def _new_file(path: str) -> str:
 def main(argv):
     if FLAGS.config is not None:
         # before jax creates a backend (XLA reads XLA_FLAGS then) and starts its threads; may
-        # re-execute this command once (zaya_jax/host_memory.py). Checked as booleans later.
+        # re-execute this command once (zaya_jax/runtime/host_memory.py). Checked as booleans later.
         t = FLAGS.config.train
         host_memory.configure(reuse=t.reuse_host_memory is True, lean=t.lean_cpu_compile is True)
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from zaya_jax import hlo as hlo_lib
-from zaya_jax.train_state import OPTIMIZER_SCOPE
+from zaya_jax.analysis import hlo as hlo_lib
+from zaya_jax.training.train_state import OPTIMIZER_SCOPE
 
 
 def all_to_all_bytes(hlo: str) -> tuple[int, int]:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-from zaya_jax.tokenizer import Tokenizer
+from zaya_jax.data.tokenizer import Tokenizer
 
 
 def _encode(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:

@@ -27,7 +27,7 @@ from zaya_jax.data.megatron import MegatronOptions, load_megatron_split, tokeniz
 from zaya_jax.data.megatron_format import megatron_prefix
 from zaya_jax.data.prepare import SPLITS, TokenDocuments, load_split, read_meta
 from zaya_jax.data.ramp import BatchRamp, RampBatches
-from zaya_jax.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from zaya_jax.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 Source = str | os.PathLike | None
 _EMBEDDED = "embedded"

@@ -62,11 +62,11 @@ from pathlib import Path
 
 import numpy as np
 
-from zaya_jax import cli, interrupt, output_dir
 from zaya_jax.data import input_formats, is_eval_document, prepare_resume
 from zaya_jax.data.encode import Progress, encode_documents
 from zaya_jax.data.megatron_format import MegatronWriter, megatron_dtype
-from zaya_jax.tokenizer import Tokenizer, load_tokenizer
+from zaya_jax.data.tokenizer import Tokenizer, load_tokenizer
+from zaya_jax.runtime import cli, interrupt, output_dir
 
 FORMAT_NAME = "zaya_jax.tokens"
 FORMAT_VERSION = 1

@@ -13,7 +13,7 @@ A data SPEC is one task, its kind read off the path (or forced with a "kind:" pr
     mc:FILE                                  multiple choice (zaya_jax/evaluate/multiple_choice.py)
 
 The checkpoint is an Orbax training checkpoint (WORKDIR, WORKDIR/checkpoints or .../<step>) or a
-Hugging Face directory (zaya_jax.pretrained). Scoring is one jit-compiled step per sequence bucket
+Hugging Face directory (zaya_jax.hf.pretrained). Scoring is one jit-compiled step per sequence bucket
 (zaya_jax/evaluate/scoring.py), on one device or a (data, fsdp, expert) mesh.
 """
 
@@ -29,6 +29,7 @@ from typing import Any
 import jax
 
 from zaya_jax.data.tasks import KINDS, Task, parse_data_spec  # noqa: F401  (KINDS: re-exported)
+from zaya_jax.data.tokenizer import Tokenizer
 from zaya_jax.evaluate.multiple_choice import Example, load_task, score_task, task_metrics, task_requests
 from zaya_jax.evaluate.perplexity import (
     Document,
@@ -39,10 +40,9 @@ from zaya_jax.evaluate.perplexity import (
     token_documents,
 )
 from zaya_jax.evaluate.scoring import Request, Score, Scorer, sequence_buckets
+from zaya_jax.hf.pretrained import Pretrained, load_model, tokenizer_line
 from zaya_jax.parallel.context import row_devices
 from zaya_jax.parallel.mesh import make_mesh, parse_mesh_spec
-from zaya_jax.pretrained import Pretrained, load_model, tokenizer_line
-from zaya_jax.tokenizer import Tokenizer
 
 __all__ = [
     "Document",

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 import jax
 from absl import logging
 
-from zaya_jax import cli, interrupt
 from zaya_jax.evaluate import evaluate
+from zaya_jax.hf.pretrained import PREFIX_FLAG
 from zaya_jax.parallel.distributed import initialize_from_env
 from zaya_jax.parallel.mesh import MESH_FLAG
-from zaya_jax.pretrained import PREFIX_FLAG
+from zaya_jax.runtime import cli, interrupt
 
 
 def format_table(results: dict) -> str:

@@ -7,7 +7,7 @@ optionally with "id". Each choice is scored as the continuation `delimiter + cho
 (delimiter " " by default, lm-eval's `target_delimiter`). Tokenisation follows lm-eval's
 `_encode_pair`: trailing spaces of the context move to the continuation, the pair is encoded whole
 and the continuation is what follows the context's own tokens. Every request starts with the
-model's prefix token (zaya_jax.pretrained), so an empty context is predicted from a document
+model's prefix token (zaya_jax.hf.pretrained), so an empty context is predicted from a document
 boundary; with prefix_every_request=False (`--prefix none`, lm-eval's default) only a request whose
 context has no tokens does, as lm-eval conditions those on its prefix_token_id. A context longer
 than max_len is cut from the left.
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from zaya_jax.data.tokenizer import Tokenizer
 from zaya_jax.evaluate.scoring import Request, Score, Scorer
-from zaya_jax.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Perplexity and bits per byte of documents, scored in rolling windows (lm-evaluation-harness's
 `loglikelihood_rolling`).
 
-A document's tokens t_1..t_n are predicted from the prefix token t_0 (zaya_jax.pretrained:
+A document's tokens t_1..t_n are predicted from the prefix token t_0 (zaya_jax.hf.pretrained:
 the document boundary the model was trained with). Windows of at most `max_len` inputs each
 predict up to `stride` new tokens with as much preceding context as fits; stride = max_len (the
 default) gives disjoint windows, a smaller stride more context per prediction at more compute.
@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from zaya_jax.data.tokenizer import Tokenizer
 from zaya_jax.evaluate.scoring import Request, Score, Scorer
-from zaya_jax.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)

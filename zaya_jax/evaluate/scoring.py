@@ -32,11 +32,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zaya_jax.loss import chunked_token_logprobs
+from zaya_jax.hf.pretrained import variable_shardings
 from zaya_jax.model import ZayaConfig, ZayaForCausalLM
+from zaya_jax.model.loss import chunked_token_logprobs
 from zaya_jax.parallel.context import row_devices
 from zaya_jax.parallel.sharding import batch_sharding
-from zaya_jax.pretrained import variable_shardings
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,12 +22,12 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from zaya_jax import output_dir
 from zaya_jax.hf import config as hf_config
 from zaya_jax.hf.names import TensorMap, check_registered, is_legacy, legacy_map, native_map
 from zaya_jax.hf.safetensors_io import SafetensorsError, iter_tensors, plan_shards, read_header, write_file
 from zaya_jax.model.config import ZayaConfig
 from zaya_jax.model.transformer import init_variables
+from zaya_jax.runtime import output_dir
 
 __all__ = ["SafetensorsError", "load_pretrained", "save_pretrained"]
 
@@ -159,7 +159,7 @@ def save_pretrained(
     model.safetensors.index.json past `max_shard_bytes`). `path` must be new or an empty directory;
     an existing file or non-empty directory is replaced only with `overwrite=True` (else
     cli.UserError). The directory is assembled beside `path` and moved into place at the end
-    (zaya_jax.output_dir), so an interrupted export never leaves a half-written checkpoint.
+    (zaya_jax.runtime.output_dir), so an interrupted export never leaves a half-written checkpoint.
     """
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"save_pretrained: dtype {dtype!r} not in {sorted(EXPORT_DTYPES)}")

@@ -2,7 +2,7 @@
 
 A Triton kernel is opaque in XLA's HLO: the custom call names its grid, not the work of a program
 (which lives in its IR). So each of our pallas_calls is named `tagged(name, flops)`: its name plus
-`FLOPS_TAG` and the count, which `zaya_jax.hlo.work` reads back from a compiled step
+`FLOPS_TAG` and the count, which `zaya_jax.analysis.hlo.work` reads back from a compiled step
 (the dry run's FLOPs table, tests/test_gpu_compile.py's expert work). The count follows the
 kernel's own loops over padded tiles: what its programs execute when every row they may own is
 used, i.e. an upper bound over the data (a grouped matmul's tiles of empty groups, a causal

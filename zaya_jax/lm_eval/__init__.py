@@ -6,7 +6,7 @@
                        --log_samples, --gen_kwargs, ...]
 
 PATH is a training workdir, one of its checkpoints (WORKDIR/checkpoints/STEP) or a Hugging Face
-directory (zaya_jax.pretrained). The backend (zaya_jax/lm_eval/backend.py) gives `--model hf`'s
+directory (zaya_jax.hf.pretrained). The backend (zaya_jax/lm_eval/backend.py) gives `--model hf`'s
 numbers on the exported directory: the same acc / acc_norm, per-request log-likelihoods within
 1e-4 and the same greedy generations, with `prefix` in place of HF's BOS options. Inside
 training, `eval.harness_tasks` runs tasks through it at every evaluation (zaya_jax/lm_eval/harness.py).
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 
-from zaya_jax.cli import UserError, one_line
+from zaya_jax.runtime.cli import UserError, one_line
 
 
 def require_lm_eval(what: str) -> None:

@@ -11,7 +11,7 @@ mesh over all of them; only process 0 prints and writes --output_path (each proc
 rank 0 of one, and LOCAL_RANK = its process index keeps lm-eval's output on process 0 and gives
 each process its own --use_cache file, as lm-eval does for tensor-parallel launchers).
 
-SIGINT / SIGTERM stop it within seconds with one line, exit 130 / 143 (zaya_jax/interrupt.py).
+SIGINT / SIGTERM stop it within seconds with one line, exit 130 / 143 (zaya_jax/runtime/interrupt.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from zaya_jax import cli, interrupt
 from zaya_jax.lm_eval import require_lm_eval
+from zaya_jax.runtime import cli, interrupt
 
 MODEL = "zaya_jax"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -53,7 +53,7 @@ def _verbosity(text: str) -> str:
     return cli.OneOf(*LOG_LEVELS).parse(text.upper())
 
 
-# lm-eval's numeric and enumerated flags of `run`, declared with zaya_jax.cli's values (the walking
+# lm-eval's numeric and enumerated flags of `run`, declared with zaya_jax.runtime.cli's values (the walking
 # test, tests/cli_walk.py, feeds each the values it refuses).
 DECLARED = {
     "--limit": cli.Parsed(_limit, "a whole count >= 1 or a fraction in (0, 1)", ("0", "2.5", "-1")),

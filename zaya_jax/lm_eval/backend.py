@@ -39,13 +39,13 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
+from zaya_jax.data.tokenizer import Tokenizer
 from zaya_jax.evaluate import Request, Scorer, parse_mesh
 from zaya_jax.generate import generate
 from zaya_jax.model import ZayaConfig
 from zaya_jax.parallel.context import row_devices
 from zaya_jax.parallel.distributed import barrier
 from zaya_jax.parallel.mesh import MESH_AXES, parse_mesh_spec
-from zaya_jax.tokenizer import Tokenizer
 
 PREFIXES = ("none", "bos", "eos", "auto")
 DEFAULT_BATCH = 8  # rows per step, rounded up to a multiple of the mesh's devices
@@ -141,7 +141,7 @@ class ZayaLM(TemplateLM):
     def __init__(self, checkpoint: str | None = None, **model_args: Any):
         super().__init__()
         a = check_model_args({"checkpoint": checkpoint, **model_args})
-        from zaya_jax.pretrained import load_model, tokenizer_line
+        from zaya_jax.hf.pretrained import load_model, tokenizer_line
 
         mesh = parse_mesh(a.mesh)
         if mesh is not None and a.batch_size is not None and a.batch_size % row_devices(mesh):

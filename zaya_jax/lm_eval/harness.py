@@ -18,8 +18,8 @@ from lm_eval import evaluator
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import set_torch_seed
 
-from zaya_jax.cli import near_key
 from zaya_jax.lm_eval.backend import ZayaLM
+from zaya_jax.runtime.cli import near_key
 
 # lm-eval's simple_evaluate defaults (random, numpy, torch, few-shot), so the numbers equal the CLI's
 SEEDS = (0, 1234, 1234, 1234)

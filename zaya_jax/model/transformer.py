@@ -43,7 +43,7 @@ class ZayaOutput:
     expert-parallel capacity limit, int32 [L] (0 when dropless); router_entropy: the sum over the
     tokens counted in expert_counts of the entropy (nats) of the router's distribution over the E+1
     classes, fp32 [L] (divide by the tokens for a mean; routing telemetry,
-    zaya_jax/routing_telemetry.py); exchange_spills: int32 [L, devices] (split over the devices;
+    zaya_jax/training/routing_telemetry.py); exchange_spills: int32 [L, devices] (split over the devices;
     [L, 1] without a mesh), 1 where the device's expert group ran the exchange's spill round in that
     block (zaya_jax/parallel/expert.py)."""
 

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from zaya_jax import cli
+from zaya_jax.runtime import cli
 
 # Adding an axis: one entry here (its default size in DEFAULT_SIZES if not 1) and its key in the
 # config's mesh section (zaya_jax/config.py); every parser and builder below walks this tuple.
@@ -99,7 +99,7 @@ def checked_mesh_spec(spec: str) -> str:
     return spec
 
 
-# What a CLI's --mesh flag takes (zaya_jax/cli.py): an axis=size spec, or with MESH_FLAG none / auto.
+# What a CLI's --mesh flag takes (zaya_jax/runtime/cli.py): an axis=size spec, or with MESH_FLAG none / auto.
 MESH_SPEC_FLAG = cli.Parsed(
     checked_mesh_spec,
     f"axis=size,... (axes {', '.join(MESH_AXES)}; sizes >= 1, one may be -1)",
@@ -137,7 +137,7 @@ def make_mesh(
 
 def device_platform(device: jax.Device) -> str:
     """The compiler a device's programs go through: "cpu", "cuda", "rocm" or "tpu". A GPU device
-    (real, or one of a deviceless GPU topology, zaya_jax/gpu_target.py) reports "gpu" as its
+    (real, or one of a deviceless GPU topology, zaya_jax/runtime/gpu_target.py) reports "gpu" as its
     platform; its client names the vendor (jax reads the same attribute to pick the lowering)."""
     client = getattr(device, "client", None)
     raw = getattr(client, "_raw_platform", None) or device.platform

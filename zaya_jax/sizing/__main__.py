@@ -23,8 +23,8 @@ def _define_flags(fv=None):
     from absl import flags
     from ml_collections import config_flags
 
-    from zaya_jax import cli
     from zaya_jax.parallel.mesh import MESH_SPEC_FLAG
+    from zaya_jax.runtime import cli
 
     fv = flags.FLAGS if fv is None else fv
     config_flags.DEFINE_config_file(
@@ -127,6 +127,6 @@ def _normalise_argv(argv: list[str]) -> list[str]:
 if __name__ == "__main__":
     import sys
 
-    from zaya_jax import cli
+    from zaya_jax.runtime import cli
 
     cli.run_absl(main, _define_flags, argv=_normalise_argv(sys.argv))

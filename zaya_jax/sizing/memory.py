@@ -75,7 +75,7 @@ class MemoryEstimate:
     @property
     def update_temporaries(self) -> float:
         """What the optimizer update holds where the compiler does not write the new state over the
-        old one (XLA:CPU, inside the skip guard's lax.cond: zaya_jax/train_state.updated_state): the
+        old one (XLA:CPU, inside the skip guard's lax.cond: zaya_jax/training/train_state.updated_state): the
         new parameters and optimizer state, the largest parameter's all-gathered update and the
         reduced gradient shards (the gradients over the data size; all of them without ZeRO-1)."""
         return self.params + self.optimizer + self.largest_leaf + self.grad_shard

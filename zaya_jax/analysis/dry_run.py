@@ -4,12 +4,12 @@ any config at full size for N devices, without allocating it.
 
 The step is the one the trainer jits (`train_state.train_program`), traced from abstract shapes and
 compiled for N simulated CPU devices or N deviceless GPUs (`mi300x`, `h100`, or a GpuTargetConfig
-file: zaya_jax/gpu_target.py). It prints memory per device (against sizing and the device, or this machine's RAM for the CPU
+file: zaya_jax/runtime/gpu_target.py). It prints memory per device (against sizing and the device, or this machine's RAM for the CPU
 target), the
 remat policy with the least recompute that fits and the largest microbatch that fits with it
 (--dry_run_fit; if none, the first layout that does), the collectives with their bytes, Muon's
 Newton-Schulz FLOPs, the compiled kernels and dot FLOPs and the predicted step time (GPU targets:
-zaya_jax/timeline.py) and compile times; nothing is written to disk but --dry_run_json's report.
+zaya_jax/analysis/timeline.py) and compile times; nothing is written to disk but --dry_run_json's report.
 What each table means: docs/guides/dry-run.md.
 XLA's own log records while compiling are kept from the terminal (ZAYA_DEBUG=1 shows them).
 """
@@ -30,17 +30,19 @@ import jax
 import ml_collections
 from jax._src import config as jax_config  # enable_compilation_cache as a context: not public
 
-from zaya_jax import cli, device_memory, gpu_plugins, gpu_target, hardware, prediction, sizing, xla_flags
 from zaya_jax import config as config_lib
-from zaya_jax import hlo as hlo_lib
-from zaya_jax.hlo import COLLECTIVES
+from zaya_jax import sizing
+from zaya_jax.analysis import hardware, prediction
+from zaya_jax.analysis import hlo as hlo_lib
+from zaya_jax.analysis.hlo import COLLECTIVES
 from zaya_jax.kernels import attention_choice, ns_choice
 from zaya_jax.model.moe import resolve_moe_impl
 from zaya_jax.model.transformer import resolve_scan_layers
 from zaya_jax.parallel import zero1
 from zaya_jax.parallel.context import config_context
 from zaya_jax.parallel.mesh import MESH_AXES, device_platform, mesh_from_config, mesh_platform
-from zaya_jax.train_state import OPTIMIZER_SCOPE, abstract_batch, check_batch_divides, train_program
+from zaya_jax.runtime import cli, device_memory, gpu_plugins, gpu_target, xla_flags
+from zaya_jax.training.train_state import OPTIMIZER_SCOPE, abstract_batch, check_batch_divides, train_program
 
 DEFAULT_DEVICES = 8  # a -1 mesh axis: one node, as `python -m zaya_jax.sizing` assumes
 

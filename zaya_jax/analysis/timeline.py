@@ -1,5 +1,5 @@
 """A step's time read from its compiled HLO (`compiled.as_text()`, XLA:GPU's scheduled module) and
-a device's figures (zaya_jax/hardware.py): per device, per call of the program.
+a device's figures (zaya_jax/analysis/hardware.py): per device, per call of the program.
 
 The module's instructions run in their written order (the schedule) on one compute stream; the
 collectives run on one network stream beside it.
@@ -19,7 +19,7 @@ collectives run on one network stream beside it.
   issued and the network is free; its `-done` waits for it, so the compute scheduled between start
   and done hides it. A synchronous collective waits for the network and itself: fully exposed.
 * A while loop runs its body (and condition) its known trip count times (1 when XLA did not infer
-  it), each trip simulated alike; a conditional its default branch (zaya_jax/hlo.py's main path); a
+  it), each trip simulated alike; a conditional its default branch (zaya_jax/analysis/hlo.py's main path); a
   call its callee. A start whose done lies in the next trip (a pipelined collective) is waited for by
   that done, counted from the trip's beginning.
 
@@ -32,8 +32,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from zaya_jax import hardware
-from zaya_jax import hlo as hlo_lib
+from zaya_jax.analysis import hardware
+from zaya_jax.analysis import hlo as hlo_lib
 
 _INST = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
 _CALL = re.compile(

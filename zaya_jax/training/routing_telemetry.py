@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zaya_jax.balancing import expert_load_stats, safe_div
+from zaya_jax.optim.balancing import expert_load_stats, safe_div
 
 # The metric names this module defines (the step's metrics dict, metrics.jsonl, TensorBoard).
 STEP_METRICS = (

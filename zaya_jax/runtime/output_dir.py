@@ -27,7 +27,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 
-from zaya_jax.cli import UserError
+from zaya_jax.runtime.cli import UserError
 
 
 def _real(path: str) -> str:

@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from zaya_jax.interrupt import Interrupted, exit_with
+from zaya_jax.runtime.interrupt import Interrupted, exit_with
 
 EXIT_USER_ERROR = 2
 
@@ -68,7 +68,7 @@ def run(main: Callable[..., Any], *args: Any) -> Any:
         if debug():
             raise
         fail(one_line(e))
-    except Interrupted as e:  # SIGINT / SIGTERM (zaya_jax/interrupt.py): one line, 128 + signum
+    except Interrupted as e:  # SIGINT / SIGTERM (zaya_jax/runtime/interrupt.py): one line, 128 + signum
         exit_with(e)
     if isinstance(out, int) and not isinstance(out, bool):
         sys.exit(out)  # argparse-style mains return an exit code

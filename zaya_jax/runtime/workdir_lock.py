@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any
 
-from zaya_jax.cli import UserError
+from zaya_jax.runtime.cli import UserError
 
 LOCK_FILE = "zaya_jax.lock"
 STALE_ENV = "ZAYA_LOCK_STALE_S"

@@ -1,4 +1,4 @@
-"""A GPU's figures for the step-time model (zaya_jax/timeline.py), as data: one JSON file per target
+"""A GPU's figures for the step-time model (zaya_jax/analysis/timeline.py), as data: one JSON file per target
 in zaya_jax/gpu_targets/ (`mi300x.json`, `h100.json`, `h200.json`), every number with its source in
 the file's `sources` object.
 
@@ -64,7 +64,7 @@ _POSITIVE = (
 )
 _BY_KEY = ("peak_flops_per_second", "max_achievable_flops_per_second", "kernel_efficiency", "sources")
 LINKS = ("switch", "fully_connected")
-# Targets with a hardware file: the names of zaya_jax.gpu_target.TARGETS.
+# Targets with a hardware file: the names of zaya_jax.runtime.gpu_target.TARGETS.
 FILES = {"mi300x": "mi300x.json", "h100": "h100.json", "h200": "h200.json"}
 # A target config file's arch picks the figures it starts from (its name and memory are the file's).
 BY_ARCH = {"gfx942": "mi300x", "sm_90": "h100"}

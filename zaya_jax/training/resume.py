@@ -6,7 +6,7 @@ checkpoint it resumes from, before the run continues.
 - A learning-rate schedule that differs from the saved one over the steps still to run (another
   train.steps, or another optim.lr / schedule / warmup / decay) is refused unless
   train.allow_schedule_change; allowed, the change is said in one line.
-The tensors themselves (another model or optimizer) are checked by zaya_jax/checkpoint.py.
+The tensors themselves (another model or optimizer) are checked by zaya_jax/training/checkpoint.py.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import ml_collections
 import numpy as np
 
 from zaya_jax import config as config_lib
-from zaya_jax.checkpoint import config_diff
-from zaya_jax.cli import UserError
 from zaya_jax.optim.chain import lr_schedule
+from zaya_jax.runtime.cli import UserError
+from zaya_jax.training.checkpoint import config_diff
 
 SCHEDULE_KEYS = (
     "lr",

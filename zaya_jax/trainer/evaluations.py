@@ -115,9 +115,9 @@ def harness_tasks(c: ml_collections.ConfigDict, cfg, tokenizer, mesh) -> Callabl
     from zaya_jax.lm_eval import require_lm_eval
 
     require_lm_eval(HARNESS_KEY)
+    from zaya_jax.hf.pretrained import resolve_prefix
     from zaya_jax.lm_eval.backend import ZayaLM
     from zaya_jax.lm_eval.harness import HarnessTasks
-    from zaya_jax.pretrained import resolve_prefix
 
     tasks = HarnessTasks(
         list(c.eval.harness_tasks), c.eval.harness_include_path, c.eval.task_limit or None, HARNESS_KEY

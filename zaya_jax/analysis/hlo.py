@@ -3,7 +3,7 @@ call, the collectives in it with their result bytes, and its work: dots (with th
 GEMM calls, convolutions, Triton kernels (ours, and XLA's Triton fusions); and the jax source path
 each instruction came from (`op_names`).
 
-Read by `zaya_jax.dry_run` (the collectives, kernels and FLOPs of `train --dry_run`),
+Read by `zaya_jax.analysis.dry_run` (the collectives, kernels and FLOPs of `train --dry_run`),
 `benchmarks/collectives.py` (the expert exchange's all-to-all bytes) and
 `benchmarks/profile_step.py` (a profile's ops named by the model code that made them).
 

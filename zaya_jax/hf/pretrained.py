@@ -33,12 +33,12 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from zaya_jax import cli
 from zaya_jax import config as config_lib
-from zaya_jax.checkpoint import Checkpointer, checkpoint_workdir
+from zaya_jax.data.tokenizer import CONFIG_FILENAME, HF_FILENAME, ByteTokenizer, Tokenizer, load_tokenizer
 from zaya_jax.model import ZayaConfig
-from zaya_jax.tokenizer import CONFIG_FILENAME, HF_FILENAME, ByteTokenizer, Tokenizer, load_tokenizer
-from zaya_jax.train_state import abstract_train_state, variable_shardings
+from zaya_jax.runtime import cli
+from zaya_jax.training.checkpoint import Checkpointer, checkpoint_workdir
+from zaya_jax.training.train_state import abstract_train_state, variable_shardings
 
 # What the --prefix flag of a CLI that loads a model (generate, evaluate) takes: `prefix` of load_model.
 PREFIX_FLAG = cli.OneOf(

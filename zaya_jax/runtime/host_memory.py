@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from zaya_jax import xla_flags
+from zaya_jax.runtime import xla_flags
 
 # mallopt parameters, glibc's <malloc.h>
 M_TRIM_THRESHOLD = -1

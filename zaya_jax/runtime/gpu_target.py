@@ -18,7 +18,7 @@ import struct
 from importlib import resources
 from typing import Any
 
-from zaya_jax import cli
+from zaya_jax.runtime import cli
 
 GIB = 2**30
 DEVICES_PER_HOST = 8  # a node of 8 GPUs: the topology's hosts x devices
@@ -49,7 +49,7 @@ def _existing_file(path: str) -> str:
     return path
 
 
-# What `train --dry_run_target` takes (zaya_jax/cli.py): cpu, a name of TARGETS or a target file
+# What `train --dry_run_target` takes (zaya_jax/runtime/cli.py): cpu, a name of TARGETS or a target file
 # (whose contents load_target checks).
 TARGET_FLAG = cli.OneOf(
     "cpu",
@@ -110,7 +110,7 @@ def prepare_process() -> None:
     import jax
     from jax._src import xla_bridge
 
-    from zaya_jax import gpu_plugins
+    from zaya_jax.runtime import gpu_plugins
 
     if not xla_bridge.backends_are_initialized():
         jax.config.update("jax_platforms", "cpu")

@@ -32,7 +32,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from zaya_jax.cli import UserError
+from zaya_jax.runtime.cli import UserError
 
 # The config sections that fix the saved tensors' shapes whatever the mesh (named in a mismatch).
 SHAPE_SECTIONS = ("model", "optim", "balancing")

@@ -3,7 +3,7 @@
 One optimizer step = `grad_accum` microbatches scanned in sequence; the loss is the token-weighted
 mean over the whole global batch, so any grad_accum gives the same update (up to float order).
 After the optimizer update, the router balancing biases take their own AdamW step from the step's
-global expert counts (aux-loss-free balancing, zaya_jax/balancing.py); they are never touched by
+global expert counts (aux-loss-free balancing, zaya_jax/optim/balancing.py); they are never touched by
 backprop.
 """
 
@@ -22,9 +22,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zaya_jax import balancing as bal
-from zaya_jax.loss import chunked_cross_entropy
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
+from zaya_jax.model.loss import chunked_cross_entropy
+from zaya_jax.optim import balancing as bal
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
 from zaya_jax.parallel import zero1 as zero1_lib
 from zaya_jax.parallel.context import (
@@ -46,7 +46,7 @@ from zaya_jax.parallel.sharding import (
     opt_state_shardings,
     param_shardings,
 )
-from zaya_jax.routing_telemetry import step_metrics as routing_step_metrics
+from zaya_jax.training.routing_telemetry import step_metrics as routing_step_metrics
 
 Batch = dict[str, jax.Array]  # input_ids / targets int32 [B, S], loss_mask fp32 [B, S]; positions
 # int32 [B, S] where the context layout permutes the sequence (`layout_batch`)
@@ -285,7 +285,7 @@ def updated_state(
             balancing_opt_state=bal_state,
         )
 
-    # The update is the false (default, branch 0) computation: zaya_jax.hlo takes branch 0 as the
+    # The update is the false (default, branch 0) computation: zaya_jax.analysis.hlo takes branch 0 as the
     # main path, so the dry run counts the update's collectives on every step.
     new = jax.lax.cond(~finite, lambda state: state, update, state)
     return new.replace(step=state.step + 1, skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32))
@@ -343,7 +343,7 @@ def make_train_step(
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         new_state = updated_state(state, grads, grad_norm, counts, finite, tx, bal_cfg)
         # The load that produced `counts` (under the old biases), the same whether or not skipped; the
-        # biases after the update (zaya_jax/routing_telemetry.py).
+        # biases after the update (zaya_jax/training/routing_telemetry.py).
         biases = bal.get_balancing_biases(new_state.variables)
         metrics = {
             "loss": loss,

@@ -91,7 +91,7 @@ def import_jax() -> None:
     """`import jax` with the stub's notices dropped; where the platforms are already pinned
     (JAX_PLATFORMS), the plugins register now too, since registering loads the CUDA plugin's library
     (a fourth notice). Unpinned, registration waits for jax's backends: pinning them later (the GPU
-    dry run, zaya_jax/gpu_target.prepare_process) must still be possible."""
+    dry run, zaya_jax/runtime/gpu_target.prepare_process) must still be possible."""
     with quiet_native_stderr():
         import jax
 
