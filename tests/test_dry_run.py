@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 from support.exchange import all_to_all_bytes
 from xla_env import COMPILE_FLAGS
 
-from zaya_jax.analysis import dry_run
+from zaya_jax.analysis import compiled as compiled_lib
+from zaya_jax.analysis import dry_run, fit, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("dry run: ", "Memory per device", "Collectives per device", "Compile: ")
@@ -64,7 +65,7 @@ def check_report(out: str, devices: int) -> None:
 
 def no_xla_log(proc) -> None:
     """XLA's log records (XLA:CPU's constant-folding alarms, ...) are kept out of the output."""
-    records = [line for line in proc.stderr.splitlines() if dry_run.XLA_LOG_RECORD.match(line)]
+    records = [line for line in proc.stderr.splitlines() if compiled_lib.XLA_LOG_RECORD.match(line)]
     assert not records, records[:5]
 
 
@@ -79,7 +80,7 @@ def test_dry_run_tiny_cli(tmp_path):
     assert "mesh data=2 fsdp=1 expert=4" in out
     assert table(out, "all-to-all")[0] >= 2  # tokens to their experts' devices and back
     # The exchange's spill round (only on overflow) has its own row, left out of every step's total.
-    main, spill = table(out, "all-to-all"), table(out, "all-to-all" + dry_run.SPILL)
+    main, spill = table(out, "all-to-all"), table(out, "all-to-all" + report.SPILL)
     assert spill[0] >= 2 and spill[2] >= 2
     every_step, with_spill = table(out, "total (every step)"), table(out, "total (with spill taken)")
     assert with_spill[3] == pytest.approx(every_step[3] + spill[3], abs=0.02)  # MiB/step, 2 decimals
@@ -101,20 +102,20 @@ def test_dry_run_zaya1_base_phase1(tmp_path):
 
 def test_device_count():
     c = ml_collections.ConfigDict({"mesh": {"data": 2, "fsdp": 2, "expert": 4, "context": 1}})
-    assert dry_run.device_count(c) == 16
-    assert dry_run.device_count(c, 4) == 4
+    assert compiled_lib.device_count(c) == 16
+    assert compiled_lib.device_count(c, 4) == 4
     c.mesh.data = -1
-    assert dry_run.device_count(c) == dry_run.DEFAULT_DEVICES
+    assert compiled_lib.device_count(c) == compiled_lib.DEFAULT_DEVICES
     with pytest.raises(ValueError, match="dry_run_devices"):
-        dry_run.device_count(c, 0)
+        compiled_lib.device_count(c, 0)
 
 
 def test_simulated_devices_after_start():
     """jax already started (conftest: 8 CPU devices): its devices are used, too few is an error."""
     assert len(jax.devices()) == 8  # start jax here, whatever test ran first
-    assert len(dry_run.simulated_devices(4)) == 4
+    assert len(compiled_lib.simulated_devices(4)) == 4
     with pytest.raises(ValueError, match="needs 64 CPU devices"):
-        dry_run.simulated_devices(64)
+        compiled_lib.simulated_devices(64)
 
 
 def test_collectives_counts_bytes_and_loop_trips():
@@ -135,7 +136,7 @@ def test_collectives_counts_bytes_and_loop_trips():
     x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=sharded)
     v = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=sharded)
     compiled = jax.jit(f, out_shardings=(NamedSharding(mesh, P()),) * 2).lower(x, v).compile()
-    stats = dry_run.collectives(compiled.as_text())
+    stats = report.collectives(compiled.as_text())
     gather = stats["all-gather"]
     assert (gather.ops, gather.bytes, gather.ops_per_step) == (1, 8 * 16 * 4, 1)
     reduce = stats["all-reduce"]
@@ -158,8 +159,8 @@ def test_collectives_main_path_and_spill():
     fn = jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False)
     x = jax.ShapeDtypeStruct((64, 4), jnp.float32, sharding=NamedSharding(mesh, P("d")))
     hlo = jax.jit(fn).lower(x).compile().as_text()
-    stats = dry_run.collectives(hlo)
-    a2a, spill, gather = stats["all-to-all"], stats["all-to-all" + dry_run.SPILL], stats["all-gather"]
+    stats = report.collectives(hlo)
+    a2a, spill, gather = stats["all-to-all"], stats["all-to-all" + report.SPILL], stats["all-gather"]
     assert (a2a.ops, a2a.bytes, a2a.ops_per_step, a2a.bytes_per_step) == (1, 8 * 4 * 4, 3, 3 * 8 * 4 * 4)
     assert (spill.ops, spill.bytes, spill.ops_per_step, spill.bytes_per_step) == (
         1,
@@ -169,14 +170,14 @@ def test_collectives_main_path_and_spill():
     )
     assert (gather.ops, gather.bytes_per_step) == (1, 8 * 4 * 4)
     assert all_to_all_bytes(hlo) == (a2a.bytes_per_step, spill.bytes_per_step)
-    rows = dry_run.collective_rows(stats)
+    rows = report.collective_rows(stats)
     labels = [row.split("  ")[1] for row in rows[1:-1]]
     assert rows[-1].startswith("  (spill: only in a conditional's non-default branch")
     assert labels == [
         "all-reduce",  # the pmax of the flag
         "all-gather",
         "all-to-all",
-        "all-to-all" + dry_run.SPILL,
+        "all-to-all" + report.SPILL,
         "total (every step)",
         "total (with spill taken)",
     ]
@@ -218,16 +219,16 @@ def test_compiled_step_exchange_main_path_and_spill(monkeypatch):
         salt = float(uuid.uuid4().int % 10**6)  # a program no earlier run has put in the cache
         jax.jit(lambda x: x + salt)(1.0)
         assert written, "the recorder sees this process's cache writes"
-        step = dry_run.compile_step(c, jax.devices()[:8])
+        step = compiled_lib.compile_step(c, jax.devices()[:8])
     # Not written to the persistent cache (compile_step's own choice).
     assert not [m for m in written if m.startswith("jit_train_step")], written
     hlo = step.compiled.as_text()
-    stats = dry_run.collectives(hlo)
+    stats = report.collectives(hlo)
     n, t, cap, d, blocks = 4, 64, 24, TINY_EXCHANGE["hidden_size"], 2  # blocks: layers x grad_accum
     per_slot = 4 * d * 4 + 1  # x, y, dy, dx in fp32 and one byte of expert id, per slot
     main, spill = all_to_all_bytes(hlo)  # the exchange's (the optimizer's all-to-alls left out)
     assert main == blocks * n * cap * per_slot
-    assert spill == stats["all-to-all" + dry_run.SPILL].bytes_per_step == blocks * n * (t - cap) * per_slot
+    assert spill == stats["all-to-all" + report.SPILL].bytes_per_step == blocks * n * (t - cap) * per_slot
     # The table's every-step row: the exchange and distributed Muon's moves to the matrices' owners.
     ops = dry_run.hlo_lib.collectives(hlo)
     muon = sum(c.bytes for c in ops if "optimizer_update" in c.op_name and c.op == "all-to-all")
@@ -341,15 +342,15 @@ def test_captured_xla_log_keeps_xla_records_and_passes_the_rest(capfd):
     """XLA's log records (and their continuation lines) go to the list, not the terminal; anything
     before the first record passes; the rematerialization shortfall is read from them."""
     log = []
-    with dry_run.captured_xla_log(log):
+    with compiled_lib.captured_xla_log(log):
         os.write(2, b"a plain line\n")
         os.write(2, b"E1129 02:48:08.779520  1234 slow_operation_alarm.cc:73] Constant folding an ")
         os.write(2, b"instruction is taking > 1s:\n  %reduce.1 = f32[] reduce(...)\n" + REMAT_LOG.encode())
     assert capfd.readouterr().err == "a plain line\n"
     assert len(log) == 2 and "Constant folding" in log[0] and "%reduce.1" in log[0]
-    assert dry_run.remat_shortfall(log) == (66571993088, 132391809024)
-    assert dry_run.remat_shortfall(log[:1]) is None
-    assert dry_run.xla_remat_rows(log) == [
+    assert compiled_lib.remat_shortfall(log) == (66571993088, 132391809024)
+    assert compiled_lib.remat_shortfall(log[:1]) is None
+    assert report.xla_remat_rows(log) == [
         "  XLA's rematerialization could not bring the buffers under its 62.00 GiB limit: only to 123.30 GiB"
     ]
 
@@ -358,14 +359,14 @@ def test_host_verdict_for_the_cpu_target(monkeypatch):
     """The CPU target's verdict: the simulated devices of one process share the machine's RAM."""
     monkeypatch.setenv(dry_run.device_memory.LIMIT_ENV, str(8 * 2**30))
     limit = f"the {dry_run.device_memory.LIMIT_ENV} limit"
-    assert dry_run.host_rows(2 * 2**30, 4) == [
+    assert report.host_rows(2 * 2**30, 4) == [
         f"  {limit}, shared by the 4 simulated devices: 8.00 GiB: fits (100.0% used)"
     ]
-    assert dry_run.host_rows(3 * 2**30, 4) == [
+    assert report.host_rows(3 * 2**30, 4) == [
         (f"  {limit}, shared by the 4 simulated devices: 8.00 GiB: DOES NOT FIT here: the step needs "
         "12.00 GiB (4.00 GiB over)")
     ]
-    assert dry_run.host_rows(3 * 2**30, 1)[0].startswith(f"  {limit}: 8.00 GiB: fits (37.5% used)")
+    assert report.host_rows(3 * 2**30, 1)[0].startswith(f"  {limit}: 8.00 GiB: fits (37.5% used)")
 
 
 def small_moe_config(data: int = 8):
@@ -385,16 +386,16 @@ def test_memory_remedies_follow_the_config():
 
     c = small_moe_config(data=1)
     one = mesh_from_config(c, devices=jax.devices()[:1])
-    text = dry_run.memory_remedies(c, one)
+    text = fit.memory_remedies(c, one)
     assert text.startswith("raise train.grad_accum (now 1: 16 sequences per device per microbatch)")
     assert "attention_impl" not in text and "set model.remat=full" in text and "fsdp" not in text
     c.train.seq_len, c.model.attention_impl, c.model.remat, c.train.grad_accum = 2048, "xla", "full", 16
-    text = dry_run.memory_remedies(c, one)
+    text = fit.memory_remedies(c, one)
     assert (
         text == "set model.attention_impl=auto (now xla: the dense [S, S] attention scores), or add devices"
     )
     c.model.attention_impl = "auto"  # resolves to blockwise at 2048 keys on CPU: nothing to change
-    assert dry_run.memory_remedies(c, one) == "or add devices"
+    assert fit.memory_remedies(c, one) == "or add devices"
 
 
 def test_layout_search_tries_the_ladder_until_one_fits(monkeypatch):
@@ -404,7 +405,7 @@ def test_layout_search_tries_the_ladder_until_one_fits(monkeypatch):
     compile XLA refuses with its rematerialization warning counts as over.)"""
     c = small_moe_config()
     devices = jax.devices()[:8]
-    ladder = dry_run.layout_ladder(c, devices)
+    ladder = fit.layout_ladder(c, devices)
     assert ladder == [
         {"model.remat": "full"},
         {"model.remat": "full", "mesh.expert": 8, "mesh.data": -1},
@@ -434,16 +435,16 @@ def test_layout_search_tries_the_ladder_until_one_fits(monkeypatch):
         s.temp_size_in_bytes = 0
         return types.SimpleNamespace(compiled=types.SimpleNamespace(memory_analysis=lambda: s))
 
-    monkeypatch.setattr(dry_run, "compile_step", fake_compile)
+    monkeypatch.setattr(fit, "compile_step", fake_compile)
     gpu = dry_run.gpu_target.GpuTarget("small", "cuda", "", 35 * 2**20, "sm_90")
-    tries = dry_run.layout_search(c, devices, gpu)
+    tries = fit.layout_search(c, devices, gpu)
     assert seen == [
         ("full", 1, 1, 2),
         ("full", 8, 1, 2),
         ("full", 1, 8, 2),
     ]  # 16 rows / 8 devices: 2 microbatches
     assert [t.fits for t in tries] == [False, False, True] and tries[1].note == "over XLA's limit"
-    rows = dry_run.layout_rows(tries, c, 8)
+    rows = fit.layout_rows(tries, c, 8)
     assert rows[0] == (
         "First layout that fits: --config.model.remat=full --config.mesh.expert=1 --config.mesh.data=-1 "
         "--config.mesh.fsdp=8 --config.train.grad_accum=2"
@@ -452,7 +453,7 @@ def test_layout_search_tries_the_ladder_until_one_fits(monkeypatch):
     gpu = dry_run.gpu_target.GpuTarget("tiny", "cuda", "", 2**20, "sm_90")
     seen.clear()
     assert (
-        dry_run.layout_rows(dry_run.layout_search(c, devices, gpu), c, 8)[0]
+        fit.layout_rows(fit.layout_search(c, devices, gpu), c, 8)[0]
         == "No layout tried fits: add devices"
     )
     assert len(seen) == 4

@@ -25,7 +25,9 @@ import rocm_standins
 from support.exchange import all_to_all_bytes
 
 from zaya_jax import sizing
-from zaya_jax.analysis import dry_run, hlo
+from zaya_jax.analysis import compiled as compiled_lib
+from zaya_jax.analysis import dry_run, fit, hlo
+from zaya_jax.analysis import report as report_lib
 from zaya_jax.config import base_config, set_model
 from zaya_jax.kernels import pick_blocks
 from zaya_jax.model import ZayaConfig
@@ -75,7 +77,7 @@ def compiled(target: str, experts: int, impl: str, data: int = 8, expert_axis: i
     gpu = gpu_target.load_target(target)
     gpu_target.prepare_process()
     c = small_config(experts, impl, data, expert_axis, remat, context)
-    return gpu, c, dry_run.compile_step(c, gpu_target.target_devices(gpu, DEVICES))
+    return gpu, c, compiled_lib.compile_step(c, gpu_target.target_devices(gpu, DEVICES))
 
 
 def triton_kernels(step) -> set[str]:
@@ -83,7 +85,7 @@ def triton_kernels(step) -> set[str]:
 
 
 def expert_flops(step) -> float:
-    return dry_run.flops_per_step(hlo.work(step.compiled.as_text()), dry_run.is_expert)
+    return report_lib.flops_per_step(hlo.work(step.compiled.as_text()), report_lib.is_expert)
 
 
 def routed_with_padding(c, experts: int) -> float:
@@ -108,7 +110,7 @@ def test_h100_pallas_step_has_our_triton_kernels_and_cubins():
     code = gpu_target.device_code(step.compiled, gpu)
     assert code["cubin"] >= 1 and code["hsaco"] == 0 and code["arch"] >= 1, code
     stats = step.compiled.memory_analysis()
-    rows, error = dry_run.device_rows(dry_run.memory_total(stats), gpu, 2**30)
+    rows, error = report_lib.device_rows(report_lib.memory_total(stats), gpu, 2**30)
     assert error is None and "fits" in rows[0] and "H100" in rows[0]
     main, _spill = all_to_all_bytes(step.compiled.as_text())
     n, cap, d = 4, 192, 64
@@ -121,7 +123,7 @@ def test_h100_pallas_step_has_our_triton_kernels_and_cubins():
     assert len(exchange) == 5  # distributed Muon's all-to-alls (zaya_jax/parallel/zero1.py) aside
     # A device of 1 MiB: the overshoot is named.
     tiny = gpu_target.GpuTarget("tiny", "cuda", gpu.config_text, 2**20, gpu.arch)
-    _, error = dry_run.device_rows(dry_run.memory_total(stats), tiny, 2**30)
+    _, error = report_lib.device_rows(report_lib.memory_total(stats), tiny, 2**30)
     assert error and "MiB more than the tiny's 1.00 MiB" in error and "\n" not in error
 
 
@@ -133,7 +135,7 @@ def test_mi300x_auto_step_is_triton_and_hsaco(rocm):
     assert triton_kernels(step) >= OURS
     code = gpu_target.device_code(step.compiled, gpu)
     assert code["hsaco"] >= 1 and code["cubin"] == 0 and code["arch"] >= 1, code
-    summary = dry_run.impl_summary(c, ZayaConfig.from_dict(c.model.to_dict()), "rocm")
+    summary = report_lib.impl_summary(c, ZayaConfig.from_dict(c.model.to_dict()), "rocm")
     assert "experts pallas (auto)" in summary and "Newton-Schulz pallas (auto)" in summary
     assert "attention pallas (auto)" in summary
 
@@ -231,30 +233,30 @@ def test_fit_search_is_a_binary_search_over_powers_of_two(monkeypatch):
             raise RuntimeError("RESOURCE_EXHAUSTED: out of memory\nmore")
         return type("Step", (), {"compiled": type("C", (), {"memory_analysis": lambda self: Stats(micro)})()})
 
-    monkeypatch.setattr(dry_run, "compile_step", fake_compile)
+    monkeypatch.setattr(fit, "compile_step", fake_compile)
     gpu = gpu_target.GpuTarget("small", "cuda", "", 35 * 2**20, "sm_90")
-    tries = dry_run.fit_search(c, list(range(8)), gpu)
+    tries = fit.fit_search(c, list(range(8)), gpu)
     assert seen == [(2, 6), (4, 3)]  # bisection: 2 fits, 4 does not
     assert [(t.micro, t.fits) for t in tries] == [(2, True), (4, False)]
     assert (
-        dry_run.fit_rows(tries)[0]
+        fit.fit_rows(tries)[0]
         == "Largest microbatch that fits: 2 sequences per device (train.grad_accum=6)"
     )
     seen.clear()
     gpu = gpu_target.GpuTarget("big", "cuda", "", 2**40, "sm_90")
-    tries = dry_run.fit_search(c, list(range(8)), gpu)
+    tries = fit.fit_search(c, list(range(8)), gpu)
     assert seen == [(2, 6), (4, 3), (12, 1)] and tries[-1].note.startswith("RESOURCE_EXHAUSTED")
-    assert "did not compile: RESOURCE_EXHAUSTED" in dry_run.fit_rows(tries)[-1]
-    assert dry_run.fit_rows(tries)[0].endswith("4 sequences per device (train.grad_accum=3)")
+    assert "did not compile: RESOURCE_EXHAUSTED" in fit.fit_rows(tries)[-1]
+    assert fit.fit_rows(tries)[0].endswith("4 sequences per device (train.grad_accum=3)")
     seen.clear()
     gpu = gpu_target.GpuTarget("none", "cuda", "", 2**20, "sm_90")
-    assert dry_run.fit_rows(dry_run.fit_search(c, list(range(8)), gpu))[0].endswith(
+    assert fit.fit_rows(fit.fit_search(c, list(range(8)), gpu))[0].endswith(
         "none (not even 1 sequence per device)"
     )
     assert seen == [(2, 6), (1, 12)]
     seen.clear()
     c.train.grad_accum = 1  # the config's own size (12) was refused by XLA: not compiled again
-    tries = dry_run.fit_search(c, list(range(8)), gpu, own_error="INTERNAL: refused")
+    tries = fit.fit_search(c, list(range(8)), gpu, own_error="INTERNAL: refused")
     assert (tries[-1].micro, tries[-1].note) == (12, "INTERNAL: refused") and (12, 1) not in seen
 
 
@@ -271,7 +273,8 @@ def test_a_step_xla_refuses_is_reported_with_one_error_line(monkeypatch):
             )
         raise RuntimeError("RESOURCE_EXHAUSTED: smaller too")
 
-    monkeypatch.setattr(dry_run, "compile_step", refuse)
+    for module in (dry_run, fit):  # the step itself, then the fit search
+        monkeypatch.setattr(module, "compile_step", refuse)
     report = dry_run.dry_run(small_config(), 8, "small", target="h100", fit=True)
     assert "XLA's GPU compiler refused the step: INTERNAL: CUDA Runtime error" in report.text
     assert "Largest microbatch that fits: none" in report.text
@@ -298,7 +301,8 @@ def test_a_step_over_xlas_memory_limit_is_named_as_memory(monkeypatch):
         e.xla_log = log
         raise e
 
-    monkeypatch.setattr(dry_run, "compile_step", refuse)
+    for module in (dry_run, fit):  # the step itself, then the fit search
+        monkeypatch.setattr(module, "compile_step", refuse)
     c = small_config()
     c.train.grad_accum = 1
     report = dry_run.dry_run(c, 8, "small", target="h100")

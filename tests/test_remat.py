@@ -14,7 +14,8 @@ import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
 from zaya_jax import sizing
-from zaya_jax.analysis import dry_run
+from zaya_jax.analysis import compiled as compiled_lib
+from zaya_jax.analysis import fit
 from zaya_jax.config import base_config, set_model
 from zaya_jax.kernels.flash_attention import FLASH_LSE, FLASH_OUT
 from zaya_jax.kernels.grouped_matmul import GMM_OUT
@@ -110,12 +111,12 @@ def test_fit_search_reports_the_least_recompute_that_fits(monkeypatch):
     c = base_config()
     set_model(c, CFG.replace(remat="full"))
     c.train.batch_size, c.train.grad_accum = 8 * 4, 2  # 2 sequences per device per microbatch
-    own = dry_run.CompiledStep(None, None, None, 0.0, 0.0)
+    own = compiled_lib.CompiledStep(None, None, None, 0.0, 0.0)
     own = fake_compile(c, None)
     seen.clear()
-    monkeypatch.setattr(dry_run, "compile_step", fake_compile)
+    monkeypatch.setattr(fit, "compile_step", fake_compile)
     gpu = gpu_target.GpuTarget("small", "cuda", "", 50 * 2**20, "sm_90")
-    out = dry_run.fit_report(c, list(range(8)), gpu, done=own)
+    out = fit.fit_report(c, list(range(8)), gpu, done=own)
     # none (80 MiB) and matmuls (60) do not fit at 2 sequences, dots_saveable (40) does; the
     # microbatch search with it: 2 is reused, 4 (80 MiB) does not fit.
     assert seen == [("none", 2), ("matmuls", 2), ("dots_saveable", 2), ("dots_saveable", 4)], seen
@@ -128,7 +129,7 @@ def test_fit_search_reports_the_least_recompute_that_fits(monkeypatch):
     assert "Largest microbatch that fits: 2 sequences per device (train.grad_accum=2)" in out
     seen.clear()
     gpu = gpu_target.GpuTarget("tiny", "cuda", "", 10 * 2**20, "sm_90")
-    out = dry_run.fit_report(c, list(range(8)), gpu, done=own)
+    out = fit.fit_report(c, list(range(8)), gpu, done=own)
     # nothing fits at 2: full (the config's own, reused) is the one the microbatch search takes
     assert [r for r, m in seen if m == 2] == ["none", "matmuls", "dots_saveable"]
     assert out[0].endswith(": none") and "Largest microbatch that fits: 1 sequences per device" in " ".join(out)

@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from zaya_jax import config as config_lib
 from zaya_jax import sizing
-from zaya_jax.analysis import dry_run
+from zaya_jax.analysis import compiled as compiled_lib
+from zaya_jax.analysis import dry_run, report
 from zaya_jax.config import base_config, set_model
 from zaya_jax.model import ZayaConfig, init_variables
 from zaya_jax.optim.chain import make_optimizer
@@ -51,16 +52,16 @@ def _config(mesh: dict[str, int], grad_accum: int, grad_reduce: str = "step", cf
 
 def _compiled(
     mesh: tuple[tuple[str, int], ...], grad_accum: int, grad_reduce: str = "step"
-) -> dry_run.CompiledStep:
+) -> compiled_lib.CompiledStep:
     """The tiny train step as the trainer builds it (train_program), compiled, not run, on as many
     devices as the mesh has; compiled once per (mesh, grad_accum, grad_reduce) in the module."""
     return _compile(mesh, grad_accum, grad_reduce)
 
 
 @functools.cache
-def _compile(mesh: tuple[tuple[str, int], ...], grad_accum: int, grad_reduce: str) -> dry_run.CompiledStep:
+def _compile(mesh: tuple[tuple[str, int], ...], grad_accum: int, grad_reduce: str) -> compiled_lib.CompiledStep:
     devices = jax.devices()[: math.prod(size for _, size in mesh)]
-    return dry_run.compile_step(_config(dict(mesh), grad_accum, grad_reduce), devices)
+    return compiled_lib.compile_step(_config(dict(mesh), grad_accum, grad_reduce), devices)
 
 
 def _train(mesh: tuple[tuple[str, int], ...], grad_accum: int, grad_reduce: str = "step", steps: int = 2):
@@ -106,8 +107,8 @@ def test_data_parallel_bytes_are_the_formula_whatever_grad_accum(mesh):
     for grad_accum in (1, 4):
         step = _compiled(mesh, grad_accum)
         hlo = step.compiled.as_text()
-        once, in_model = dry_run.data_parallel_bytes(hlo, step.mesh)
-        assert in_model == 0, dry_run.axis_rows(hlo, step.mesh)
+        once, in_model = report.data_parallel_bytes(hlo, step.mesh)
+        assert in_model == 0, report.axis_rows(hlo, step.mesh)
         per_step[grad_accum] = once
     formula = step_bytes(step.state.params, step.mesh)
     assert per_step[1] == per_step[4]
@@ -144,7 +145,7 @@ def test_grad_reduce_microbatch_bytes_are_its_formula_and_memory_falls():
     says the sum's shard saves."""
     data8 = (("data", 8),)
     step, micro = _compiled(data8, GRAD_ACCUM, "step"), _compiled(data8, GRAD_ACCUM, "microbatch")
-    once, in_model = dry_run.data_parallel_bytes(micro.compiled.as_text(), micro.mesh)
+    once, in_model = report.data_parallel_bytes(micro.compiled.as_text(), micro.mesh)
     assert in_model == 0
     params = micro.state.params
     formula = step_bytes(params, micro.mesh, grad_accum=GRAD_ACCUM, grad_reduce="microbatch")
@@ -242,7 +243,7 @@ def test_distributed_muon_equals_muon_and_orthogonalises_each_matrix_once():
     got, compiled = run(tx, ps, ss)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
-    ns = dry_run.flops_per_step(dry_run.hlo_lib.work(compiled.as_text()))
+    ns = report.flops_per_step(dry_run.hlo_lib.work(compiled.as_text()))
     assert ns == pytest.approx(sizing.newton_schulz_flops(CFG) / 8, rel=0.01)
 
 

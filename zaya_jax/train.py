@@ -33,7 +33,7 @@ from ml_collections import config_flags
 
 from zaya_jax import config as config_lib
 from zaya_jax import sizing
-from zaya_jax.analysis import dry_run, hardware, prediction
+from zaya_jax.analysis import dry_run, fit, hardware, prediction
 from zaya_jax.data import mixture as mixture_lib
 from zaya_jax.data.megatron import MegatronOptions
 from zaya_jax.data.megatron_format import check_token_ids, megatron_prefix, stderr_progress
@@ -520,7 +520,7 @@ def _check_memory(c: ml_collections.ConfigDict, program, abstract_state, eval_st
     )
     for what, jitted, state, rows in programs:
         batch = abstract_batch(rows, c.train.seq_len, mesh)
-        remedies = dry_run.memory_remedies(c, mesh) if jitted is program.train_step else eval_remedies
+        remedies = fit.memory_remedies(c, mesh) if jitted is program.train_step else eval_remedies
         try:
             stats = jitted.lower(state, batch).compile().memory_analysis()
         except jax.errors.JaxRuntimeError as e:  # a compiler that refuses what cannot fit

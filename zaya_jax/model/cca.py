@@ -203,6 +203,24 @@ def _grouped_taps(x_btc: jax.Array, w_kic: jax.Array, groups: int, pad: int) -> 
     return y.reshape(*lead, t_out, c)
 
 
+def _grouped_taps_transposed(dy_btc: jax.Array, w_kic: jax.Array, groups: int) -> jax.Array:
+    """The input gradient of `_grouped_taps` (pad 0): dx[..., t + i, g] += dy[..., t, g] @ w[i][:, g, :]^T,
+    one product per tap over dy's T - k + 1 rows, each placed at its offset. A product per tap
+    over the padded dy instead (a full convolution) has T rows, which XLA:ROCm's Triton GEMM
+    emitter failed to tile for some T (jax 0.10.2)."""
+    k, h, c = w_kic.shape
+    *lead, t_out, _ = dy_btc.shape
+    dy_tgo = dy_btc.reshape(*lead, t_out, groups, c // groups)
+    w_kigo = w_kic.reshape(k, h, groups, c // groups)
+    no_pad = [(0, 0)] * len(lead)
+    tap = lambda i: jnp.pad(
+        jnp.einsum("...tgo,igo->...tgi", dy_tgo, w_kigo[i], preferred_element_type=jnp.float32),
+        [*no_pad, (i, k - 1 - i), (0, 0), (0, 0)],
+    )
+    dx_tgi = sum(tap(i) for i in range(k))
+    return dx_tgi.reshape(*lead, t_out + k - 1, groups * h)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def grouped_conv(x_btc: jax.Array, w_kic: jax.Array, groups: int, taps: bool = False) -> jax.Array:
     """Grouped 'valid' cross-correlation [..., T, C] -> [..., T-k+1, C] (fp32), one group per head;
@@ -226,8 +244,11 @@ def _grouped_conv_bwd(groups, taps, res, dy_btc):
     t_out = t - k + 1
     # dx[t] = sum_i dy[t - i] w[i]^T per group: a full convolution with the kernel flipped in time
     # and each group's [in, out] block transposed.
-    w_flip = w_kic.reshape(k, h, groups, h)[::-1].transpose(0, 3, 2, 1).reshape(k, h, c)
-    dx = _grouped_conv_btc(dy_btc.astype(x_btc.dtype), w_flip, groups, k - 1, taps)
+    if taps:
+        dx = _grouped_taps_transposed(dy_btc.astype(x_btc.dtype), w_kic, groups)
+    else:
+        w_flip = w_kic.reshape(k, h, groups, h)[::-1].transpose(0, 3, 2, 1).reshape(k, h, c)
+        dx = _grouped_conv_btc(dy_btc.astype(x_btc.dtype), w_flip, groups, k - 1, taps)
     # dw[i] = sum over (leading axes, t) of x[t + i]^T dy[t] per group.
     x_tgi = x_btc.reshape(*lead, t, groups, h)
     dy_tgo = dy_btc.reshape(*lead, t_out, groups, h).astype(x_btc.dtype)
