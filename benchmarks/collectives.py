@@ -150,7 +150,7 @@ def expert_exchange(c, factors: Sequence[float], devices: Sequence[Any]) -> list
     token's slot sent to every peer), against the ideal 4 x T x d x itemsize."""
     import jax.numpy as jnp
 
-    from zaya_jax.analysis.dry_run import compile_step
+    from zaya_jax.analysis.compiled import compile_step
 
     rows = []
     for f in factors:

@@ -10,7 +10,7 @@ Each case is a config that fits one device (mesh of 1):
   zaya1_2l   configs/zaya1_base.py:phase1 (ZAYA1's widths) with 2 layers, 4 sequences of 4096
   long       the same 2 layers with one sequence of 32768 (flash attention's long-context path)
 
-For each, the train step the trainer jits is compiled for this device (zaya_jax.analysis.dry_run.compile_step:
+For each, the train step the trainer jits is compiled for this device (zaya_jax.analysis.compiled.compile_step:
 the same program, shardings and donation), its HLO predicted on the hardware's figures
 (zaya_jax.analysis.prediction.predict), then that same executable run on a real initial state and a random
 token batch: `--warmup` untimed steps, then `--steps` steps each timed to completion; measured is
@@ -99,10 +99,10 @@ def run_case(name: str, hw: dict, args: argparse.Namespace) -> dict[str, Any]:
     """One case: predicted (from the compiled step's HLO) and measured step seconds, signed error."""
     import jax
 
-    from zaya_jax.analysis import dry_run, prediction
+    from zaya_jax.analysis import compiled, prediction
 
     c = case_config(name, tuple(args.set))
-    step = dry_run.compile_step(c, jax.devices()[:1])
+    step = compiled.compile_step(c, jax.devices()[:1])
     predicted = prediction.predict(step.compiled.as_text(), c, step.cfg, 1, hw)
     times = measure(step, c, args.warmup, args.steps)
     measured = statistics.median(times)

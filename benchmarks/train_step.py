@@ -296,7 +296,7 @@ def run_trainer_loop(c: ml_collections.ConfigDict, loop_steps: int) -> dict[str,
     """`zaya_jax.train.train` for 2 x loop_steps steps in a temporary workdir, logging every
     loop_steps: the second train record's tokens/s covers steps loop_steps+1..2 loop_steps (the
     first window holds the compilation). Evaluation and checkpointing happen after that window."""
-    from zaya_jax.train import Trainer  # the trainer pulls in absl, grain and orbax: only when used
+    from zaya_jax.trainer.loop import Trainer  # the trainer pulls in absl, grain and orbax: only when used
 
     c = ml_collections.ConfigDict(c.to_dict())
     c.train.steps = 2 * loop_steps

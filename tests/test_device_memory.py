@@ -62,10 +62,10 @@ def test_a_compiled_programs_own_analysis():
 def test_a_compile_refused_for_memory_is_one_error_and_the_new_workdir_goes(tmp_path):
     """A compiler that refuses the start-up compile for memory (as XLA may on a real GPU) gives the
     same one-line refusal, and the directories the run made are removed; other compile errors pass."""
-    from zaya_jax import train as train_lib
     from zaya_jax.config import base_config
     from zaya_jax.parallel.mesh import mesh_from_config
     from zaya_jax.runtime.cli import UserError
+    from zaya_jax.trainer import startup
 
     c = base_config()
     c.mesh.data = 1
@@ -84,11 +84,11 @@ def test_a_compile_refused_for_memory_is_one_error_and_the_new_workdir_goes(tmp_
     program.train_step = Refusing("RESOURCE_EXHAUSTED: Out of memory allocating 87226507872 bytes.\nmore")
     state = types.SimpleNamespace(variables={})
     workdir = tmp_path / "new" / "run"
-    created = train_lib._missing_root(str(workdir))
+    created = startup._missing_root(str(workdir))
     workdir.mkdir(parents=True)
     with pytest.raises(UserError) as e:
-        train_lib._check_memory(c, program, state, None)
-    train_lib._remove_created(str(workdir), created)  # what the Trainer does on a refused start
+        startup._check_memory(c, program, state, None)
+    startup._remove_created(str(workdir), created)  # what the Trainer does on a refused start
     assert str(e.value).startswith(
         "the train step does not fit this machine's memory (XLA: RESOURCE_EXHAUSTED: Out of memory "
         "allocating 87226507872 bytes.): raise train.grad_accum"
@@ -96,4 +96,4 @@ def test_a_compile_refused_for_memory_is_one_error_and_the_new_workdir_goes(tmp_
     assert not (tmp_path / "new").exists() and tmp_path.exists()
     program.train_step = Refusing("INTERNAL: something else")
     with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
-        train_lib._check_memory(c, program, state, None)
+        startup._check_memory(c, program, state, None)

@@ -293,6 +293,7 @@ def test_the_loop_reads_each_loss_one_step_late(tmp_path, monkeypatch):
     call returns with its step ended, as where jax runs it on the calling thread
     (host_memory.run_cpu_programs_inline), and takes one second of the loop's clock."""
     from zaya_jax import train as train_lib
+    from zaya_jax.trainer import loop
 
     order, clock = [], [0.0]
 
@@ -321,10 +322,10 @@ def test_the_loop_reads_each_loss_one_step_late(tmp_path, monkeypatch):
         order.append(("read", p.step))
         return real_read(p, *rest)
 
-    real_program, real_read = train_lib.train_program, train_lib._read
-    monkeypatch.setattr(train_lib, "train_program", program)
-    monkeypatch.setattr(train_lib, "_read", read)
-    monkeypatch.setattr(train_lib, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    real_program, real_read = loop.train_program, loop._read
+    monkeypatch.setattr(loop, "train_program", program)
+    monkeypatch.setattr(loop, "_read", read)
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     c = tiny_config(*SMALL, "--config.train.steps=6", "--config.logging.every_steps=3")
     c.eval.every_steps, c.checkpoint.every_steps = 0, 0
     summary = train_lib.train(c, str(tmp_path / "w"))
