@@ -445,7 +445,7 @@ def test_unreadable_inputs_name_the_file(tmp_path):
 def test_prepare_one_text_file_gets_an_eval_split(tmp_path):
     """Finding 2: one .txt file (one document by default) still gets a held-out split, the
     tail of the text, and the train split keeps the rest; every token is in exactly one."""
-    from zaya_jax.data.prepare import load_split
+    from zaya_jax.data.prepared import load_split
 
     data = _prepare(tmp_path)
     meta = json.loads((data / "meta.json").read_text())

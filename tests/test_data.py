@@ -20,7 +20,8 @@ from zaya_jax.data.pipeline import (
     make_eval_dataset,
     source_tokenizer,
 )
-from zaya_jax.data.prepare import TokenDocuments, load_split, prepare_dataset
+from zaya_jax.data.prepare import prepare_dataset
+from zaya_jax.data.prepared import TokenDocuments, load_split
 from zaya_jax.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

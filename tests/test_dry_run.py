@@ -14,11 +14,11 @@ import pytest
 from jax._src import config as jax_config  # a config option as a context: not public
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from support.exchange import all_to_all_bytes
 from xla_env import COMPILE_FLAGS
 
 from zaya_jax.analysis import compiled as compiled_lib
 from zaya_jax.analysis import dry_run, fit, report
+from zaya_jax.analysis.exchange import all_to_all_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("dry run: ", "Memory per device", "Collectives per device", "Compile: ")
@@ -193,7 +193,7 @@ def test_compiled_step_exchange_main_path_and_spill(monkeypatch):
     """The tiny train step at data=2 x expert=4 (64 tokens per device, fp32, the config of
     test_expert_exchange's byte count): the dry run's every-step all-to-all bytes are the main round's
     (C = 24 slots per peer: x / ids forward, y, dy, dx) and its spill row the T - C = 40 others'; both
-    agree with the exchange's count from the HLO (tests/support/exchange.py)."""
+    agree with the exchange's count from the HLO (zaya_jax/analysis/exchange.py)."""
     from jax._src import compilation_cache
 
     from zaya_jax.config import base_config, set_model

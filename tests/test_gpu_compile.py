@@ -22,12 +22,12 @@ import pytest
 pytest.importorskip("jax_plugins.xla_cuda12", reason="the gpu_compile extra is not installed")
 
 import rocm_standins
-from support.exchange import all_to_all_bytes
 
 from zaya_jax import sizing
 from zaya_jax.analysis import compiled as compiled_lib
 from zaya_jax.analysis import dry_run, fit, hlo
 from zaya_jax.analysis import report as report_lib
+from zaya_jax.analysis.exchange import all_to_all_bytes
 from zaya_jax.config import base_config, set_model
 from zaya_jax.kernels import pick_blocks
 from zaya_jax.model import ZayaConfig

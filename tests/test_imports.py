@@ -366,7 +366,7 @@ BENCHMARK_TESTS = {"test_benchmarks.py", "test_systems_benchmarks.py"}
 
 def test_tests_import_nothing_from_benchmarks_but_their_own():
     """Only the benchmarks' own tests import `benchmarks`; the helpers the tests share live in
-    tests/support/ or the package."""
+    tests/ or the package."""
     found = []
     for path in sorted((REPO / "tests").rglob("*.py")):
         if path.name in BENCHMARK_TESTS:

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from xla_env import xla_flags
 
 from benchmarks import collectives, gemm, membw
+from zaya_jax.analysis import exchange
 from zaya_jax.parallel import make_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,7 +249,7 @@ def test_train_step_all_to_all_bytes_near_ideal(tmp_path, capsys):
     argv = ["--expert-exchange", str(tmp_path / "exchange.py"), "--exchange-mesh", "2,1,4"]
     rows = collectives.main([*argv, "--out", str(tmp_path)])["results"]
     n, t, d, itemsize = 4, 64, 64, 4  # EXCHANGE_CONFIG's hidden_size
-    ideal = collectives.ideal_exchange_bytes(t, d, itemsize)
+    ideal = exchange.ideal_exchange_bytes(t, d, itemsize)
     assert [r["exchange_factor"] for r in rows] == [1.5, 4.0]  # default: 1.5 and n
     for row, cap in zip(rows, (24, 64)):
         assert row["tokens_per_device"] == t and row["ideal_bytes_per_block"] == ideal
@@ -261,7 +262,7 @@ def test_train_step_all_to_all_bytes_near_ideal(tmp_path, capsys):
 
 
 def test_all_to_all_bytes_main_path_and_spill():
-    """collectives.all_to_all_bytes on a small compiled program: an all-to-all in a 3-trip loop, and one in each
+    """exchange.all_to_all_bytes on a small compiled program: an all-to-all in a 3-trip loop, and one in each
     branch of a cond (branch 0 = main path, branch 1 = spill)."""
     mesh = make_mesh(1, 1, 8)
 
@@ -275,5 +276,5 @@ def test_all_to_all_bytes_main_path_and_spill():
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert"), check_vma=False)
     x = jax.device_put(jnp.ones((64, 4)), NamedSharding(mesh, P("expert")))
-    main, spill = collectives.all_to_all_bytes(jax.jit(fn).lower(x).compile().as_text())
+    main, spill = exchange.all_to_all_bytes(jax.jit(fn).lower(x).compile().as_text())
     assert (main, spill) == (3 * 8 * 4 * 4 + 8 * 4 * 4, 16 * 4 * 4)

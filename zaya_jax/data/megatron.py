@@ -20,7 +20,8 @@ import numpy as np
 
 from zaya_jax.data import eval_document_mask
 from zaya_jax.data.megatron_format import Documents, document_table, read_index
-from zaya_jax.data.prepare import TokenDocuments, split_tail
+from zaya_jax.data.prepare import split_tail
+from zaya_jax.data.prepared import TokenDocuments
 from zaya_jax.data.tokenizer import Tokenizer, load_tokenizer
 
 

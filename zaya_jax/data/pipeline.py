@@ -25,7 +25,7 @@ import numpy as np
 from zaya_jax.data import EMBEDDED_EVAL_FRACTION, EMBEDDED_SPLIT_SEED, load_embedded_corpus, split_documents
 from zaya_jax.data.megatron import MegatronOptions, load_megatron_split, tokenizer_of, tokenizer_record
 from zaya_jax.data.megatron_format import megatron_prefix
-from zaya_jax.data.prepare import SPLITS, TokenDocuments, load_split, read_meta
+from zaya_jax.data.prepared import SPLITS, TokenDocuments, load_split, read_meta
 from zaya_jax.data.ramp import BatchRamp, RampBatches
 from zaya_jax.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 

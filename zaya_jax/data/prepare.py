@@ -43,17 +43,11 @@ new or empty; `--overwrite` replaces an existing one (never one holding an input
 
 from __future__ import annotations
 
-import codecs
-import collections
-import dataclasses
 import functools
-import gzip
-import io
 import json
 import math
 import multiprocessing
 import os
-import re
 import shutil
 import sys
 import time
@@ -63,15 +57,13 @@ from pathlib import Path
 import numpy as np
 
 from zaya_jax.data import input_formats, is_eval_document, prepare_resume
+from zaya_jax.data.documents import _input_kind, _Inputs, parse_separator
 from zaya_jax.data.encode import Progress, encode_documents
 from zaya_jax.data.megatron_format import MegatronWriter, megatron_dtype
+from zaya_jax.data.prepared import FORMAT_NAME, FORMAT_VERSION, META_FILENAME, SPLITS
 from zaya_jax.data.tokenizer import Tokenizer, load_tokenizer
 from zaya_jax.runtime import cli, interrupt, output_dir
 
-FORMAT_NAME = "zaya_jax.tokens"
-FORMAT_VERSION = 1
-META_FILENAME = "meta.json"
-SPLITS = ("train", "eval")
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens = 128 MiB of uint16 per shard
 _SPAWN_MIN_BYTES = 4 << 20  # inputs smaller than this are tokenized in one process
 _ENCODE_BATCH = 256  # documents per tokenizer call (the HF tokenizer parallelises within a batch)
@@ -81,287 +73,8 @@ _ENCODE_BATCH = 256  # documents per tokenizer call (the HF tokenizer parallelis
 # Reading
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenDocuments:
-    """A split's documents as token arrays; each document includes its trailing EOS.
-
-    shards:    flat token arrays (memory-mapped when read from disk)
-    doc_shard: int32 [D]  shard holding document d
-    doc_start: int64 [D]  offset of document d in its shard
-    doc_len:   int64 [D]  length of document d, EOS included (always >= 1)
-    """
-
-    shards: tuple[np.ndarray, ...]
-    doc_shard: np.ndarray
-    doc_start: np.ndarray
-    doc_len: np.ndarray
-    eos_id: int
-    pad_id: int
-    vocab_size: int
-
-    @property
-    def num_docs(self) -> int:
-        return len(self.doc_len)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.doc_len.sum())
-
-    def doc_tokens(self, d: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
-        """Tokens [lo:hi) of document d (EOS is its last token), as stored (uint16/uint32/int32)."""
-        length = int(self.doc_len[d])
-        hi = length if hi is None else min(hi, length)
-        start = int(self.doc_start[d])
-        return self.shards[int(self.doc_shard[d])][start + lo : start + hi]
-
-    @classmethod
-    def from_token_lists(
-        cls, docs: Sequence[Sequence[int]], *, eos_id: int, pad_id: int, vocab_size: int
-    ) -> TokenDocuments:
-        """In-memory documents (without EOS; it is appended here) -> a single-shard TokenDocuments."""
-        lengths = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        tokens = np.empty(int(offsets[-1]), dtype=np.int32)
-        for d, start, end in zip(docs, offsets[:-1], offsets[1:]):
-            tokens[start : end - 1] = d
-            tokens[end - 1] = eos_id
-        return cls(
-            shards=(tokens,),
-            doc_shard=np.zeros(len(docs), np.int32),
-            doc_start=offsets[:-1],
-            doc_len=lengths,
-            eos_id=eos_id,
-            pad_id=pad_id,
-            vocab_size=vocab_size,
-        )
-
-
-def read_meta(data_dir: str | os.PathLike) -> dict:
-    """meta.json of a prepared dataset, checked for format and version."""
-    path = Path(data_dir) / META_FILENAME
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{data_dir} is not a prepared dataset (no {META_FILENAME}); create one with "
-            "`python -m zaya_jax.data.prepare --input ... --out DIR`"
-        )
-    try:
-        meta = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path}: unreadable ({e}); prepare the dataset again") from None
-    if meta.get("format") != FORMAT_NAME or meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{path}: unsupported dataset format {meta.get('format')!r} version "
-            f"{meta.get('format_version')!r} (expected {FORMAT_NAME!r} v{FORMAT_VERSION})"
-        )
-    return meta
-
-
-def load_split(data_dir: str | os.PathLike, split: str) -> TokenDocuments:
-    """Memory-maps one split ("train" or "eval") of a prepared dataset."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-    data_dir = Path(data_dir)
-    meta = read_meta(data_dir)
-    tok = meta["tokenizer"]
-    shards, doc_shard, doc_start, doc_len = [], [], [], []
-    for i, shard in enumerate(meta["splits"][split]["shards"]):
-        tokens = _load_npy(data_dir / split / shard["tokens"], mmap_mode="r")
-        offsets = _load_npy(data_dir / split / shard["offsets"])
-        if offsets[0] != 0 or offsets[-1] != len(tokens) or len(offsets) != shard["num_docs"] + 1:
-            raise ValueError(f"{data_dir / split / shard['offsets']}: offsets do not match the shard")
-        shards.append(tokens)
-        doc_shard.append(np.full(len(offsets) - 1, i, np.int32))
-        doc_start.append(offsets[:-1])
-        doc_len.append(np.diff(offsets))
-    cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)
-    return TokenDocuments(
-        shards=tuple(shards),
-        doc_shard=cat(doc_shard, np.int32),
-        doc_start=cat(doc_start, np.int64),
-        doc_len=cat(doc_len, np.int64),
-        eos_id=tok["eos_id"],
-        pad_id=tok["pad_id"],
-        vocab_size=tok["vocab_size"],
-    )
-
-
-def _load_npy(path: Path, mmap_mode: str | None = None) -> np.ndarray:
-    """np.load, with a truncated / missing / garbled shard reported under its file name."""
-    try:
-        return np.load(path, mmap_mode=mmap_mode)
-    except (OSError, ValueError, EOFError) as e:
-        raise ValueError(f"{path}: cannot read this shard ({e}); prepare the dataset again") from None
-
-
 # ----------------------------------------------------------------------------------------------
 # Writing
-
-
-_SEPARATORS = {"blank-line": re.compile(r"\n[ \t]*\n+"), "form-feed": "\f"}
-
-
-def parse_separator(spec: str | None) -> str | re.Pattern | None:
-    if spec is None or spec == "none":
-        return None
-    if spec in _SEPARATORS:
-        return _SEPARATORS[spec]
-    literal = codecs.decode(spec, "unicode_escape")
-    if not literal:
-        raise ValueError("--doc-separator must not be empty")
-    return literal
-
-
-def _open_text(path: Path, raw: io.BufferedIOBase | None = None) -> io.TextIOBase:
-    """A text stream over `path` (decompressed), reading through `raw` when given (the caller
-    then closes it)."""
-    if path.suffix == ".gz":
-        stream = gzip.GzipFile(fileobj=raw, mode="rb") if raw is not None else gzip.open(path, "rb")
-        return io.TextIOWrapper(stream, encoding="utf-8")
-    raw = raw or open(path, "rb")
-    if path.suffix == ".zst":
-        return input_formats.open_zst_text(raw, path)
-    return io.TextIOWrapper(raw, encoding="utf-8")
-
-
-def _input_kind(path: Path) -> str:
-    if input_formats.is_hf_dataset_dir(path):
-        return "hf"
-    name = path.name.removesuffix(".gz").removesuffix(".zst")
-    for kind in ("txt", "jsonl", "parquet"):
-        if name.endswith("." + kind) and not (kind == "parquet" and name != path.name):
-            return kind
-    raise ValueError(
-        f"unsupported input {path}: expected .txt or .jsonl (optionally .gz / .zst), .parquet, "
-        "or a directory written by a Hugging Face dataset's save_to_disk"
-    )
-
-
-def iter_documents(
-    path: Path,
-    *,
-    separator: str | re.Pattern | None = None,
-    text_field: str = "text",
-    raw: io.BufferedIOBase | None = None,
-) -> Iterator[str]:
-    """Yields the raw documents of one input (see the module docstring for the rules); a text
-    file is read through `raw` (its compressed bytes) when given."""
-    kind = _input_kind(path)
-    if kind == "parquet":
-        yield from input_formats.iter_parquet(path, text_field)
-        return
-    if kind == "hf":
-        yield from input_formats.iter_hf_dataset(path, text_field)
-        return
-    try:
-        yield from _read_documents(path, kind, separator, text_field, raw)
-    except UnicodeDecodeError as e:
-        raise ValueError(
-            f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x}: {e.reason}); convert it to UTF-8 "
-            "first (a latin-1 file: iconv -f latin1 -t utf-8 FILE > NEW)"
-        ) from None
-
-
-def _read_documents(
-    path: Path,
-    kind: str,
-    separator: str | re.Pattern | None,
-    text_field: str,
-    raw: io.BufferedIOBase | None,
-) -> Iterator[str]:
-    with _open_text(path, raw) as f:
-        if kind == "txt":
-            yield from _split_text(f.read(), separator)
-            return
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON: {e}") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise ValueError(
-                    f"{path}:{lineno}: expected a JSON object with a string field {text_field!r}"
-                )
-            yield record[text_field]
-
-
-def _split_text(text: str, separator: str | re.Pattern | None) -> list[str]:
-    if separator is None:
-        return [text]
-    if isinstance(separator, str):
-        return text.split(separator)
-    return separator.split(text)
-
-
-class _Inputs:
-    """The non-empty documents of every input in order (`texts()`), counting the empty ones
-    skipped, and how far through the input bytes the reading is (`position()`, 0..1).
-    `taken()` marks the next document as handed on to be written (the tokenizing runs ahead);
-    `written()` says where those documents end, and `start_at` starts after them."""
-
-    def __init__(self, paths: list[Path], separator, text_field: str):
-        self.paths, self.separator, self.text_field = paths, separator, text_field
-        self.sizes = [_input_size(p) for p in paths]
-        self.skipped_by_input: list[int] = []  # empty documents of each input read to its end
-        self._skipped_here = 0
-        self._first_input, self._drop = 0, 0
-        self._inputs_of_texts: collections.deque = collections.deque()
-        self._at = (0, 0)  # (input, its non-empty documents) of the written documents
-        self._done_bytes = 0
-        self._raw: io.BufferedIOBase | None = None
-
-    @property
-    def skipped(self) -> int:
-        return sum(self.skipped_by_input) + self._skipped_here
-
-    def start_at(self, written: dict) -> None:
-        """Skips the documents `written()` described (reading, not tokenizing them)."""
-        self.skipped_by_input = list(written["skipped_by_input"])
-        self._first_input = len(self.skipped_by_input)
-        self._drop = written["docs_in_input"]
-        self._at = (self._first_input, self._drop)
-        self._done_bytes = sum(self.sizes[: self._first_input])
-
-    def taken(self) -> None:
-        i = self._inputs_of_texts.popleft()
-        self._at = (i, (self._at[1] if i == self._at[0] else 0) + 1)
-
-    def written(self) -> dict:
-        return {"skipped_by_input": self.skipped_by_input[: self._at[0]], "docs_in_input": self._at[1]}
-
-    def position(self) -> float:
-        current = self._raw.tell() if self._raw is not None and not self._raw.closed else 0
-        return (self._done_bytes + current) / max(sum(self.sizes), 1)
-
-    def texts(self) -> Iterator[str]:
-        for i in range(self._first_input, len(self.paths)):
-            path, drop = self.paths[i], self._drop if i == self._first_input else 0
-            self._raw = open(path, "rb") if path.is_file() else None
-            try:
-                for text in iter_documents(
-                    path, separator=self.separator, text_field=self.text_field, raw=self._raw
-                ):
-                    if not text.strip():
-                        self._skipped_here += 1
-                    elif drop:
-                        drop -= 1
-                    else:
-                        self._inputs_of_texts.append(i)
-                        yield text
-            finally:
-                if self._raw is not None:
-                    self._raw.close()
-                self._raw = None
-            self.skipped_by_input.append(self._skipped_here)
-            self._skipped_here = 0
-            self._done_bytes += self.sizes[i]
-
-
-def _input_size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 class _ShardWriter:

@@ -118,7 +118,7 @@ def text_documents(
     path: str | Path, tokenizer: Tokenizer, *, separator: str | None = None, text_field: str = "text"
 ) -> list[Document]:
     """Documents of a .txt / .jsonl (optionally .gz) file, split as `zaya_jax.data.prepare` splits."""
-    from zaya_jax.data.prepare import iter_documents, parse_separator
+    from zaya_jax.data.documents import iter_documents, parse_separator
 
     path = Path(path)
     if not path.is_file():

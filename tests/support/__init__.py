@@ -1,1 +1,0 @@
-"""Helpers the tests share (the tests import nothing from benchmarks/ except the benchmarks' own tests)."""
