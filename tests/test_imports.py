@@ -10,6 +10,8 @@ a package `__init__`). The test fails on
       layer and every layer below);
   (c) a module that is in no layer (a new module is placed in the table when it is added);
   (d) a KNOWN_VIOLATIONS entry that no longer occurs, so the set shrinks as the fixes land.
+The folders are the layers: a LAYERS entry names a folder or a top-level module, and a top-level
+module is a command (`python -m zaya_jax.X`) or one of the two schemas, at most MAX_TOP_LEVEL.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from typing import NamedTuple
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ROOT_PACKAGE = "zaya_jax"
 
-# Lowest first. An entry names a module and everything under it (the longest entry wins), except the
-# root package, which names only its own __init__. docs/architecture.md holds the same table
+# Lowest first. An entry names a folder and everything in it, or a top-level module; the root
+# package names only its own __init__. docs/architecture.md holds the same table
 # (test_architecture_doc_has_the_layer_table keeps the two equal).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("zaya_jax", "zaya_jax.params", "zaya_jax.runtime",)),
@@ -49,6 +51,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("trainer", ("zaya_jax.trainer", "zaya_jax.train",)),
 )
+
+SCHEMAS = ("zaya_jax.config", "zaya_jax.params")  # the top-level modules that are not commands
+MAX_TOP_LEVEL = 12  # top-level files of zaya_jax/, __init__.py included
 
 # (importer, imported, why it is allowed for now). Each is an upward import or an edge of a cycle
 # that is known and being removed; the test fails when an entry no longer occurs, so the set only
@@ -269,6 +274,31 @@ def check_imports(package_dir: pathlib.Path, layers, known: set[tuple[str, str, 
 def test_zaya_jax_layers_point_down_and_have_no_cycle():
     problems = check_imports(REPO / ROOT_PACKAGE, LAYERS, KNOWN_VIOLATIONS)
     assert not problems, "\n".join(problems)
+
+
+def test_top_level_modules_are_commands_or_schemas():
+    package = REPO / ROOT_PACKAGE
+    top = sorted(p for p in package.glob("*.py") if p.stem != "__init__")
+    assert len(top) + 1 <= MAX_TOP_LEVEL, [p.name for p in top]
+    strays = [
+        p.name
+        for p in top
+        if f"{ROOT_PACKAGE}.{p.stem}" not in SCHEMAS and 'if __name__ == "__main__":' not in p.read_text()
+    ]
+    assert not strays, f"neither a command nor a schema, move into the folder of its layer: {strays}"
+
+
+def test_layers_name_folders_and_top_level_modules():
+    """A layer is made of whole folders: no entry names a module inside a folder."""
+    package = REPO / ROOT_PACKAGE
+    for name, entries in LAYERS:
+        for entry in entries:
+            parts = entry.split(".")
+            if entry == ROOT_PACKAGE:
+                continue
+            path = package.joinpath(*parts[1:])
+            whole = len(parts) == 2 and ((path / "__init__.py").exists() or path.with_suffix(".py").exists())
+            assert whole, f"layer '{name}': {entry} is not a folder or a top-level module of {ROOT_PACKAGE}"
 
 
 def _write_package(root: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
