@@ -88,8 +88,8 @@ def disk_throughput(path: str, nbytes: int) -> dict[str, float]:
 
 def build_config(path: str, overrides: Sequence[str]):
     """(config, validated model config): the file + `--set` overrides, as benchmarks.train_step."""
-    from benchmarks.train_step import apply_override
-    from benchmarks.train_step import load_config as load_file
+    from benchmarks.train_config import apply_override
+    from benchmarks.train_config import load_config as load_file
     from zaya_jax import config as config_lib
 
     c = load_file(os.path.join(ROOT, path) if not os.path.isabs(path) else path)

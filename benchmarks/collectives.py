@@ -356,7 +356,7 @@ def expert_exchange_main(args: argparse.Namespace) -> dict[str, Any]:
     """--expert-exchange: the `expert_exchange` rows of a config, printed and written to --out."""
     import jax
 
-    from benchmarks.train_step import load_config
+    from benchmarks.train_config import load_config
 
     c = load_config(args.expert_exchange)
     if args.exchange_mesh:

@@ -41,7 +41,7 @@ CASES = ("tiny", "zaya1_2l", "long")
 
 def case_config(name: str, overrides: tuple[str, ...] = ()) -> Any:
     """The config of case `name` on one device, then `overrides` (`key=value`, as `--set`)."""
-    from benchmarks.train_step import apply_override, load_config
+    from benchmarks.train_config import apply_override, load_config
 
     if name == "tiny":
         c = load_config(os.path.join(ROOT, "configs/tiny.py"))

@@ -35,7 +35,7 @@ from benchmarks.common import (
     print_and_write,
     set_env,
 )
-from benchmarks.train_step import add_config_args, build_config, checked_config
+from benchmarks.train_config import add_config_args, build_config, checked_config
 from zaya_jax import sizing
 from zaya_jax.runtime import cli
 

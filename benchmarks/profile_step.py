@@ -38,7 +38,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from benchmarks.common import add_out_arg, fmt, format_rows, host_info, print_and_write
-from benchmarks.train_step import JaxSide, add_config_args, build_config, checked_config, random_tokens
+from benchmarks.train_config import add_config_args, build_config, checked_config
+from benchmarks.train_step_sides import JaxSide, random_tokens
 from zaya_jax.analysis import hlo
 from zaya_jax.runtime import cli, host_memory
 

@@ -185,7 +185,8 @@ def test_adamw_only_optimizer_routes_every_parameter_to_adamw():
     import jax
     import optax
 
-    from benchmarks.train_step import load_config, make_benchmark_optimizer
+    from benchmarks.train_config import load_config
+    from benchmarks.train_step_sides import make_benchmark_optimizer
     from zaya_jax.model import ZayaConfig
     from zaya_jax.model.transformer import init_variables
     from zaya_jax.optim.muon import MuonState
@@ -214,7 +215,8 @@ def test_sgd_pair_updates_by_lr_times_gradient_on_both_sides():
 
     from benchmarks.reference import hf_config
     from benchmarks.torch_side import TORCH_SGD, TorchSide
-    from benchmarks.train_step import load_config, make_benchmark_optimizer, selected_optimizers
+    from benchmarks.train_config import load_config
+    from benchmarks.train_step_sides import make_benchmark_optimizer, selected_optimizers
     from zaya_jax.model import ZayaConfig
 
     assert selected_optimizers("all") == ("config", "adamw", "sgd")  # three pairs in one run
@@ -284,7 +286,8 @@ def test_torch_muon_mirrors_our_optimizer_chain():
 
 LOOP_ALONE = """
 import json
-from benchmarks.train_step import load_config, trainer_loop_alone
+from benchmarks.train_config import load_config
+from benchmarks.train_step_sides import trainer_loop_alone
 c = load_config("configs/tiny.py")
 c.model.num_hidden_layers, c.train.batch_size, c.train.seq_len = 1, 2, 32
 print(json.dumps(trainer_loop_alone(c, 2, True)))
@@ -559,7 +562,8 @@ def test_peak_rss_is_the_process_own():
 
 
 def test_train_step_wait_policy_is_torch_default_unless_asked():
-    from benchmarks.train_step import OMP_WAIT_POLICIES, parse_args
+    from benchmarks.train_step import parse_args
+    from benchmarks.train_step_sides import OMP_WAIT_POLICIES
 
     assert parse_args([]).omp_wait_policy == "default" and OMP_WAIT_POLICIES["default"] is None
     assert OMP_WAIT_POLICIES[parse_args(["--omp-wait-policy", "passive"]).omp_wait_policy] == "PASSIVE"
