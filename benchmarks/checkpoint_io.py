@@ -1,7 +1,7 @@
 """Checkpoint I/O: what a user's Orbax save, restore and `zaya_jax.export` cost, against the disk's
 own speed and the train state's size; and the training stall of an async save.
 
-    python -m benchmarks.checkpoint_io [--config configs/tiny.py] [--set model.hidden_size=256 ...]
+    python -m benchmarks.checkpoint_io [--config configs/tiny.py] [--config.model.hidden_size=256 ...]
         [--dir SCRATCH] [--repeats 3] [--steps 8] [--out DIR]
 
 On one scratch directory (default: a temporary directory under the current one, so it measures the
@@ -87,7 +87,7 @@ def disk_throughput(path: str, nbytes: int) -> dict[str, float]:
 
 
 def build_config(path: str, overrides: Sequence[str]):
-    """(config, validated model config): the file + `--set` overrides, as benchmarks.train_step."""
+    """(config, validated model config): the file + `--config.` overrides, as benchmarks.train_step."""
     from benchmarks.train_config import apply_override
     from benchmarks.train_config import load_config as load_file
     from zaya_jax import config as config_lib
@@ -391,8 +391,9 @@ def arg_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--config", default="configs/tiny.py")
-    p.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")
+    p.add_argument(
+        "--config", default="configs/tiny.py", help="training config file; --config.KEY=VALUE overrides a key"
+    )
     p.add_argument("--dir", default=None, help="scratch directory on the disk to measure")
     p.add_argument("--keep-dir", action="store_true")
     p.add_argument("--repeats", type=cli.Int(min=1), default=3)
@@ -405,7 +406,9 @@ def arg_parser() -> cli.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    return arg_parser().parse_args(argv)
+    from benchmarks.train_config import parse_with_overrides
+
+    return parse_with_overrides(arg_parser(), argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -40,7 +40,7 @@ CASES = ("tiny", "zaya1_2l", "long")
 
 
 def case_config(name: str, overrides: tuple[str, ...] = ()) -> Any:
-    """The config of case `name` on one device, then `overrides` (`key=value`, as `--set`)."""
+    """The config of case `name` on one device, then `overrides` (`key=value`, as `--config.key=value`)."""
     from benchmarks.train_config import apply_override, load_config
 
     if name == "tiny":
@@ -143,14 +143,15 @@ def arg_parser():
     )
     p.add_argument("--steps", type=cli.Int(min=1), default=5)
     p.add_argument("--warmup", type=cli.Int(min=0), default=2)
-    p.add_argument("--set", action="append", default=[], help="config override for every case: key=value")
     p.add_argument("--out", default="results/gpu_check.json")
     p.add_argument("--allow-cpu", action="store_true", help="run on the CPU (checks the script only)")
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return arg_parser().parse_args(argv)
+    from benchmarks.train_config import parse_with_overrides
+
+    return parse_with_overrides(arg_parser(), argv)  # --config.KEY=VALUE: for every case
 
 
 def hardware_figures(spec: str) -> dict:

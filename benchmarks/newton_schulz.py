@@ -1,6 +1,6 @@
 """Muon's Newton-Schulz alone: ours against torch_muon's, on every Muon matrix of one config.
 
-    python -m benchmarks.newton_schulz [--config configs/tiny.py] [--set KEY=VALUE ...]
+    python -m benchmarks.newton_schulz [--config configs/tiny.py] [--config.KEY=VALUE ...]
         [--iters 7] [--repeats 2] [--out results/newton_schulz.json]
 
 ours   the iteration the train step runs on this machine (zaya_jax/optim/chain.py
@@ -35,7 +35,7 @@ from benchmarks.common import (
     print_and_write,
     set_env,
 )
-from benchmarks.train_config import add_config_args, build_config, checked_config
+from benchmarks.train_config import add_config_args, build_config, checked_config, parse_with_overrides
 from zaya_jax import sizing
 from zaya_jax.runtime import cli
 
@@ -166,7 +166,7 @@ def arg_parser() -> cli.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = arg_parser().parse_args(argv)
+    args = parse_with_overrides(arg_parser(), argv)
     checked_config(args)  # fail fast, in one line
     report = run(args)
     print_and_write(report, *report_text(report), args.out, "newton_schulz")

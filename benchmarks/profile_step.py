@@ -1,6 +1,6 @@
 """Where our train step's time goes: XLA's ops, named by the model code that made them.
 
-    python -m benchmarks.profile_step [--config configs/tiny.py] [--set KEY=VALUE ...]
+    python -m benchmarks.profile_step [--config configs/tiny.py] [--config.KEY=VALUE ...]
         [--steps 3] [--timed 10] [--warmup 3] [--top 25] [--out results/profile_step.json]
 
 The bare step of `benchmarks.train_step` (`JaxSide`: our train step with the config's optimizer,
@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from benchmarks.common import add_out_arg, fmt, format_rows, host_info, print_and_write
-from benchmarks.train_config import add_config_args, build_config, checked_config
+from benchmarks.train_config import add_config_args, build_config, checked_config, parse_with_overrides
 from benchmarks.train_step_sides import JaxSide, random_tokens
 from zaya_jax.analysis import hlo
 from zaya_jax.runtime import cli, host_memory
@@ -215,7 +215,7 @@ def arg_parser() -> cli.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = arg_parser().parse_args(argv)
+    args = parse_with_overrides(arg_parser(), argv)
     c, _ = checked_config(args)  # fail fast, in one line
     # glibc's malloc and XLA's compile flags as the trainer sets them (re-executing this process for
     # huge pages where it must): without them the step runs ~1.5x slower here (page faults).

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib.util
 import sys
-from typing import Any
 
 import ml_collections
+from absl import flags
+from ml_collections import config_flags
 
 from zaya_jax import config as config_lib
 from zaya_jax.model import ZayaConfig
@@ -28,48 +28,54 @@ def load_config(path: str) -> ml_collections.ConfigDict:
     return module.get_config(arg) if arg else module.get_config()
 
 
-def _parse_value(raw: str, typ: Any) -> Any:
-    if raw.lower() in ("none", "null"):
-        return None
-    if typ is bool:
-        if raw.lower() in ("true", "1", "yes"):
-            return True
-        if raw.lower() in ("false", "0", "no"):
-            return False
-        raise ValueError(f"expected a bool, got {raw!r}")
-    if typ is int:
-        return int(raw)
-    if typ is float:
-        return float(raw)
-    if typ is str:
-        return raw
-    try:
-        return ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        return raw
+OVERRIDE = "--config."  # ml_collections' own override flags, as `python -m zaya_jax.train` reads them
 
 
 def apply_override(c: ml_collections.ConfigDict, assignment: str) -> None:
-    """`section.key=value` (value parsed as the field's type) into `c`; KeyError for unknown keys."""
+    """`section.key=value` into `c`, the value parsed by ml_collections' config flag as the field's
+    type (as `--config.section.key=value`); KeyError for an unknown key."""
     key, sep, raw = assignment.partition("=")
     if not sep:
-        raise ValueError(f"--set {assignment!r}: expected key=value")
+        raise ValueError(f"{OVERRIDE}{assignment}: expected {OVERRIDE}KEY=VALUE")
     *parents, name = key.strip().split(".")
     node = c
     for part in parents:
         if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
-            raise KeyError(f"--set {key}: no config section {part!r}")
+            raise KeyError(f"{OVERRIDE}{key}: no config section {part!r}")
         node = node[part]
     if name not in node:
-        raise KeyError(f"--set {key}: unknown key (known here: {sorted(node.keys())})")
+        raise KeyError(f"{OVERRIDE}{key}: unknown key (known here: {sorted(node.keys())})")
+    argv = ["benchmark", f"{OVERRIDE}{key.strip()}={raw}"]
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_dict("config", c, flag_values=fv, sys_argv=argv)
     try:
-        node[name] = _parse_value(raw.strip(), node.get_type(name))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"--set {key}={raw}: {e}") from None
+        fv(argv)
+    except flags.Error as e:
+        raise ValueError(str(e)) from None
+
+
+def parse_with_overrides(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """p's arguments, and every `--config.KEY=VALUE` (or `--config.KEY VALUE`) into args.set as
+    KEY=VALUE; any other unknown argument is p's usage error."""
+    args, rest = p.parse_known_args(argv)
+    args.set, other = [], []
+    while rest:
+        item = rest.pop(0)
+        if not item.startswith(OVERRIDE):
+            other.append(item)
+        elif "=" in item:
+            args.set.append(item[len(OVERRIDE) :])
+        elif rest:
+            args.set.append(f"{item[len(OVERRIDE) :]}={rest.pop(0)}")
+        else:
+            other.append(item)
+    if other:
+        p.error(f"unrecognized arguments: {' '.join(other)}")
+    return args
 
 
 def build_config(args: argparse.Namespace) -> tuple[ml_collections.ConfigDict, ZayaConfig]:
-    """The config file + `--set` overrides + `--dtype`, validated (ValueError / KeyError names the key)."""
+    """The config file + `--config.` overrides + `--dtype`, validated (ValueError / KeyError names the key)."""
     c = load_config(args.config)
     for assignment in args.set or []:
         apply_override(c, assignment)
@@ -82,15 +88,12 @@ def build_config(args: argparse.Namespace) -> tuple[ml_collections.ConfigDict, Z
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    """--config and --set, as build_config reads them (the benchmarks that build a training config)."""
+    """--config, as build_config reads it with its `--config.KEY=VALUE` overrides (parse_with_overrides)."""
     p.add_argument(
-        "--config", default="configs/tiny.py", help="training config file (default configs/tiny.py)"
-    )
-    p.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="config override, repeatable: --set train.batch_size=4 --set model.num_hidden_layers=2",
+        "--config",
+        default="configs/tiny.py",
+        help="training config file (default configs/tiny.py); override any key with --config.KEY=VALUE, "
+        "repeatable, e.g. --config.train.batch_size=4 --config.model.num_hidden_layers=2",
     )
 
 

@@ -1,6 +1,6 @@
 """Train-step throughput, side by side: our trainer and train step vs transformers' ZayaForCausalLM.
 
-    python -m benchmarks.train_step [--config configs/tiny.py] [--set train.batch_size=4 ...]
+    python -m benchmarks.train_step [--config configs/tiny.py] [--config.train.batch_size=4 ...]
         [--steps 10] [--warmup 2] [--repeats 3] [--loop-steps 10] [--dtype float32|bfloat16]
         [--out results/train_step.json] [--skip-torch] [--optimizer both|all|config|adamw|sgd]
         [--host-memory reuse|default] [--omp-wait-policy default|passive|active] [--threads N]
@@ -94,7 +94,13 @@ from benchmarks.isolated import IsolatedSide
 from benchmarks.reference import add_torch_args, hf_config, resolve_torch_device
 from benchmarks.torch_muon import model_muon_names
 from benchmarks.torch_side import TORCH, TORCH_MUON, TorchSide, side_name
-from benchmarks.train_config import DTYPES, add_config_args, build_config, checked_config
+from benchmarks.train_config import (
+    DTYPES,
+    add_config_args,
+    build_config,
+    checked_config,
+    parse_with_overrides,
+)
 from benchmarks.train_step_report import (
     config_report,
     device_report,
@@ -437,7 +443,7 @@ def arg_parser() -> cli.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return arg_parser().parse_args(argv)
+    return parse_with_overrides(arg_parser(), argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -21,12 +21,9 @@ from zaya_jax.runtime import host_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = [
-    "--set",
-    "model.num_hidden_layers=1",
-    "--set",
-    "train.batch_size=2",
-    "--set",
-    "train.seq_len=32",
+    "--config.model.num_hidden_layers=1",
+    "--config.train.batch_size=2",
+    "--config.train.seq_len=32",
     "--steps",
     "2",
     "--warmup",
@@ -356,12 +353,11 @@ def test_train_step_cli_as_script_and_bad_override(tmp_path):
     # Script form (not -m) parses its arguments; an unknown key fails before anything is built.
     proc = _run(["benchmarks/train_step.py", "--help"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "--skip-torch" in proc.stdout and "--set" in proc.stdout
+    assert "--skip-torch" in proc.stdout and "--config.KEY=VALUE" in proc.stdout
     proc = _run(
         [
             "benchmarks/train_step.py",
-            "--set",
-            "train.no_such_key=1",
+            "--config.train.no_such_key=1",
             "--skip-torch",
             "--out",
             str(tmp_path / "x.json"),
@@ -527,7 +523,7 @@ def test_newton_schulz_benchmark_writes_report(tmp_path):
     from two different parameter layouts: our [l, ...] stacks, transformers' per-layer tensors); the
     step's CPU choice (slice by slice) is what ours runs; a bad override is one `error:` line."""
     out = tmp_path / "ns.json"
-    toy = ["--set", "model.num_hidden_layers=2", "--set", "model.num_experts=4", "--iters", "1"]
+    toy = ["--config.model.num_hidden_layers=2", "--config.model.num_experts=4", "--iters", "1"]
     proc = _run(["-m", "benchmarks.newton_schulz", *toy, "--repeats", "1", "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "zaya_jax/torch_muon speed =" in proc.stdout and "(the same FLOPs)" in proc.stdout, proc.stdout
@@ -541,7 +537,7 @@ def test_newton_schulz_benchmark_writes_report(tmp_path):
         assert _positive_finite(r["time_s"]) and _positive_finite(r["gflop_per_s"])
         assert len(r["repeat_medians_s"]) == 1
     assert report["method"]["torch"] == "its defaults: threads, OMP_WAIT_POLICY unset"
-    proc = _run(["-m", "benchmarks.newton_schulz", "--set", "optim.muon.ns_steps=0"])
+    proc = _run(["-m", "benchmarks.newton_schulz", "--config.optim.muon.ns_steps=0"])
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: "), proc.stderr
 
 
@@ -575,7 +571,7 @@ def test_profile_step_names_the_step_time_by_phase_and_site(tmp_path):
     that made it (the compiled HLO's op_name), split into forward, backward and optimizer; a bad
     override is one `error:` line."""
     out = tmp_path / "profile.json"
-    toy = ["--set", "model.num_hidden_layers=1", "--set", "train.batch_size=2", "--set", "train.seq_len=32"]
+    toy = ["--config.model.num_hidden_layers=1", "--config.train.batch_size=2", "--config.train.seq_len=32"]
     steps = ["--steps", "2", "--timed", "2", "--warmup", "1"]
     proc = _run(["-m", "benchmarks.profile_step", *toy, *steps, "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -601,7 +597,7 @@ def test_profile_step_names_the_step_time_by_phase_and_site(tmp_path):
     # the machine: two 2-core boxes here differed 2-3x in matmul speed
     device = report["device"]
     assert isinstance(device["cpu_model"], str) and isinstance(device["cpu_vector_flags"], list)
-    proc = _run(["-m", "benchmarks.profile_step", "--set", "optim.muon.ns_steps=0"])
+    proc = _run(["-m", "benchmarks.profile_step", "--config.optim.muon.ns_steps=0"])
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: "), proc.stderr
 
 
@@ -650,12 +646,9 @@ def test_checkpoint_io_benchmark_runs(tmp_path):
             "2",
             "--dir",
             str(tmp_path / "scratch"),
-            "--set",
-            "train.batch_size=2",
-            "--set",
-            "train.seq_len=32",
-            "--set",
-            "model.num_hidden_layers=1",
+            "--config.train.batch_size=2",
+            "--config.train.seq_len=32",
+            "--config.model.num_hidden_layers=1",
         ],
         cwd=ROOT,
         env=env,
@@ -717,10 +710,9 @@ def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
         "benchmarks.gpu_check",
         "--cases",
         "tiny",
-        "--set",
-        "model.num_hidden_layers=1",
+        "--config.model.num_hidden_layers=1",
     ]
-    cmd += ["--set", "train.batch_size=2", "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "r.json")]
+    cmd += ["--config.train.batch_size=2", "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "r.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600, check=False)
     assert "no GPU here" in one_error(proc)
     proc = subprocess.run(
