@@ -10,8 +10,8 @@ Each case is a config that fits one device (mesh of 1):
   zaya1_2l   configs/zaya1_base.py:phase1 (ZAYA1's widths) with 2 layers, 4 sequences of 4096
   long       the same 2 layers with one sequence of 32768 (flash attention's long-context path)
 
-For each, the train step the trainer jits is compiled for this device (zaya_jax.analysis.compiled.compile_step:
-the same program, shardings and donation), its HLO predicted on the hardware's figures
+For each, the train step the trainer jits is compiled for this device
+(zaya_jax.analysis.compiled.compile_step: the same program, shardings and donation), its HLO predicted on the hardware's figures
 (zaya_jax.analysis.prediction.predict), then that same executable run on a real initial state and a random
 token batch: `--warmup` untimed steps, then `--steps` steps each timed to completion; measured is
 their median. The error is signed: (predicted - measured) / measured (positive: the prediction is

@@ -1,5 +1,5 @@
-"""The step-time model (zaya_jax/analysis/timeline.py, zaya_jax/analysis/hardware.py) on programs whose answer is known:
-one dot, an async all-gather with and without compute beside it, a while loop's trips, the bus
+"""The step-time model (zaya_jax/analysis/timeline.py, zaya_jax/analysis/hardware.py) on programs
+whose answer is known: one dot, an async all-gather with and without compute beside it, a while loop's trips, the bus
 bandwidth of each collective by where its group lies. Hand-written HLO in XLA:GPU's post-optimisation
 form (operands named, not typed; async collectives as -start / -done pairs) and small programs
 compiled by XLA's GPU compiler for deviceless H100s. Round figures (TEST_HW) make each answer one

@@ -44,7 +44,8 @@ FLAGS = flags.FLAGS
 
 def _define_flags(fv=None) -> None:
     """CLI flags, defined only when run as a program: importing this module defines none. On absl's
-    FLAGS, or the FlagValues `fv`; numeric and enumerated ones declare their values (zaya_jax/runtime/cli.py)."""
+    FLAGS, or the FlagValues `fv`; numeric and enumerated ones declare their values
+    (zaya_jax/runtime/cli.py)."""
     fv = FLAGS if fv is None else fv
     config_flags.DEFINE_config_file(
         "config", None, "Training config file (configs/<name>.py[:arg]).", lock_config=True, flag_values=fv

@@ -4,12 +4,13 @@ any config at full size for N devices, without allocating it.
 
 The step is the one the trainer jits (`train_state.train_program`), traced from abstract shapes and
 compiled for N simulated CPU devices or N deviceless GPUs (`mi300x`, `h100`, or a GpuTargetConfig
-file: zaya_jax/runtime/gpu_target.py). It prints memory per device (against sizing and the device, or this machine's RAM for the CPU
-target), the
-remat policy with the least recompute that fits and the largest microbatch that fits with it
-(--dry_run_fit; if none, the first layout that does), the collectives with their bytes, Muon's
-Newton-Schulz FLOPs, the compiled kernels and dot FLOPs and the predicted step time (GPU targets:
-zaya_jax/analysis/timeline.py) and compile times; nothing is written to disk but --dry_run_json's report.
+file: zaya_jax/runtime/gpu_target.py). It prints memory per device (against sizing and the
+device, or this machine's RAM for the CPU target), the remat policy with the least recompute that
+fits and the largest microbatch that fits with it (--dry_run_fit; if none, the first layout that
+does), the collectives with their bytes, Muon's Newton-Schulz FLOPs, the compiled kernels and dot
+FLOPs and the predicted step time (GPU targets: zaya_jax/analysis/timeline.py) and compile times;
+nothing is written to disk but --dry_run_json's report. The compiled step is compiled.py's, the
+tables report.py's, the fit and remat searches fit.py's.
 What each table means: docs/guides/dry-run.md.
 XLA's own log records while compiling are kept from the terminal (ZAYA_DEBUG=1 shows them).
 """

@@ -1,6 +1,6 @@
 """The dry run's predicted step (`train --dry_run --dry_run_target=GPU`): the compiled step's
-timeline (zaya_jax/analysis/timeline.py) on the target's figures (zaya_jax/analysis/hardware.py), with the model's
-FLOPs for MFU, as report rows and as the `--dry_run_json` report.
+timeline (zaya_jax/analysis/timeline.py) on the target's figures (zaya_jax/analysis/hardware.py),
+with the model's FLOPs for MFU, as report rows and as the `--dry_run_json` report.
 
 MFU is model FLOPs per device per step over step time x the bf16 peak; model FLOPs are
 `zaya_jax.sizing.flops_per_token` (6 x active parameters per token, causal attention counted once
@@ -56,8 +56,8 @@ def rows(p: dict, hw: dict) -> list[str]:
     kinds = p["compute_seconds_by_kind"]
     peak = hw["peak_flops_per_second"]["bfloat16"]
     out = [
-        (f"Predicted step per device (zaya_jax/analysis/timeline.py on {hw['name']}'s figures; --dry_run_hardware "
-        "overrides them)"),
+        (f"Predicted step per device (zaya_jax/analysis/timeline.py on {hw['name']}'s figures; "
+        "--dry_run_hardware overrides them)"),
         (f"  step {_seconds(p['step_seconds'])} = compute {_seconds(p['compute_seconds'])} + exposed "
         f"communication {_seconds(p['exposed_communication_seconds'])} (of "
         f"{_seconds(p['communication_seconds'])} communication)"),
