@@ -18,6 +18,7 @@ from xla_env import COMPILE_FLAGS
 
 from zaya_jax.analysis import compiled as compiled_lib
 from zaya_jax.analysis import dry_run, fit, report
+from zaya_jax.analysis import hlo as hlo_lib
 from zaya_jax.analysis.exchange import all_to_all_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -230,7 +231,7 @@ def test_compiled_step_exchange_main_path_and_spill(monkeypatch):
     assert main == blocks * n * cap * per_slot
     assert spill == stats["all-to-all" + report.SPILL].bytes_per_step == blocks * n * (t - cap) * per_slot
     # The table's every-step row: the exchange and distributed Muon's moves to the matrices' owners.
-    ops = dry_run.hlo_lib.collectives(hlo)
+    ops = hlo_lib.collectives(hlo)
     muon = sum(c.bytes for c in ops if "optimizer_update" in c.op_name and c.op == "all-to-all")
     assert stats["all-to-all"].bytes_per_step == main + muon
     assert step.mesh.shape == {"data": 2, "fsdp": 1, "expert": 4, "context": 1}

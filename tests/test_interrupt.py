@@ -191,7 +191,7 @@ def test_dry_run_stops_on_sigint_during_its_compile(tmp_path):
 
 GC_CALLBACK = """
 import gc, os, signal, time
-from zaya_jax import cli, interrupt
+from zaya_jax.runtime import cli, interrupt
 
 calls = []
 

@@ -30,7 +30,7 @@ from zaya_jax.parallel.context import config_context
 from zaya_jax.parallel.expert import remat_saved_bytes
 from zaya_jax.parallel.mesh import parse_mesh_spec, resolve_mesh_sizes
 from zaya_jax.parallel.sharding import mesh_axes, zero1_spec
-from zaya_jax.parallel.zero1 import reduces_per_microbatch
+from zaya_jax.parallel.zero1 import reduces_per_microbatch, shards_master
 from zaya_jax.sizing.counts import param_counts, param_leaves
 
 MI300X_MEMORY_GIB = 192.0
@@ -123,9 +123,12 @@ def state_bytes_per_device(
     muon_mu_bytes: int = 4,
     adam_moment_bytes: int = 4,
     zero1: bool = True,
+    master_sharded: bool = False,
 ) -> dict[str, float]:
     """Params / grads / optimizer-state bytes on one device for the leaves [(path, shape, label)];
-    grad_shard: the gradients' ZeRO-1 shard (laid out like the optimizer state).
+    grad_shard: the gradients' ZeRO-1 shard (laid out like the optimizer state). `master_sharded`:
+    the params are fp32 master weights in the ZeRO-1 shard (zero1.shards_master), laid out like
+    the optimizer state too.
 
     Muon leaves keep 1 momentum buffer, AdamW leaves 2 moments; scalar optimizer counters are ignored.
     """
@@ -145,7 +148,7 @@ def state_bytes_per_device(
         axes = param_mesh_axes(path, len(shape))
         local = _shard_elements(shape, axes, mesh, zero1=False)
         local_opt = _shard_elements(shape, axes, mesh, zero1=zero1)
-        out["params"] += local * param_bytes
+        out["params"] += (local_opt if master_sharded else local) * param_bytes
         out["grads"] += local * grad_bytes
         out["grad_shard"] += local_opt * grad_bytes
         out["largest_leaf"] = max(out["largest_leaf"], local * param_bytes)
@@ -345,6 +348,7 @@ def memory_per_device(
         muon_mu_bytes=muon_mu_bytes,
         adam_moment_bytes=adam_moment_bytes,
         zero1=zero1,
+        master_sharded=shards_master(cfg.param_dtype, cfg.dtype, zero1),
     )
     by_remat = {
         r: activation_bytes(
