@@ -167,12 +167,12 @@ def _wait_for_step(proc, workdir, step, timeout=300):
     raise AssertionError("timed out")
 
 
-def kill_9_after_step(cmd, workdir, step) -> int | None:
-    """Runs `cmd` (a training command into `workdir`), kills it with SIGKILL once `step` is logged,
-    and returns the latest checkpoint step it left."""
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+def kill_9_after_step(cmd, workdir, step, devices: int = 1) -> int | None:
+    """Runs `cmd` (a training command into `workdir`) on `devices` simulated CPU devices, kills it
+    with SIGKILL once `step` is logged and a checkpoint is committed, and returns the latest
+    checkpoint step it left."""
+    env = {**os.environ, "XLA_FLAGS": xla_flags(devices)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _wait_for_step(proc, workdir, step)
     _wait_for_a_checkpoint(proc, workdir)
     proc.kill()

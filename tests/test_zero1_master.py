@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import subprocess
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_zero1 as tz
-from test_checkpoint import _final_params, _wait_for_step
-from test_train import ROOT, run_train, train_cmd, train_losses
-from xla_env import xla_flags
+from test_checkpoint import _final_params, kill_9_after_step
+from test_train import run_train, train_cmd, train_losses
 
 from zaya_jax import config as config_lib
 from zaya_jax.analysis import hlo
@@ -27,7 +23,6 @@ from zaya_jax.parallel.mesh import mesh_from_config
 from zaya_jax.parallel.sharding import grad_specs, param_shardings
 from zaya_jax.parallel.zero1 import compute_dtypes, shards_master
 from zaya_jax.reshard import reshard
-from zaya_jax.training.checkpoint import Checkpointer
 from zaya_jax.training.train_state import abstract_batch, train_program
 
 BF16 = ZayaConfig.tiny(num_hidden_layers=2, vocab_size=128, moe_intermediate_size=32, dtype="bfloat16")
@@ -147,22 +142,6 @@ BF16_ARGS = [
 ]
 
 
-def _latest_checkpoint(workdir, proc, timeout: float = 300) -> int:
-    """The first checkpoint step the running training `proc` completes in `workdir`."""
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        assert proc.poll() is None, "the run ended before it was killed"
-        ck = Checkpointer(str(workdir), read_only=True)
-        try:
-            step = ck.latest_step()
-        finally:
-            ck.close()
-        if step is not None:
-            return step
-        time.sleep(0.1)
-    raise AssertionError("no checkpoint")
-
-
 @pytest.mark.slow
 def test_bf16_master_trains_and_resumes_bit_exact_after_kill_9(tmp_path):
     """`python -m zaya_jax.train` with a bf16 model and bf16 gradient reduction on 8 devices (data=8:
@@ -172,16 +151,9 @@ def test_bf16_master_trains_and_resumes_bit_exact_after_kill_9(tmp_path):
     ref = tmp_path / "ref"
     run_train(ref, *BF16_ARGS, devices=8)
     killed = tmp_path / "killed"
-    env = {**os.environ, "XLA_FLAGS": xla_flags(8)}
     cmd = train_cmd(killed, *BF16_ARGS, "--config.fault.spike_zscore=0")
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    _wait_for_step(proc, killed, 3)
-    resumed_from = _latest_checkpoint(killed, proc)
-    proc.kill()
-    proc.wait()
-    assert resumed_from < 8
+    resumed_from = kill_9_after_step(cmd, killed, 3, devices=8)
+    assert resumed_from is not None and resumed_from < 8
     run_train(killed, *BF16_ARGS, devices=8)
     want, got = train_losses(ref), train_losses(killed)
     assert sorted(got) == list(range(1, 9)) and all(np.isfinite(list(want.values())))
