@@ -321,8 +321,9 @@ def owned_orthogonalize(
     n] stored as `stored` (its ZeRO-1 spec), each matrix computed once, by the rank that owns it
     (`owner_plan`), and the result all-gathered into the parameter's layout `spec`: whole on every
     rank of the data axis, or, where `spec` splits it over the data axis too (the fp32 master in
-    the ZeRO-1 shard: `shards_master`), in that shard. Zero matrices pad the stack to a multiple of the owners (Newton-Schulz of
-    0 is 0: it is normalised by 0 + eps); they are dropped before the gather (`_gather_dims`)."""
+    the ZeRO-1 shard: `shards_master`), in that shard. Zero matrices pad the stack to a multiple of
+    the owners (Newton-Schulz of 0 is 0: it is normalised by 0 + eps); they are dropped before the
+    gather (`_gather_dims`)."""
     shape = tuple(x.shape)
     plan = owner_plan(shape, stored, mesh)
     out_axes = _axes(spec, x.ndim, mesh)

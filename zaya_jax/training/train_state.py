@@ -172,8 +172,9 @@ def accumulated_grads(
 ):
     """Sums over the microbatches (leading axis of `micro`) of grad_fn's loss sum, its StepAux and
     gradients, in one lax.scan; the gradients in fp32 whatever the dtype of `params` (compute
-    weights in model.dtype come out with gradients in it, each upcast before it is added). The aux's zeros take grad_fn's own shapes (the spill flags have one
-    entry per device the model sees, fewer inside the per-rank loop of zaya_jax/parallel/zero1.py).
+    weights in model.dtype come out with gradients in it, each upcast before it is added). The
+    aux's zeros take grad_fn's own shapes (the spill flags have one entry per device the model
+    sees, fewer inside the per-rank loop of zaya_jax/parallel/zero1.py).
     `reduce`: applied to each microbatch's gradients before they are added (train.grad_reduce
     "microbatch": the reduce-scatter into this rank's ZeRO-1 shard, so the sum is only that shard)."""
     upcast = lambda grads: jax.tree.map(lambda g: g.astype(_accumulated(g.dtype)), grads)
