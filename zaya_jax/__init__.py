@@ -11,3 +11,9 @@ from zaya_jax.runtime import gpu_plugins
 if os.environ.get("ZAYA_DEBUG", "") in ("", "0"):
     logging.getLogger("jax._src.xla_bridge").addFilter(gpu_plugins.drop_no_gpu_record)
 gpu_plugins.import_jax()
+
+from zaya_jax.runtime import compile_cache  # after gpu_plugins.import_jax(): it imports jax
+
+# Programs of several CPU devices stay out of jax's persistent compilation cache: read back from it,
+# XLA:CPU can deadlock in their collectives (zaya_jax/runtime/compile_cache.py).
+compile_cache.install()
