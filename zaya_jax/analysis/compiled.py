@@ -76,8 +76,7 @@ def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> Com
     """The step the trainer jits (`train_state.train_program`), lowered from abstract state and batch
     on a mesh of `devices` and compiled; nothing is allocated. The persistent compilation cache is
     off for it: the compile time reported is XLA's, a deviceless GPU executable cannot be read back
-    without its client, and XLA:CPU (jax 0.10.2) aborts serializing test_zero1's data=4 x fsdp=2
-    step into the cache late in the full test process (twice in CI)."""
+    without its client, and a CPU mesh's step read back can deadlock (zaya_jax/runtime/compile_cache.py)."""
     cfg = config_lib.validate(c, device_platform(devices[0]))
     mesh = mesh_from_config(c, devices=devices)
     check_batch_divides(c, len(devices))
