@@ -24,27 +24,43 @@ import gc
 import jax
 import pytest
 
-# The test files that keep one worker longest, longest first (docs/performance.md, "Test suite"):
-# pytest-xdist hands whole files out in collection order (`make test`: --dist loadfile
+# The test files that keep one worker longest, longest first: the files whose slowest tests sum to
+# 20 s or more in a whole-suite run (`make test ARGS=--durations=150`, docs/performance.md "Test
+# suite"). pytest-xdist hands whole files out in collection order (`make test`: --dist loadfile
 # --no-loadscope-reorder), so these start first and no long file starts last, alone at the end.
 # The other files follow, most tests first.
 HEAVIEST_FIRST = (
     "test_zero1.py",
-    "test_cli_errors.py",
-    "test_context_parallel.py",
-    "test_checkpoint.py",
-    "test_dry_run.py",
-    "test_train_start.py",
-    "test_train.py",
-    "test_lm_eval_backend.py",
     "test_benchmarks.py",
-    "test_train_state.py",
-    "test_interrupt.py",
-    "test_export.py",
-    "test_megatron.py",
-    "test_kernels_integration.py",
+    "test_context_parallel.py",
+    "test_train.py",
     "test_gpu_compile.py",
+    "test_zero1_master.py",
+    "test_cli_errors.py",
     "test_parallel.py",
+    "test_kernels_blockwise_attention.py",
+    "test_checkpoint.py",
+    "test_lm_eval_backend.py",
+    "test_expert_exchange.py",
+    "test_train_start.py",
+    "test_dry_run.py",
+    "test_export.py",
+    "test_kernels_integration.py",
+    "test_train_state.py",
+    "test_reshard.py",
+    "test_remat.py",
+    "test_generate.py",
+    "test_mixture_ramp.py",
+    "test_megatron.py",
+    "test_fault.py",
+    "test_lm_eval.py",
+    "test_evaluate.py",
+    "test_systems_benchmarks.py",
+    "test_timeline.py",
+    "test_evaluate_scoring.py",
+    "test_scan_layers.py",
+    "test_interrupt.py",
+    "test_hf.py",
 )
 
 
