@@ -156,7 +156,7 @@ class Started:
 def test_resume_after_kill_9_and_ctrl_c_writes_what_one_run_writes(tmp_path):
     """`--resume` on two workers: killed with SIGKILL once it wrote shards, then stopped by a Ctrl-C
     to its process group (exit 130 within 3 s, one line), then run to the end: the shards and
-    meta.json are those of one uninterrupted run, the shards written before an interrupt are not
+    meta.json are those of one uninterrupted run, the shards checkpointed before an interrupt are not
     written again, and a run with other options, or without --resume, is refused in one line."""
     rng = np.random.default_rng(3)
     words = np.array(["alpha", "beta", "gamma", "delta", "é", "\n"])
@@ -174,7 +174,14 @@ def test_resume_after_kill_9_and_ctrl_c_writes_what_one_run_writes(tmp_path):
     run.until(progress.is_file)
     assert run.stop(signal.SIGKILL)[0] == -signal.SIGKILL
     first = json.loads(progress.read_text())
-    kept = {p.name: p.stat() for p in (state / "train").glob("shard_*.npy")}
+    # the shards its last checkpoint records (one the kill cut off before its checkpoint is redone)
+    recorded = [
+        f"{split}/{shard[part]}"
+        for split, writer in first["writers"].items()
+        for shard in writer["shards"]
+        for part in ("tokens", "offsets")
+    ]
+    kept = {name: (state / name).stat() for name in recorded}
     assert first["doc_index"] > 0 and kept and not out.exists()
 
     for args, message in (
@@ -199,7 +206,7 @@ def test_resume_after_kill_9_and_ctrl_c_writes_what_one_run_writes(tmp_path):
     assert f"prepare: resuming from {state}" in done.stderr and not state.exists()
     assert shards(out) == shards(tmp_path / "ref")
     for name, stat in kept.items():  # the same file, moved: not tokenized and written again
-        now = (out / "train" / name).stat()
+        now = (out / name).stat()
         assert (now.st_ino, now.st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns), name
 
 
