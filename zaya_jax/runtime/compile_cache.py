@@ -15,13 +15,9 @@ import functools
 from jax._src import compiler  # the cache key's resolution: not public
 
 
-def _platforms(devices) -> set[str]:
-    return {device.platform for device in devices.flat}
-
-
 def uncached(devices) -> bool:
     """True for the programs the cache must not hold: compiled for more than one CPU device."""
-    return devices.size > 1 and _platforms(devices) == {"cpu"}
+    return devices.size > 1 and {device.platform for device in devices.flat} == {"cpu"}
 
 
 def install() -> None:
