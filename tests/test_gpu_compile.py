@@ -177,6 +177,12 @@ def test_cli_gpu_target_file_that_does_not_fit(tmp_path):
     assert "8 x NVIDIA H100 80GB HBM3 (CUDA, sm_90; deviceless" in out
     assert "DOES NOT FIT" in out and "Largest microbatch that fits: none" in out
     assert "Least recompute that fits at 1 sequences per device (train.grad_accum=1): none" in out
+    # full remat and then the last layout (bf16 parameters on top of the others) need the least
+    # memory: neither fits, so no other policy or layout is compiled
+    assert "(full needs the least memory: as it does not fit, the rest were not compiled)" in out
+    assert "(the last layout needs the least memory: as it does not fit, the rest were not compiled)" in out
+    [layout] = [line for line in out.splitlines() if line.strip().startswith(("0.", "-")) and "--config." in line]
+    assert "does not fit" in layout and "--config.model.param_dtype=bfloat16" in layout, out
     for part in ("Collectives per device", "Compiled work per device", "zaya_gmm", "useful share", "cubin"):
         assert part in out, out
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

@@ -94,9 +94,10 @@ class _Stats:
 
 def test_fit_search_reports_the_least_recompute_that_fits(monkeypatch):
     """--dry_run_fit compiles the policies from least recompute to most at the config's microbatch
-    and stops at the first whose compiled step fits; the microbatch search then runs with it. The
-    config's own step is reused, not compiled again. (Memory stubbed per policy and microbatch; the
-    real compiles: test_gpu_compile.)"""
+    and stops at the first whose compiled step fits; the microbatch search then runs with it. Full
+    remat goes first: when it does not fit, nothing else is compiled. The config's own step is
+    reused, not compiled again. (Memory stubbed per policy and microbatch; the real compiles:
+    test_gpu_compile.)"""
     mib = {"none": 40, "matmuls": 30, "dots_saveable": 20, "full": 8}
     seen = []
 
@@ -130,7 +131,16 @@ def test_fit_search_reports_the_least_recompute_that_fits(monkeypatch):
     seen.clear()
     gpu = gpu_target.GpuTarget("tiny", "cuda", "", 10 * 2**20, "sm_90")
     out = fit.fit_report(c, list(range(8)), gpu, done=own)
-    # nothing fits at 2: full (the config's own, reused) is the one the microbatch search takes
-    assert [r for r, m in seen if m == 2] == ["none", "matmuls", "dots_saveable"]
+    # full (the config's own, reused) needs the least memory and does not fit at 2: no other policy
+    # is compiled, and full is the one the microbatch search takes
+    assert [r for r, m in seen if m == 2] == []
     assert out[0].endswith(": none") and "Largest microbatch that fits: 1 sequences per device" in " ".join(out)
+    assert "  (full needs the least memory: as it does not fit, the rest were not compiled)" in out
+    seen.clear()
+    c.model.remat = "none"  # its own step (40 MiB a sequence) does not fit: full is compiled next
+    own = fake_compile(c, None)
+    seen.clear()
+    out = fit.fit_report(c, list(range(8)), gpu, done=own)
+    assert [r for r, m in seen if m == 2] == ["full"] and out[0].endswith(": none")
+    assert [line.split()[0] for line in out[2:4]] == ["none", "full"]
     assert sizing.REMAT_CHOICES == ("none", "matmuls", "dots_saveable", "full")

@@ -193,30 +193,49 @@ def sizing_flops(c: ml_collections.ConfigDict, devices: int) -> float:
 def remat_search(
     c, devices: list, gpu: gpu_target.GpuTarget, done: CompiledStep | None = None, own_error: str = ""
 ) -> list[RematTry]:
-    """The remat policies (sizing.REMAT_CHOICES: least recompute first) compiled in turn at the
-    config's microbatch, up to the first whose compiled step fits the device: the memory is XLA's
-    for the step as compiled (arguments + outputs - alias + temporaries), so whatever lowers it is
-    counted. `done`, the config's own step, is reused (`own_error`: XLA refused it); a compile XLA
-    refuses counts as not fitting."""
-    tries: list[RematTry] = []
-    for remat in sizing.REMAT_CHOICES:
-        own = remat == c.model.remat
-        if own and own_error:
-            tries.append(RematTry(remat, None, False, note=own_error[:120]))
-            continue
-        try:
-            step = done if own and done is not None else compile_step(with_remat(c, remat), devices)
-        except Exception as e:
-            over = remat_shortfall(getattr(e, "xla_log", ()))
-            note = "over XLA's limit" if over else str(e).strip().splitlines()[0][:120]
-            tries.append(RematTry(remat, over[1] if over else None, False, note=note))
-            continue
-        total = memory_total(step.compiled.memory_analysis())
-        flops = flops_per_step(hlo_lib.work(step.compiled.as_text()), is_model) or None
-        tries.append(RematTry(remat, total, total <= gpu.memory_bytes, flops, step=step))
-        if tries[-1].fits:
-            break
-    return tries
+    """The remat policies (sizing.REMAT_CHOICES: least recompute first) compiled at the config's
+    microbatch. The leanest (full) goes first: when it does not fit, no policy does and the others
+    are not compiled. Otherwise the policies are compiled in turn, least recompute first, up to the
+    first that fits. The memory is XLA's for the step as compiled (arguments + outputs - alias +
+    temporaries), so whatever lowers it is counted. `done`, the config's own step, is reused
+    (`own_error`: XLA refused it); a compile XLA refuses counts as not fitting. Tries are returned
+    least recompute first."""
+    tried: dict[str, RematTry] = {}
+
+    def attempt(remat: str) -> RematTry:
+        if remat not in tried:
+            tried[remat] = _remat_try(c, remat, devices, gpu, done, own_error)
+        return tried[remat]
+
+    if c.model.remat in sizing.REMAT_CHOICES and (done is not None or own_error):
+        attempt(c.model.remat)  # free: already compiled (or refused)
+    if not _over(attempt(sizing.REMAT_CHOICES[-1])):
+        for remat in sizing.REMAT_CHOICES:
+            if attempt(remat).fits:
+                break
+    return [tried[r] for r in sizing.REMAT_CHOICES if r in tried]
+
+
+def _over(t: RematTry | LayoutTry) -> bool:
+    """True when a try is known not to fit: compiled too large, or refused by XLA for memory (a
+    compile that failed for another reason says nothing about memory)."""
+    return not t.fits and (t.total is not None or t.note == "over XLA's limit")
+
+
+def _remat_try(c, remat: str, devices: list, gpu, done: CompiledStep | None, own_error: str) -> RematTry:
+    """One policy of `remat_search`: its compiled step's memory and model dot FLOPs."""
+    own = remat == c.model.remat
+    if own and own_error:
+        return RematTry(remat, None, False, note=own_error[:120])
+    try:
+        step = done if own and done is not None else compile_step(with_remat(c, remat), devices)
+    except Exception as e:
+        over = remat_shortfall(getattr(e, "xla_log", ()))
+        note = "over XLA's limit" if over else str(e).strip().splitlines()[0][:120]
+        return RematTry(remat, over[1] if over else None, False, note=note)
+    total = memory_total(step.compiled.memory_analysis())
+    flops = flops_per_step(hlo_lib.work(step.compiled.as_text()), is_model) or None
+    return RematTry(remat, total, total <= gpu.memory_bytes, flops, step=step)
 
 
 def remat_rows(tries: list[RematTry], c: ml_collections.ConfigDict, devices: int) -> list[str]:
@@ -240,6 +259,8 @@ def remat_rows(tries: list[RematTry], c: ml_collections.ConfigDict, devices: int
         "  (FLOP/step: the compiled model dot FLOPs per device; x none: over remat none's compiled; "
         "x model: over sizing's model FLOPs without remat)"
     )
+    if not best and tries and _over(tries[-1]):
+        out.append(f"  ({tries[-1].remat} needs the least memory: as it does not fit, the rest were not compiled)")
     return out
 
 
@@ -307,21 +328,35 @@ class LayoutTry:
 
 
 def layout_search(c: ml_collections.ConfigDict, devices: list, gpu: gpu_target.GpuTarget) -> list[LayoutTry]:
-    """The ladder's layouts (`layout_ladder`) compiled in turn at one sequence per device, up to the
-    first that fits."""
-    tries = []
-    for layout in layout_ladder(c, devices):
-        try:
-            stats = compile_step(with_layout(c, layout, len(devices)), devices).compiled.memory_analysis()
-            total = memory_total(stats)
-            tries.append(LayoutTry(layout, total, total <= gpu.memory_bytes))
-        except Exception as e:
-            shortfall = remat_shortfall(getattr(e, "xla_log", ()))
-            note = "over XLA's limit" if shortfall else str(e).strip().splitlines()[0][:120]
-            tries.append(LayoutTry(layout, shortfall[1] if shortfall else None, False, note))
-        if tries[-1].fits:
-            break
-    return tries
+    """The ladder's layouts (`layout_ladder`) compiled at one sequence per device. The last (every
+    change together, the least memory) goes first: when it does not fit, none does and the others
+    are not compiled. Otherwise the layouts are compiled in turn up to the first that fits. Tries
+    are returned in ladder order."""
+    ladder = layout_ladder(c, devices)
+    tried: dict[int, LayoutTry] = {}
+
+    def attempt(i: int) -> LayoutTry:
+        if i not in tried:
+            tried[i] = _layout_try(c, ladder[i], devices, gpu)
+        return tried[i]
+
+    if ladder and not _over(attempt(len(ladder) - 1)):
+        for i in range(len(ladder)):
+            if attempt(i).fits:
+                break
+    return [tried[i] for i in sorted(tried)]
+
+
+def _layout_try(c, layout: dict[str, Any], devices: list, gpu: gpu_target.GpuTarget) -> LayoutTry:
+    """One layout of `layout_search`: its compiled step's memory per device."""
+    try:
+        stats = compile_step(with_layout(c, layout, len(devices)), devices).compiled.memory_analysis()
+    except Exception as e:
+        shortfall = remat_shortfall(getattr(e, "xla_log", ()))
+        note = "over XLA's limit" if shortfall else str(e).strip().splitlines()[0][:120]
+        return LayoutTry(layout, shortfall[1] if shortfall else None, False, note)
+    total = memory_total(stats)
+    return LayoutTry(layout, total, total <= gpu.memory_bytes)
 
 
 def layout_rows(tries: list[LayoutTry], c: ml_collections.ConfigDict, devices: int) -> list[str]:
@@ -342,4 +377,6 @@ def layout_rows(tries: list[LayoutTry], c: ml_collections.ConfigDict, devices: i
         verdict = "fits" if t.fits else ("does not fit" if t.total is not None else "did not compile")
         note = f" ({t.note})" if t.note else ""
         out.append(f"  {gib}   {verdict:<17}{layout_flags(c, t.layout)}{note}")
+    if not best and tries and _over(tries[-1]):
+        out.append("  (the last layout needs the least memory: as it does not fit, the rest were not compiled)")
     return out
