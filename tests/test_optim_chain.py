@@ -11,6 +11,7 @@ import optax
 import pytest
 
 from zaya_jax.optim.chain import (
+    adamw,
     default_optim_config,
     describe_routing,
     lr_schedule,
@@ -164,6 +165,33 @@ def test_make_optimizer_step_under_jit():
         assert u.shape == p.shape and u.dtype == p.dtype
         u = np.asarray(u)
         assert np.all(np.isfinite(u)) and np.max(np.abs(u)) > 0
+
+
+def test_adamw_moments_are_fp32_for_bf16_params():
+    """AdamW on bf16 parameters starts and ends each update with the same state dtypes (the train
+    step's skip guard is a lax.cond over the old and new state), both moments fp32; on fp32
+    parameters it is optax's adamw bit for bit."""
+    cfg = _cfg()
+    schedule = lr_schedule(cfg, 10)
+    params = _params()
+    grads = _params(seed=100, fn=lambda g: 0.01 + 1e-3 * g)
+    opt = adamw(cfg, schedule)
+    bf16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    state = opt.init(bf16)
+    _, new = jax.jit(opt.update)(grads, state, bf16)
+    dtypes = lambda tree: [x.dtype for x in jax.tree.leaves(tree)]
+    assert dtypes(new) == dtypes(state)
+    adam = [s for s in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "nu")) if hasattr(s, "nu")]
+    assert len(adam) == 1 and {x.dtype for x in jax.tree.leaves((adam[0].mu, adam[0].nu))} == {jnp.dtype("float32")}
+    ac = cfg.adamw
+    scaled = lambda step: schedule(step) * ac.lr_multiplier
+    ref = optax.adamw(scaled, b1=ac.b1, b2=ac.b2, eps=ac.eps, weight_decay=ac.weight_decay, mask=weight_decay_mask)
+    ours, theirs = opt.init(params), ref.init(params)
+    for _ in range(2):
+        u_ours, ours = opt.update(grads, ours, params)
+        u_theirs, theirs = ref.update(grads, theirs, params)
+        for a, b in zip(jax.tree.leaves((u_ours, ours)), jax.tree.leaves((u_theirs, theirs)), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_zero_grads_only_decay_matrices():

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_train import run_train, summary_of, train_losses
 
 from zaya_jax.config import base_config
 from zaya_jax.model import ZayaConfig
@@ -189,3 +190,17 @@ def test_initial_state_is_the_created_state_and_keeps_no_executable():
     assert cached() == before + 1  # the plain jit call does keep it: the check above can fail
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(kept), strict=True):
         assert a.sharding == b.sharding and bool(jnp.array_equal(a, b))
+
+
+@pytest.mark.slow
+def test_cli_trains_and_resumes_bf16_parameters(tmp_path):
+    """`python -m zaya_jax.train` with model.param_dtype=bfloat16 (the dry run's leanest layout) on a
+    data x fsdp x expert mesh: trains with finite losses, saves, and resumes to the end."""
+    flags = ["--config.model.param_dtype=bfloat16", "--config.mesh.data=2", "--config.mesh.fsdp=2"]
+    flags += ["--config.mesh.expert=2", "--config.checkpoint.every_steps=2", "--config.eval.every_steps=0"]
+    flags.append("--config.train.allow_schedule_change=True")  # the resumed run plans 4 steps, not 3
+    run_train(tmp_path, *flags, "--config.train.steps=3", devices=8)
+    resumed = summary_of(run_train(tmp_path, *flags, "--config.train.steps=4", devices=8))
+    losses = train_losses(tmp_path)
+    assert resumed["start_step"] == 3 and sorted(losses) == [1, 2, 3, 4]  # saved at its last step
+    assert all(np.isfinite(v) for v in losses.values()) and losses[4] < losses[1]

@@ -207,16 +207,21 @@ def gradient_clipping(cfg: Any) -> optax.GradientTransformation:
 
 def adamw(cfg: Any, schedule: optax.Schedule) -> optax.GradientTransformation:
     """AdamW with `optim.adamw`'s settings on `schedule` x its lr_multiplier, decoupled weight
-    decay where the registry says so (`weight_decay_mask`)."""
+    decay where the registry says so (`weight_decay_mask`). Both moments are fp32 whatever the
+    parameters' dtype (optax keeps them in it)."""
     ac = _optim_section(cfg).adamw
-    return optax.adamw(
+    inner = optax.adamw(
         _scaled(schedule, ac.lr_multiplier),
         b1=ac.b1,
         b2=ac.b2,
         eps=ac.eps,
         weight_decay=ac.weight_decay,
+        mu_dtype=jnp.float32,
         mask=weight_decay_mask,
     )
+    # optax makes the second moment like the parameters it is given: fp32 copies (a no-op for fp32)
+    fp32 = lambda params: jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    return optax.GradientTransformation(lambda params: inner.init(fp32(params)), inner.update)
 
 
 def make_optimizer(
