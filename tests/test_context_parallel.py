@@ -8,6 +8,7 @@ blockwise attention's work over ranks."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 
@@ -293,27 +294,37 @@ def test_pallas_attention_on_context_2_equals_the_reference(layout):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, err_msg=name)
 
 
-def _train(mesh, steps, layout=CONTIGUOUS):
-    """`steps` train steps of the real train step; (losses, grad norms, final state)."""
+@functools.cache
+def _start(steps):
+    """(tx, balancing config, lr schedule, initial state): one initial state for every run, created
+    once on one device (each run only places it on its mesh: no sharded init program to compile)."""
     c = base_config()
     c.optim.warmup_steps = 2
     tx = make_optimizer(c, total_steps=steps)
     bc = bal.BalancingConfig(lr=1e-2)
-    create = lambda: create_train_state(CFG, tx, bc, jax.random.key(0))
-    step = make_train_step(CFG, tx, bc, lr_schedule(c, steps), mesh=mesh, context_layout=layout)
+    return tx, bc, lr_schedule(c, steps), create_train_state(CFG, tx, bc, jax.random.key(0))
+
+
+def _train(mesh, steps, layout=CONTIGUOUS):
+    """`steps` train steps of the real train step; (losses, grad norms, final state)."""
+    tx, bc, schedule, state = _start(steps)
+    step = make_train_step(CFG, tx, bc, schedule, mesh=mesh, context_layout=layout)
     if mesh is None:
-        state, step, put = create(), jax.jit(step), lambda x: jnp.asarray(x)
+        step, put = jax.jit(step), jnp.asarray
     else:
-        shardings = state_shardings(jax.eval_shape(create), mesh)
-        state = jax.jit(create, out_shardings=shardings)()
+        shardings = state_shardings(state, mesh)
+        state = jax.device_put(state, shardings)
         step = jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None))
         put = lambda x: jax.device_put(x, batch_sharding(mesh))
-    losses, norms = [], []
+    losses, norms, compiled = [], [], None
     for i in range(steps):
         r = np.random.default_rng(100 + i)
         ids = r.integers(3, CFG.vocab_size, size=(B, S + 1)).astype(np.int32)
         batch = {"input_ids": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": np.ones((B, S), np.float32)}
-        state, m = step(state, jax.tree.map(put, batch))
+        batch = jax.tree.map(put, batch)
+        if compiled is None:  # like the file's other programs, compiled once and run briefly: FAST_COMPILE
+            compiled = step.lower(state, batch).compile(compiler_options=FAST_COMPILE)
+        state, m = compiled(state, batch)
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
     return losses, norms, state

@@ -3,6 +3,8 @@ parallelism (all-to-all), equality with the single-device step, and bad meshes."
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,45 +43,66 @@ def _batch(step, b=8, s=16):
     }
 
 
-def _run(mesh_shape, steps, cfg=CFG):
-    """Losses of `steps` train steps (and the final state) on a mesh (None = one device)."""
+# LLVM's optimisation of the CPU code costs more compile time than it saves on 20 tiny steps (as
+# tests/test_context_parallel.py); it leaves the optimised HLO (its collectives) alone.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _setup(steps=STEPS):
+    """(optimizer config, optimizer, balancing config, create()) of the runs below."""
     c = base_config()
     c.optim.warmup_steps = 2
     tx = make_optimizer(c, total_steps=steps)
     bc = bal.BalancingConfig(lr=1e-2)
-    create = lambda: create_train_state(cfg, tx, bc, jax.random.key(0))
+    return c, tx, bc, lambda: create_train_state(CFG, tx, bc, jax.random.key(0))
+
+
+@functools.cache
+def _initial_state():
+    """The initial train state, created once on one device and kept on the host: every run (one
+    device or a mesh) starts from these values, laid out by its own shardings."""
+    create = _setup()[3]
+    return jax.device_get(jax.jit(create).lower().compile(FAST_COMPILE)())
+
+
+@functools.cache
+def _run(mesh_shape, steps=STEPS):
+    """Losses and grad norms of `steps` train steps, the final state, the compiled step and the
+    mesh, on a mesh (None = one device); once per mesh in the module."""
+    c, tx, bc, create = _setup(steps)
     if mesh_shape is None:
-        mesh, state, step_fn = None, create(), None
-        step_fn = jax.jit(make_train_step(cfg, tx, bc, lr_schedule(c, steps)))
+        mesh, state = None, jax.device_put(_initial_state())
+        step_fn = jax.jit(make_train_step(CFG, tx, bc, lr_schedule(c, steps)))
         put = lambda b: jax.tree.map(jnp.asarray, b)
     else:
         mesh = make_mesh(*mesh_shape)
         shardings = state_shardings(jax.eval_shape(create), mesh)
-        state = jax.jit(create, out_shardings=shardings)()
+        state = jax.device_put(_initial_state(), shardings)
         step_fn = jax.jit(
-            make_train_step(cfg, tx, bc, lr_schedule(c, steps), mesh=mesh),
+            make_train_step(CFG, tx, bc, lr_schedule(c, steps), mesh=mesh),
             in_shardings=(shardings, None),
             out_shardings=(shardings, None),
         )
         put = lambda b: jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh)), b)
+    compiled = step_fn.lower(state, put(_batch(0))).compile(FAST_COMPILE)
     losses, grad_norms = [], []
     for i in range(steps):
-        state, m = step_fn(state, put(_batch(i)))
+        state, m = compiled(state, put(_batch(i)))
         losses.append(float(m["loss"]))
         grad_norms.append(float(m["grad_norm"]))
-    return losses, grad_norms, state, step_fn, mesh
+    return losses, grad_norms, state, compiled, mesh
 
 
 @pytest.fixture(scope="module")
 def single_device():
-    return _run(None, STEPS)
+    return _run(None)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MESHES))
 def test_mesh_matches_single_device(name, single_device):
     ref_losses, ref_norms, ref_state, _, _ = single_device
-    losses, norms, state, _, _ = _run(MESHES[name], STEPS)
+    losses, norms, state, _, _ = _run(MESHES[name])
     # Step 1: same loss and gradients (the gradient norm over every parameter) within 1e-5.
     assert abs(losses[0] - ref_losses[0]) < 1e-5
     assert abs(norms[0] - ref_norms[0]) < 1e-5 * max(1.0, ref_norms[0])
@@ -105,7 +128,8 @@ def test_first_step_gradients_match_per_parameter():
             loss_sum, aux = loss_and_counts(model, p, variables[BALANCING], batch)
             return loss_sum / aux.weight
 
-        return jax.jit(jax.value_and_grad(f))(variables["params"])
+        params = variables["params"]
+        return jax.jit(jax.value_and_grad(f)).lower(params).compile(FAST_COMPILE)(params)
 
     ref_loss, ref = grads(None)
     mesh = make_mesh(2, 2, 2)
@@ -118,18 +142,12 @@ def test_first_step_gradients_match_per_parameter():
 
 
 def test_expert_parallel_step_uses_all_to_all_and_shards_experts():
-    c = base_config()
-    c.optim.warmup_steps = 1
-    tx = make_optimizer(c, total_steps=2)
-    bc = bal.BalancingConfig()
-    mesh = make_mesh(2, 1, 4)
-    create = lambda: create_train_state(CFG, tx, bc, jax.random.key(0))
-    shardings = state_shardings(jax.eval_shape(create), mesh)
-    state = jax.jit(create, out_shardings=shardings)()
-    step = jax.jit(make_train_step(CFG, tx, bc, lr_schedule(c, 2), mesh=mesh), in_shardings=(shardings, None))
-    batch = jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh)), _batch(0))
-    hlo = step.lower(state, batch).compile().as_text()
-    assert "all-to-all" in hlo
+    """The data=2 x expert=4 train step exchanges tokens by all-to-all; its state keeps 1/4 of the
+    experts per device, the optimizer state split over data on top (ZeRO-1), the rest replicated.
+    The compiled step and its state are test_mesh_matches_single_device's data2_expert4 run."""
+    _, _, state, compiled, mesh = _run(MESHES["data2_expert4"])
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 4, "context": 1}
+    assert "all-to-all" in compiled.as_text()
 
     experts = state.params["layers"]["mlp"]["experts"]
     assert per_device_bytes(experts) * 4 == global_bytes(experts)  # 1/4 of the experts per device
@@ -142,12 +160,10 @@ def test_expert_parallel_step_uses_all_to_all_and_shards_experts():
 
 
 def test_fsdp_shards_params_and_optimizer_state():
-    c = base_config()
-    tx = make_optimizer(c, total_steps=200)
-    bc = bal.BalancingConfig()
+    create = _setup()[3]
     mesh = make_mesh(2, 4, 1)
-    create = lambda: create_train_state(CFG, tx, bc, jax.random.key(0))
-    state = jax.jit(create, out_shardings=state_shardings(jax.eval_shape(create), mesh))()
+    # the initial state laid out by the sharding table (the layout jit(create) would return)
+    state = jax.device_put(_initial_state(), state_shardings(jax.eval_shape(create), mesh))
     q = state.params["layers"]["self_attn"]["q_proj"]["kernel"]
     assert q.sharding.spec == P(None, "fsdp", None) and per_device_bytes(q) * 4 == global_bytes(q)
     big = {k: v for k, v in state.params.items() if k in ("embed_tokens", "layers")}
@@ -235,9 +251,11 @@ def test_capacity_factor_drops_and_counts():
     # Route everything to expert 0 so the rank owning it overflows a capacity-1.0 bucket.
     biases = jnp.zeros((2, 9)).at[:, 0].set(5.0)
     variables = {**variables, BALANCING: {"layers": {"mlp": {"gate": {"balancing_biases": biases}}}}}
-    dropless = ZayaForCausalLM(CFG, mesh).apply(variables, ids)
-    capped = ZayaForCausalLM(CFG.replace(moe_capacity_factor=1.0), mesh).apply(variables, ids)
-    single = ZayaForCausalLM(CFG).apply(variables, ids)
+    # jit: one program per model instead of an eager dispatch per op (the same values)
+    apply = lambda cfg, mesh=None: jax.jit(ZayaForCausalLM(cfg, mesh).apply)(variables, ids)
+    dropless = apply(CFG, mesh)
+    capped = apply(CFG.replace(moe_capacity_factor=1.0), mesh)
+    single = apply(CFG)
     assert int(dropless.dropped_tokens.sum()) == 0
     np.testing.assert_allclose(dropless.logits, single.logits, atol=1e-5)
     # 8 x 16 tokens over 8 devices -> 16 per device, all to one rank with 8 slots: 8 dropped each.
@@ -255,8 +273,8 @@ def test_expert_parallel_tiled_dispatch_equals_single_device_ragged_dot():
     mesh = make_mesh(2, 1, 4)
     variables = init_variables(CFG, jax.random.key(3))
     ids = jnp.asarray(_batch(4)["input_ids"])
-    ref = ZayaForCausalLM(CFG.replace(moe_impl="ragged_dot")).apply(variables, ids)
-    got = ZayaForCausalLM(CFG.replace(moe_impl="tiled"), mesh).apply(
+    ref = jax.jit(ZayaForCausalLM(CFG.replace(moe_impl="ragged_dot")).apply)(variables, ids)
+    got = jax.jit(ZayaForCausalLM(CFG.replace(moe_impl="tiled"), mesh).apply)(
         variables, jax.device_put(ids, batch_sharding(mesh))
     )
     np.testing.assert_allclose(np.asarray(got.logits), np.asarray(ref.logits), atol=1e-5)

@@ -82,11 +82,23 @@ def _saved_steps(workdir):
     return sorted(int(s) for s in os.listdir(d) if s.isdigit()) if os.path.isdir(d) else []
 
 
+# The plan of the interrupted trainers below (50 steps).
+INTERRUPTED = "--config.train.steps=50"
+
+
+@pytest.fixture(scope="module")
+def start_cache(tmp_path_factory):
+    """A compilation cache of this file's own: empty when the start-up signals test starts it (its
+    compiles run), then read by the mid-run Ctrl-C test, whose plan is the same."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("start_xla_cache"))}
+
+
 @pytest.mark.slow
-def test_second_trainer_is_refused_and_a_signal_during_start_up_stops_at_once(tmp_path):
+def test_second_trainer_is_refused_and_a_signal_during_start_up_stops_at_once(tmp_path, start_cache):
     w = tmp_path / "w"
-    env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache")}  # a fresh cache: compiles run
-    a = Background(w, "--config.train.steps=50", env=env)
+    env = start_cache  # a fresh cache: compiles run
+    assert not os.listdir(env["JAX_COMPILATION_CACHE_DIR"])
+    a = Background(w, INTERRUPTED, env=env)
     start = a.wait_for("train: ")
     assert str(w) in start and "cpu device" in start
     a.wait_for("initialising a new model")  # the initializer compiles now
@@ -94,7 +106,7 @@ def test_second_trainer_is_refused_and_a_signal_during_start_up_stops_at_once(tm
     assert holder["pid"] == a.proc.pid
     before = tree_digest(w)
     second = subprocess.run(
-        train_cmd(w, "--config.train.steps=50"),
+        train_cmd(w, INTERRUPTED),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -110,7 +122,7 @@ def test_second_trainer_is_refused_and_a_signal_during_start_up_stops_at_once(tm
     assert err.strip() == "interrupted by SIGINT: before the first step; nothing saved"
     assert not (w / wl.LOCK_FILE).exists() and _saved_steps(w) == []
 
-    a = Background(w, "--config.train.steps=50", env=env)
+    a = Background(w, INTERRUPTED, env=env)
     a.wait_for("compiling the train step")
     rc, seconds, _, err = a.stop(signal.SIGTERM)
     print(f"SIGTERM while compiling the train step: exit {rc} after {seconds:.2f} s; {err!r}")
@@ -120,12 +132,12 @@ def test_second_trainer_is_refused_and_a_signal_during_start_up_stops_at_once(tm
 
 
 @pytest.mark.slow
-def test_ctrl_c_mid_run_saves_and_exits_130(tmp_path):
+def test_ctrl_c_mid_run_saves_and_exits_130(tmp_path, start_cache):
     w = tmp_path / "w"
-    a = Background(
-        w, "--config.train.steps=200", "--config.checkpoint.every_steps=0", "--config.eval.every_steps=0"
-    )
-    a.wait_for("step 2/200")
+    # the plan of the start-up test, whose trainers left its compiled programs in start_cache
+    ckpt_eval = ["--config.checkpoint.every_steps=0", "--config.eval.every_steps=0"]
+    a = Background(w, INTERRUPTED, *ckpt_eval, env=start_cache)
+    a.wait_for("step 2/50")
     rc, _, out, err = a.stop(signal.SIGINT)
     assert rc == 130, err[-3000:]
     assert "Traceback" not in err and "Fatal" not in err
@@ -167,10 +179,12 @@ def test_resume_says_what_it_does_and_refuses_another_plan_or_data(finished, tmp
     assert summary_of(done)["final_step"] == 3 and not (w / wl.LOCK_FILE).exists()
 
     before = tree_digest(w)
-    more = _train(w, "--config.train.steps=5")
+    # the plan of `replanned` below: the refused run compiles (start-up's memory check) what that
+    # one then reads from the cache
+    more = _train(w, "--config.train.steps=6")
     assert_one_line_error(
         more,
-        "train.steps: checkpoint 3, config 5",
+        "train.steps: checkpoint 3, config 6",
         "--config.train.steps=3",
         "--config.train.allow_schedule_change=True",
     )

@@ -172,7 +172,8 @@ def test_initial_state_is_the_created_state_and_keeps_no_executable():
     """TrainProgram.initial_state (the trainer's fresh start, import_hf) equals create() jit-compiled
     on the mesh, laid out by the program's shardings, and leaves nothing in jax's compilation
     cache: the initializer runs once, and its executable (~70 MB on tiny) must not stay for the run
-    as jax.jit(create)() leaves it."""
+    as jax.jit(create)() leaves it. On a data x fsdp x expert mesh it is one device's initial
+    state, value for value (the mesh-equivalence tests start every mesh from one device's)."""
     from jax._src.interpreters import pxla
 
     from zaya_jax import config as config_lib
@@ -190,6 +191,9 @@ def test_initial_state_is_the_created_state_and_keeps_no_executable():
     assert cached() == before + 1  # the plain jit call does keep it: the check above can fail
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(kept), strict=True):
         assert a.sharding == b.sharding and bool(jnp.array_equal(a, b))
+    one = train_program(c, CFG, make_mesh(data=1, devices=jax.devices()[:1])).initial_state()
+    for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(jax.device_get(one)), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -19,7 +20,6 @@ from jax.sharding import PartitionSpec as P
 
 from zaya_jax import config as config_lib
 from zaya_jax import sizing
-from zaya_jax.analysis import compiled as compiled_lib
 from zaya_jax.analysis import hlo as hlo_lib
 from zaya_jax.analysis import report
 from zaya_jax.config import base_config, set_model
@@ -29,13 +29,15 @@ from zaya_jax.parallel import make_mesh
 from zaya_jax.parallel.mesh import MESH_AXES, mesh_from_config
 from zaya_jax.parallel.sharding import batch_sharding, opt_state_shardings, param_shardings
 from zaya_jax.parallel.zero1 import owner_plan, step_bytes
-from zaya_jax.training.train_state import abstract_batch, train_program
+from zaya_jax.training.train_state import TrainProgram, abstract_batch, train_program
 
 # 8 layers: the data axis (8 or 4) divides the layer stacks, so every rank owns whole matrices.
 CFG = ZayaConfig.tiny(num_hidden_layers=8, vocab_size=128, moe_intermediate_size=32)
 
 
-def _config(mesh: dict[str, int], grad_accum: int, grad_reduce: str = "step", cfg: ZayaConfig = CFG):
+def _config(
+    mesh: dict[str, int], grad_accum: int, grad_reduce: str = "step", cfg: ZayaConfig = CFG, steps: int = 0
+):
     c = base_config()
     set_model(c, cfg)
     c.train.seq_len, c.train.batch_size, c.train.grad_accum = 32, 8 * grad_accum, grad_accum
@@ -46,39 +48,81 @@ def _config(mesh: dict[str, int], grad_accum: int, grad_reduce: str = "step", cf
     # differs with the reduction order by a few percent, so its update differed between one device
     # and data=8 by 1.2e-5 (lr 1e-3) on an Intel box: rounding amplified, not a reduction wrong.
     c.optim.adamw.eps = 1e-6
+    if steps:
+        c.train.steps = steps
     for axis, size in mesh.items():
         c.mesh[axis] = size
     return c
 
 
-def _compiled(
-    mesh: tuple[tuple[str, int], ...], grad_accum: int, grad_reduce: str = "step"
-) -> compiled_lib.CompiledStep:
-    """The tiny train step as the trainer builds it (train_program), compiled, not run, on as many
-    devices as the mesh has; compiled once per (mesh, grad_accum, grad_reduce) in the module."""
-    return _compile(mesh, grad_accum, grad_reduce)
+# LLVM's optimisation of the CPU code costs more compile time than it saves on a few steps (as
+# tests/test_context_parallel.py). It leaves the optimised HLO alone: the collectives' bytes and
+# memory_analysis's temporaries read below are those of the default compile.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+class Step(NamedTuple):
+    """A compiled train step and what it was built from."""
+
+    compiled: Any  # jax.stages.Compiled
+    program: TrainProgram
+    c: Any  # the config
+    cfg: ZayaConfig  # the validated model config
+    model: ZayaConfig  # the model config it was built from (the initial state's key)
+
+    @property
+    def mesh(self):
+        return self.program.mesh
+
+    @property
+    def state(self):  # the abstract train state it was compiled for
+        return self.program.abstract_state()
 
 
 @functools.cache
-def _compile(mesh: tuple[tuple[str, int], ...], grad_accum: int, grad_reduce: str) -> compiled_lib.CompiledStep:
+def _program(mesh: tuple[tuple[str, int], ...], grad_accum: int, grad_reduce: str, cfg: ZayaConfig, steps: int):
+    """(config, validated model config, train_program) of the tiny train step on as many devices as
+    the mesh has: the train step as the trainer builds it (traced, nothing compiled)."""
+    c = _config(dict(mesh), grad_accum, grad_reduce, cfg, steps)
     devices = jax.devices()[: math.prod(size for _, size in mesh)]
-    return compiled_lib.compile_step(_config(dict(mesh), grad_accum, grad_reduce), devices)
+    cfg = config_lib.validate(c, "cpu")
+    return c, cfg, train_program(c, cfg, mesh_from_config(c, devices=devices))
 
 
-def _train(mesh: tuple[tuple[str, int], ...], grad_accum: int, grad_reduce: str = "step", steps: int = 2):
-    """(losses, final params) of `steps` steps of the compiled train step (`_compiled`) from the
+@functools.cache
+def _compiled(
+    mesh: tuple[tuple[str, int], ...],
+    grad_accum: int,
+    grad_reduce: str = "step",
+    cfg: ZayaConfig = CFG,
+    steps: int = 0,
+) -> Step:
+    """The train step of `_program` compiled from abstract state and batch, not run; once per
+    (mesh, grad_accum, grad_reduce, cfg, train.steps) in the module."""
+    model = cfg
+    c, cfg, program = _program(mesh, grad_accum, grad_reduce, model, steps)
+    batch = abstract_batch(c.train.batch_size, c.train.seq_len, program.mesh)
+    compiled = program.train_step.lower(program.abstract_state(), batch).compile(FAST_COMPILE)
+    return Step(compiled, program, c, cfg, model)
+
+
+@functools.cache
+def _initial_state_on_host(cfg: ZayaConfig):
+    """The config's initial train state (train_program's create(), the same seed and values whatever
+    the mesh), created once on one device and kept on the host: each mesh's run starts from it laid
+    out by its own shardings, so no mesh compiles its own initializer."""
+    _, _, program = _program((("data", 1),), 1, "step", cfg, 0)
+    return jax.device_get(jax.jit(program.create).lower().compile(FAST_COMPILE)())
+
+
+def _steps(step: Step, steps: int):
+    """(losses, grad norms, final state) of `steps` steps of the compiled train step from the
     config's initial state, on the same random batches whatever the mesh."""
-    step = _compiled(mesh, grad_accum, grad_reduce)
-    c = _config(dict(mesh), grad_accum, grad_reduce)
-    losses, _, state = _steps(c, step.cfg, step.mesh, step.compiled, steps)
-    return losses, jax.device_get(state.params)
-
-
-def _steps(c, cfg: ZayaConfig, mesh, compiled, steps: int):
-    """(losses, grad norms, final state) of `steps` steps of `compiled` (the train step of config
-    `c` on `mesh`) from the config's initial state, on the same random batches whatever the mesh."""
-    program = train_program(c, cfg, mesh)
-    state = jax.jit(program.create, out_shardings=program.shardings)()
+    c, cfg, program = step.c, step.cfg, step.program
+    host = _initial_state_on_host(step.model)
+    shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
+    assert shapes(host) == shapes(program.abstract_state())
+    state = jax.device_put(host, program.shardings)
     rng = np.random.default_rng(0)
     losses, norms = [], []
     for _ in range(steps):
@@ -88,11 +132,17 @@ def _steps(c, cfg: ZayaConfig, mesh, compiled, steps: int):
             "targets": ids[:, 1:].astype(np.int32),
             "loss_mask": (rng.random((c.train.batch_size, c.train.seq_len)) > 0.2).astype(np.float32),
         }
-        batch = jax.device_put(batch, batch_sharding(mesh))
-        state, metrics = compiled(state, batch)
+        batch = jax.device_put(batch, batch_sharding(program.mesh))
+        state, metrics = step.compiled(state, batch)
         losses.append(float(metrics["loss"]))
         norms.append(float(metrics["grad_norm"]))
     return losses, norms, state
+
+
+def _train(mesh: tuple[tuple[str, int], ...], grad_accum: int, grad_reduce: str = "step", steps: int = 2):
+    """(losses, final params) of `steps` steps of the compiled train step (`_compiled`)."""
+    losses, _, state = _steps(_compiled(mesh, grad_accum, grad_reduce), steps)
+    return losses, jax.device_get(state.params)
 
 
 @pytest.mark.slow
@@ -152,7 +202,7 @@ def test_grad_reduce_microbatch_bytes_are_its_formula_and_memory_falls():
     formula = step_bytes(params, micro.mesh, grad_accum=GRAD_ACCUM, grad_reduce="microbatch")
     assert formula > step_bytes(params, micro.mesh, grad_accum=GRAD_ACCUM)  # 4 reduce-scatters, not 1
     assert formula <= once <= 1.25 * formula, (once, formula)
-    temp = {s.grad_reduce: s.compiled.memory_analysis().temp_size_in_bytes for s in (step, micro)}
+    temp = {s.c.train.grad_reduce: s.compiled.memory_analysis().temp_size_in_bytes for s in (step, micro)}
     shape = {a: int(s) for a, s in micro.mesh.shape.items()}
     est = {
         mode: sizing.config_memory_per_device(_config(dict(data8), GRAD_ACCUM, mode), CFG, shape, "cpu")
@@ -173,22 +223,13 @@ EVERY_MESH = [
     *(tuple((a, 2) for a in axes) for axes in itertools.combinations(MESH_AXES, 3)),
 ]
 MESH_STEPS = 3
-# Programs run three steps: LLVM's optimisation costs more than it saves (as tests/test_context_parallel.py).
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 @functools.cache
 def _mesh_run(mesh: tuple[tuple[str, int], ...]):
     """(losses, grad norms, final state on the host) of MESH_STEPS train steps of MESH_CFG as the
     trainer builds them (train_program: ZeRO-1, distributed Muon, the balancing biases) on `mesh`."""
-    c = _config(dict(mesh), 1, cfg=MESH_CFG)
-    c.train.steps = MESH_STEPS
-    devices = jax.devices()[: math.prod(size for _, size in mesh)]
-    cfg = config_lib.validate(c, "cpu")
-    program = train_program(c, cfg, mesh_from_config(c, devices=devices))
-    batch = abstract_batch(c.train.batch_size, c.train.seq_len, program.mesh)
-    compiled = program.train_step.lower(program.abstract_state(), batch).compile(FAST_COMPILE)
-    losses, norms, state = _steps(c, cfg, program.mesh, compiled, MESH_STEPS)
+    losses, norms, state = _steps(_compiled(mesh, 1, cfg=MESH_CFG, steps=MESH_STEPS), MESH_STEPS)
     return losses, norms, jax.device_get(state)
 
 
@@ -231,17 +272,21 @@ def test_distributed_muon_equals_muon_and_orthogonalises_each_matrix_once():
 
     def run(tx, params_sharding=None, state_sharding=None):
         update = jax.jit(lambda g, s, p: tx.update(g, s, p), out_shardings=(params_sharding, state_sharding))
-        state, p, out = tx.init(params), params, []
+        # the initial state laid out as the updates return it: both steps call one compiled program
+        state = first = jax.device_put(tx.init(params), state_sharding)
+        out = []
         for g in grads:
-            updates, state = update(g, state, p)
+            updates, state = update(g, state, params)
             out.append(updates)
-        return out, update.lower(grads[0], state, p).compile()
+        return out, update, first
 
-    want, _ = run(make_optimizer(c, 10, "cpu"))
+    want, _, _ = run(make_optimizer(c, 10, "cpu"))
     tx = make_optimizer(c, 10, "cpu", mesh)
     ps = param_shardings(params, mesh)
     ss = opt_state_shardings(jax.eval_shape(tx.init, params), params, mesh)
-    got, compiled = run(tx, ps, ss)
+    got, update, first = run(tx, ps, ss)
+    assert update._cache_size() == 1  # both steps ran the program whose dots are counted below
+    compiled = update.lower(grads[0], first, params).compile()
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
     ns = report.flops_per_step(hlo_lib.work(compiled.as_text()))
