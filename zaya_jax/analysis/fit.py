@@ -4,6 +4,7 @@ ladder that does, and the remedies an out-of-memory step is told."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -110,9 +111,7 @@ def fit_search(
             total = memory_total(compiled.memory_analysis())
             tried[i] = FitTry(ladder[i], trial.train.grad_accum, total, total <= gpu.memory_bytes)
         except Exception as e:
-            over = remat_shortfall(getattr(e, "xla_log", ()))  # at least this much: does not fit
-            note = "over XLA's limit" if over else str(e).splitlines()[0][:120]
-            tried[i] = FitTry(ladder[i], trial.train.grad_accum, over[1] if over else None, False, note)
+            tried[i] = FitTry(ladder[i], trial.train.grad_accum, *_refusal(e))
         return tried[i].fits
 
     lo, hi = -1, len(ladder)  # ladder[lo] fits (or lo = -1), ladder[hi] does not (or hi = len)
@@ -200,26 +199,43 @@ def remat_search(
     temporaries), so whatever lowers it is counted. `done`, the config's own step, is reused
     (`own_error`: XLA refused it); a compile XLA refuses counts as not fitting. Tries are returned
     least recompute first."""
-    tried: dict[str, RematTry] = {}
+    choices = list(sizing.REMAT_CHOICES)
+    own = [choices.index(c.model.remat)] if c.model.remat in choices and (done is not None or own_error) else []
+    return _leanest_first(choices, lambda remat: _remat_try(c, remat, devices, gpu, done, own_error), own)
 
-    def attempt(remat: str) -> RematTry:
-        if remat not in tried:
-            tried[remat] = _remat_try(c, remat, devices, gpu, done, own_error)
-        return tried[remat]
 
-    if c.model.remat in sizing.REMAT_CHOICES and (done is not None or own_error):
-        attempt(c.model.remat)  # free: already compiled (or refused)
-    if not _over(attempt(sizing.REMAT_CHOICES[-1])):
-        for remat in sizing.REMAT_CHOICES:
-            if attempt(remat).fits:
-                break
-    return [tried[r] for r in sizing.REMAT_CHOICES if r in tried]
+def _refusal(e: Exception) -> tuple[int | None, bool, str]:
+    """(bytes, fits, note) of a compile XLA refused: over its memory limit (at least the bytes its
+    rematerialization could reach: does not fit), or failed for another reason (its first line)."""
+    over = remat_shortfall(getattr(e, "xla_log", ()))
+    return (over[1], False, "over XLA's limit") if over else (None, False, str(e).strip().splitlines()[0][:120])
 
 
 def _over(t: RematTry | LayoutTry) -> bool:
     """True when a try is known not to fit: compiled too large, or refused by XLA for memory (a
-    compile that failed for another reason says nothing about memory)."""
-    return not t.fits and (t.total is not None or t.note == "over XLA's limit")
+    compile that failed for another reason says nothing about memory: its bytes are None)."""
+    return not t.fits and t.total is not None
+
+
+def _leanest_first(candidates: list, attempt: Callable[[Any], Any], free: list[int]) -> list:
+    """The tries of a search over `candidates` ordered by memory, the least last: the indices in
+    `free` (already compiled) first, then the last; when it is known not to fit, none does and the
+    search ends. Otherwise the candidates in turn up to the first that fits. Each is tried at most
+    once; the tries are returned in `candidates` order."""
+    tried: dict[int, Any] = {}
+
+    def one(i: int):
+        if i not in tried:
+            tried[i] = attempt(candidates[i])
+        return tried[i]
+
+    for i in free:
+        one(i)
+    if candidates and not _over(one(len(candidates) - 1)):
+        for i in range(len(candidates)):
+            if one(i).fits:
+                break
+    return [tried[i] for i in sorted(tried)]
 
 
 def _remat_try(c, remat: str, devices: list, gpu, done: CompiledStep | None, own_error: str) -> RematTry:
@@ -230,9 +246,8 @@ def _remat_try(c, remat: str, devices: list, gpu, done: CompiledStep | None, own
     try:
         step = done if own and done is not None else compile_step(with_remat(c, remat), devices)
     except Exception as e:
-        over = remat_shortfall(getattr(e, "xla_log", ()))
-        note = "over XLA's limit" if over else str(e).strip().splitlines()[0][:120]
-        return RematTry(remat, over[1] if over else None, False, note=note)
+        total, fits, note = _refusal(e)
+        return RematTry(remat, total, fits, note=note)
     total = memory_total(step.compiled.memory_analysis())
     flops = flops_per_step(hlo_lib.work(step.compiled.as_text()), is_model) or None
     return RematTry(remat, total, total <= gpu.memory_bytes, flops, step=step)
@@ -332,19 +347,7 @@ def layout_search(c: ml_collections.ConfigDict, devices: list, gpu: gpu_target.G
     change together, the least memory) goes first: when it does not fit, none does and the others
     are not compiled. Otherwise the layouts are compiled in turn up to the first that fits. Tries
     are returned in ladder order."""
-    ladder = layout_ladder(c, devices)
-    tried: dict[int, LayoutTry] = {}
-
-    def attempt(i: int) -> LayoutTry:
-        if i not in tried:
-            tried[i] = _layout_try(c, ladder[i], devices, gpu)
-        return tried[i]
-
-    if ladder and not _over(attempt(len(ladder) - 1)):
-        for i in range(len(ladder)):
-            if attempt(i).fits:
-                break
-    return [tried[i] for i in sorted(tried)]
+    return _leanest_first(layout_ladder(c, devices), lambda layout: _layout_try(c, layout, devices, gpu), [])
 
 
 def _layout_try(c, layout: dict[str, Any], devices: list, gpu: gpu_target.GpuTarget) -> LayoutTry:
@@ -352,9 +355,7 @@ def _layout_try(c, layout: dict[str, Any], devices: list, gpu: gpu_target.GpuTar
     try:
         stats = compile_step(with_layout(c, layout, len(devices)), devices).compiled.memory_analysis()
     except Exception as e:
-        shortfall = remat_shortfall(getattr(e, "xla_log", ()))
-        note = "over XLA's limit" if shortfall else str(e).strip().splitlines()[0][:120]
-        return LayoutTry(layout, shortfall[1] if shortfall else None, False, note)
+        return LayoutTry(layout, *_refusal(e))
     total = memory_total(stats)
     return LayoutTry(layout, total, total <= gpu.memory_bytes)
 
