@@ -19,6 +19,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_train import run_train, train_losses
+from xla_env import FAST_COMPILE
 
 from zaya_jax.config import base_config, validate
 from zaya_jax.kernels import reference_attention
@@ -76,10 +77,8 @@ MESHES = {
     "context4_fsdp2": (1, 2, 1, 4),
 }
 B, S = 8, 32
-# Programs that run once: LLVM's optimisation costs more than it saves (interpreted Pallas kernels
-# are large while loops; the model equality cases compile ~35% faster, measured). The partitioner
-# and every HLO pass run as usual.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# Programs run once: tests/xla_env.py FAST_COMPILE (interpreted Pallas kernels are large while
+# loops; the model equality cases compile ~35% faster with it, measured).
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -322,7 +321,7 @@ def _train(mesh, steps, layout=CONTIGUOUS):
         ids = r.integers(3, CFG.vocab_size, size=(B, S + 1)).astype(np.int32)
         batch = {"input_ids": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": np.ones((B, S), np.float32)}
         batch = jax.tree.map(put, batch)
-        if compiled is None:  # like the file's other programs, compiled once and run briefly: FAST_COMPILE
+        if compiled is None:  # run for a few steps, like the file's other programs: FAST_COMPILE
             compiled = step.lower(state, batch).compile(compiler_options=FAST_COMPILE)
         state, m = compiled(state, batch)
         losses.append(float(m["loss"]))

@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_context_parallel import CFG, FAST_COMPILE, _padded_batch
+from test_context_parallel import CFG, _padded_batch
 from test_train import run_train, train_losses
+from xla_env import FAST_COMPILE
 
 from zaya_jax.analysis import hlo
 from zaya_jax.kernels import attention_choice, block_sizes
@@ -191,7 +192,7 @@ def _model_loss_grads(impl: str, mesh):
         w = batch["attention_mask"].astype(jnp.float32)
         return jnp.sum(token_cross_entropy(out.logits, batch["targets"]) * w) / jnp.sum(w)
 
-    # Each program runs once: FAST_COMPILE (tests/test_context_parallel.py) compiles it faster.
+    # Each program runs once: FAST_COMPILE (tests/xla_env.py) compiles it faster.
     fn = jax.jit(jax.value_and_grad(objective)).lower(variables["params"])
     return fn.compile(compiler_options=FAST_COMPILE)(variables["params"])
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from xla_env import FAST_COMPILE
 
 from zaya_jax.config import base_config
 from zaya_jax.model import ZayaConfig
@@ -41,11 +42,6 @@ def _batch(step, b=8, s=16):
         "targets": ids[:, 1:].astype(np.int32),
         "loss_mask": np.ones((b, s), np.float32),
     }
-
-
-# LLVM's optimisation of the CPU code costs more compile time than it saves on 20 tiny steps (as
-# tests/test_context_parallel.py); it leaves the optimised HLO (its collectives) alone.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def _setup(steps=STEPS):

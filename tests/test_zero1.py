@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from xla_env import FAST_COMPILE
 
 from zaya_jax import config as config_lib
 from zaya_jax import sizing
@@ -53,12 +54,6 @@ def _config(
     for axis, size in mesh.items():
         c.mesh[axis] = size
     return c
-
-
-# LLVM's optimisation of the CPU code costs more compile time than it saves on a few steps (as
-# tests/test_context_parallel.py). It leaves the optimised HLO alone: the collectives' bytes and
-# memory_analysis's temporaries read below are those of the default compile.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 class Step(NamedTuple):

@@ -16,6 +16,7 @@ import pytest
 import test_zero1 as tz
 from test_checkpoint import _final_params, kill_9_after_step
 from test_train import run_train, train_cmd, train_losses
+from xla_env import FAST_COMPILE
 
 from zaya_jax import config as config_lib
 from zaya_jax.analysis import hlo
@@ -83,7 +84,7 @@ def _run(mesh: tuple[tuple[str, int], ...], zero1: bool = True, grad_reduce_dtyp
     c.mesh.zero1 = zero1
     program = train_program(c, cfg, program.mesh)
     batch = abstract_batch(c.train.batch_size, c.train.seq_len, program.mesh)
-    compiled = program.train_step.lower(program.abstract_state(), batch).compile(tz.FAST_COMPILE)
+    compiled = program.train_step.lower(program.abstract_state(), batch).compile(FAST_COMPILE)
     losses, norms, state = tz._steps(tz.Step(compiled, program, c, cfg, BF16), tz.MESH_STEPS)
     return losses, norms, jax.device_get(state.params)
 

@@ -17,6 +17,12 @@ instead of 248 s, but the whole suite on a clean clone did not move (729 passed 
 
 COMPILE_FLAGS = "--xla_cpu_use_fusion_emitters=true"
 
+# Compile options for a test's programs that run once or for a few steps (`.compile(FAST_COMPILE)`):
+# LLVM's optimisation of the CPU code costs more compile time than it saves there. The partitioner
+# and every HLO pass run as usual, so the optimised HLO (its collectives, memory_analysis's
+# temporaries) is the default compile's. Both sides of a comparison are compiled with them.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
 
 def xla_flags(devices: int) -> str:
     return f"--xla_force_host_platform_device_count={devices} {COMPILE_FLAGS}"
