@@ -55,6 +55,7 @@ def test_zaya1_phases_follow_the_recipe():
         ("train.seq_len", 10**6, "config.train.seq_len"),
         ("optim.lr", -1.0, "config.optim.lr"),
         ("mesh.data", 0, "config.mesh.data"),
+        ("train.overlap_grad_reduce", "sometimes", "config.train.overlap_grad_reduce"),
         (
             "model.num_key_value_heads",
             3,

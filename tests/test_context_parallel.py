@@ -392,12 +392,16 @@ def test_train_steps_track_single_device_and_checkpoints_move_between_context_si
 @pytest.mark.slow
 def test_cli_trains_with_a_context_axis(tmp_path):
     """`python -m zaya_jax.train` on 8 devices with data=4 x context=2 and batch 4 (one sequence per
-    data rank, split over two context ranks), and in the zigzag layout on data=2 x context=4, trains,
+    data rank, split over two context ranks; each block's gradients reduced in the backward), and in
+    the zigzag layout on data=2 x context=4, trains,
     evaluates and checkpoints with the losses of the same run on 4 devices without a context axis.
     The batch checks (batch size, ramp) divide by the devices that split rows (8 / context), and
     eval.batch_size 2 is rounded up to the 4 row devices, as on data=4."""
     args = ["--config.train.steps=3", "--config.train.batch_size=4", "--config.eval.batch_size=2"]
-    run_train(tmp_path / "c2", *args, "--config.mesh.context=2", "--config.mesh.data=4", devices=8)
+    # Block gradients reduced in the backward (train.overlap_grad_reduce, GPU meshes' default), here
+    # against the run that reduces them after the loop.
+    overlap = "--config.train.overlap_grad_reduce=on"
+    run_train(tmp_path / "c2", *args, "--config.mesh.context=2", "--config.mesh.data=4", overlap, devices=8)
     run_train(tmp_path / "c1", *args, "--config.mesh.data=4", devices=4)
     zigzag = ["--config.mesh.context=4", "--config.mesh.context_layout=zigzag", "--config.mesh.data=2"]
     run_train(tmp_path / "zz", *args, *zigzag, devices=8)

@@ -25,12 +25,13 @@ import rocm_standins
 
 from zaya_jax import sizing
 from zaya_jax.analysis import compiled as compiled_lib
-from zaya_jax.analysis import dry_run, fit, hlo
+from zaya_jax.analysis import dry_run, fit, hardware, hlo, prediction
 from zaya_jax.analysis import report as report_lib
 from zaya_jax.analysis.exchange import all_to_all_bytes
 from zaya_jax.config import base_config, set_model
 from zaya_jax.kernels import pick_blocks
 from zaya_jax.model import ZayaConfig
+from zaya_jax.parallel import zero1
 from zaya_jax.runtime import gpu_target
 from zaya_jax.training.train_state import OPTIMIZER_SCOPE
 
@@ -47,11 +48,12 @@ def small_config(
     expert_axis: int = 1,
     remat: str = "none",
     context: int = 1,
+    layers: int = 1,
 ):
-    """One block of width 64 (bf16 compute), 8 x 512 tokens; `impl` for attention, experts and
+    """`layers` blocks of width 64 (bf16 compute), 8 x 512 tokens; `impl` for attention, experts and
     Newton-Schulz ('auto' resolves on the target's platform)."""
     c = base_config()
-    model = dict(hidden_size=64, num_hidden_layers=1, num_experts=experts, moe_intermediate_size=64)
+    model = dict(hidden_size=64, num_hidden_layers=layers, num_experts=experts, moe_intermediate_size=64)
     set_model(c, ZayaConfig.tiny(**model, vocab_size=128, head_dim=16, dtype="bfloat16", remat=remat))
     c.train.batch_size, c.train.seq_len = 8, SEQ
     c.mesh.data, c.mesh.expert, c.mesh.context = data, expert_axis, context
@@ -154,6 +156,28 @@ def test_expert_work_does_not_grow_with_the_expert_count(rocm):
     assert works[32] <= 1.25 * works[8], works
     _, c, dense = compiled("mi300x", 32, "ragged_dot")
     assert expert_flops(dense) >= 8 * works[32]
+
+
+@pytest.mark.slow
+def test_block_gradients_reduce_scatter_behind_the_backward_on_mi300x(rocm):
+    """train.overlap_grad_reduce on 8 x MI300X (two blocks, grad_accum 2): each block's gradients are
+    reduce-scattered in the backward and the step's ZeRO-1 bytes are the same as when they are
+    reduced after the microbatch loop, but the timeline hides most of them behind compute (XLA's
+    latency-hiding scheduler, which the step turns on for ROCm); after the loop nearly nothing is."""
+    gpu = gpu_target.load_target("mi300x")
+    hw = hardware.builtin("mi300x")
+    shares, wires = {}, {}
+    for overlap in ("on", "off"):
+        c = small_config(layers=2)
+        c.train.batch_size, c.train.grad_accum, c.train.overlap_grad_reduce = 16, 2, overlap
+        step = compiled_lib.compile_step(c, gpu_target.target_devices(gpu, DEVICES))
+        hlo_text = step.compiled.as_text()
+        if overlap == "on":
+            assert any(zero1.BLOCK_REDUCE_SCOPE in col.op_name for col in hlo.collectives(hlo_text))
+        dp = prediction.predict(hlo_text, c, step.cfg, DEVICES, hw, step.mesh)["data_parallel"]
+        shares[overlap], wires[overlap] = dp["hidden_share"], dp["wire_bytes"]
+    assert wires["on"] == wires["off"]
+    assert shares["on"] >= 0.5 and shares["off"] <= 0.2, shares
 
 
 @pytest.mark.slow

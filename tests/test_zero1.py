@@ -29,7 +29,7 @@ from zaya_jax.optim.chain import make_optimizer
 from zaya_jax.parallel import make_mesh
 from zaya_jax.parallel.mesh import MESH_AXES, mesh_from_config
 from zaya_jax.parallel.sharding import batch_sharding, opt_state_shardings, param_shardings
-from zaya_jax.parallel.zero1 import owner_plan, step_bytes
+from zaya_jax.parallel.zero1 import BLOCK_REDUCE_SCOPE, owner_plan, step_bytes
 from zaya_jax.training.train_state import TrainProgram, abstract_batch, train_program
 
 # 8 layers: the data axis (8 or 4) divides the layer stacks, so every rank owns whole matrices.
@@ -37,12 +37,17 @@ CFG = ZayaConfig.tiny(num_hidden_layers=8, vocab_size=128, moe_intermediate_size
 
 
 def _config(
-    mesh: dict[str, int], grad_accum: int, grad_reduce: str = "step", cfg: ZayaConfig = CFG, steps: int = 0
+    mesh: dict[str, int],
+    grad_accum: int,
+    grad_reduce: str = "step",
+    cfg: ZayaConfig = CFG,
+    steps: int = 0,
+    overlap: str = "auto",
 ):
     c = base_config()
     set_model(c, cfg)
     c.train.seq_len, c.train.batch_size, c.train.grad_accum = 32, 8 * grad_accum, grad_accum
-    c.train.grad_reduce = grad_reduce
+    c.train.grad_reduce, c.train.overlap_grad_reduce = grad_reduce, overlap
     c.optim.schedule, c.optim.warmup_steps = "constant", 0  # the first step moves the params
     # AdamW's eps 1e-6 instead of 1e-8: an embedding entry whose gradient sums to ~1e-8 (its
     # tokens' contributions cancel) moves by lr * g / (|g| + eps), and fp32 rounding of that sum
@@ -221,10 +226,11 @@ MESH_STEPS = 3
 
 
 @functools.cache
-def _mesh_run(mesh: tuple[tuple[str, int], ...]):
+def _mesh_run(mesh: tuple[tuple[str, int], ...], grad_accum: int = 1):
     """(losses, grad norms, final state on the host) of MESH_STEPS train steps of MESH_CFG as the
     trainer builds them (train_program: ZeRO-1, distributed Muon, the balancing biases) on `mesh`."""
-    losses, norms, state = _steps(_compiled(mesh, 1, cfg=MESH_CFG, steps=MESH_STEPS), MESH_STEPS)
+    step = _compiled(mesh, grad_accum, cfg=MESH_CFG, steps=MESH_STEPS)
+    losses, norms, state = _steps(step, MESH_STEPS)
     return losses, norms, jax.device_get(state)
 
 
@@ -233,8 +239,54 @@ def _mesh_run(mesh: tuple[tuple[str, int], ...]):
 def test_every_mesh_equals_one_device(mesh):
     """The train step on `mesh` equals one device over MESH_STEPS steps, fp32, to 1e-5: every step's
     loss and gradient norm, then every parameter, optimizer-state leaf and balancing bias."""
-    want_losses, want_norms, want = _mesh_run((("data", 1),))
-    losses, norms, got = _mesh_run(mesh)
+    _assert_equals_one_device(_mesh_run((("data", 1),)), _mesh_run(mesh))
+
+
+# The meshes where the microbatch loop runs per data rank (zero1.loop_per_rank), with the grad_accum
+# each runs: 1 (the last microbatch is the only one) and more (the earlier ones summed first).
+PER_RANK_MESHES = [
+    ((("data", 8),), 3),
+    ((("data", 4), ("fsdp", 2)), 2),
+    ((("data", 4), ("expert", 2)), 1),
+    ((("data", 4), ("context", 2)), 2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, grad_accum", PER_RANK_MESHES, ids=str)
+def test_block_gradients_reduced_in_backward_equal_one_device(mesh, grad_accum):
+    """train.overlap_grad_reduce=on: each block's gradients are reduce-scattered in the layer scan's
+    backward of the last microbatch (collectives named by zero1.BLOCK_REDUCE_SCOPE), the step's
+    data-parallel bytes are those of the reduction after the loop (counted once per step, nothing
+    in the model), and MESH_STEPS steps equal one device's to 1e-5, as every mesh's do. Its
+    programs are not kept (`_uncached`): the file's live executables stay under the process' map
+    limit (docs/xla-cpu-map-count.md)."""
+    step = _uncached(mesh, grad_accum, "on")
+    hlo = step.compiled.as_text()
+    assert any(BLOCK_REDUCE_SCOPE in c.op_name for c in hlo_lib.collectives(hlo))
+    # "auto" is "off" on CPU: at grad_accum 1 the every-mesh test's program
+    after = _compiled(mesh, 1, cfg=MESH_CFG, steps=MESH_STEPS) if grad_accum == 1 else _uncached(mesh, grad_accum)
+    bytes_after = report.data_parallel_bytes(after.compiled.as_text(), after.mesh)
+    assert report.data_parallel_bytes(hlo, step.mesh) == bytes_after
+    losses, norms, state = _steps(step, MESH_STEPS)
+    _assert_equals_one_device(_mesh_run((("data", 1),), grad_accum), (losses, norms, jax.device_get(state)))
+
+
+def _uncached(mesh: tuple[tuple[str, int], ...], grad_accum: int, overlap: str = "auto") -> Step:
+    """`_compiled` of MESH_CFG for MESH_STEPS steps, built afresh and kept by nobody."""
+    c = _config(dict(mesh), grad_accum, "step", MESH_CFG, MESH_STEPS, overlap)
+    cfg = config_lib.validate(c, "cpu")
+    devices = jax.devices()[: math.prod(size for _, size in mesh)]
+    program = train_program(c, cfg, mesh_from_config(c, devices=devices))
+    batch = abstract_batch(c.train.batch_size, c.train.seq_len, program.mesh)
+    compiled = program.train_step.lower(program.abstract_state(), batch).compile(FAST_COMPILE)
+    return Step(compiled, program, c, cfg, MESH_CFG)
+
+
+def _assert_equals_one_device(want_run, got_run):
+    """Losses and gradient norms, then every parameter, optimizer-state leaf and balancing bias of
+    two `_mesh_run`s equal to 1e-5."""
+    (want_losses, want_norms, want), (losses, norms, got) = want_run, got_run
     assert want_losses[-1] != want_losses[0]  # the updates moved the params
     np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-5)
     np.testing.assert_allclose(norms, want_norms, rtol=1e-5, atol=1e-5)

@@ -23,7 +23,7 @@ from zaya_jax.optim.chain import default_optim_config
 from zaya_jax.optim.schedules import DECAY_SHAPES, SCHEDULE_NAMES
 from zaya_jax.parallel.context import CONTIGUOUS, LAYOUTS
 from zaya_jax.parallel.mesh import DEFAULT_SIZES, MESH_AXES, check_mesh_sizes
-from zaya_jax.parallel.zero1 import GRAD_REDUCE, GRAD_REDUCE_DTYPES
+from zaya_jax.parallel.zero1 import GRAD_REDUCE, GRAD_REDUCE_DTYPES, OVERLAP_GRAD_REDUCE
 from zaya_jax.runtime import cli
 
 Section = ml_collections.ConfigDict
@@ -54,6 +54,9 @@ def base_config() -> ml_collections.ConfigDict:
             "grad_accum": 1,
             "grad_reduce": "step",
             "grad_reduce_dtype": "float32",
+            # Each block's gradients reduce-scattered in the last microbatch's backward, hidden
+            # behind the blocks still to run: "auto" = on GPU meshes without a context axis.
+            "overlap_grad_reduce": "auto",
             "init_from": config_dict.placeholder(str),
             "allow_schedule_change": False,
             "batch_ramp": config_dict.placeholder(str),
@@ -158,6 +161,7 @@ DECLARED_VALUES: dict[str, cli.FlagValue] = {
     "seed": cli.Int(min=0),
     "train.grad_reduce": cli.OneOf(*GRAD_REDUCE),
     "train.grad_reduce_dtype": cli.OneOf(*GRAD_REDUCE_DTYPES),
+    "train.overlap_grad_reduce": cli.OneOf(*OVERLAP_GRAD_REDUCE),
     "mesh.context_layout": cli.OneOf(*LAYOUTS),
     "model.pad_token_id": cli.Int(min=0),
     "model.bos_token_id": cli.Int(min=0),

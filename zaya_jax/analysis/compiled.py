@@ -69,6 +69,7 @@ class CompiledStep:
     grad_accum: int = 1  # train.grad_accum
     grad_reduce: str = "step"  # train.grad_reduce
     grad_reduce_dtype: str = "float32"  # train.grad_reduce_dtype
+    overlap_grad_reduce: str = "off"  # train.overlap_grad_reduce
     xla_log: tuple[str, ...] = ()  # XLA's log records of the compile (`captured_xla_log`)
 
 
@@ -108,6 +109,7 @@ def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> Com
         c.train.grad_accum,
         c.train.grad_reduce,
         c.train.grad_reduce_dtype,
+        c.train.overlap_grad_reduce,
         tuple(log),
     )
 

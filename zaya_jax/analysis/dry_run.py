@@ -127,7 +127,7 @@ def dry_run(
     lines += ["", "Collectives by mesh axes (model: per microbatch; step: once per optimizer step)"]
     lines += [*axis_rows(hlo, mesh), *zero1_rows(hlo, step)]
     lines += newton_schulz_rows(hlo, c, cfg, n)
-    predicted = prediction.predict(hlo, c, cfg, n, hw) if hw else None
+    predicted = prediction.predict(hlo, c, cfg, n, hw, mesh) if hw else None
     if predicted:
         lines += ["", *prediction.rows(predicted, hw)]
     if gpu is not None:

@@ -77,6 +77,7 @@ class Collective:
     runs: Runs
     groups: tuple[tuple[int, ...], ...] | None = None
     op_name: str = ""
+    key: str = ""  # the instruction's name (an async pair's: its start's), as the timeline keys it
 
 
 _GROUPS = re.compile(r"\breplica_groups=(\{\{[\d,{} ]*\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
@@ -241,7 +242,8 @@ def collectives(hlo: str) -> list[Collective]:
                 source = starts.get(first, line) if m.group(2).endswith("-done") else line
                 op_name = found.group(1) if (found := _OP_NAME.search(line)) else ""
                 groups = replica_groups(source)
-                out.append(Collective(op, shape_bytes(m.group(1)), runs[name], groups, op_name))
+                key = first if source is not line else _NAME.match(line).group(1)
+                out.append(Collective(op, shape_bytes(m.group(1)), runs[name], groups, op_name, key))
     return out
 
 

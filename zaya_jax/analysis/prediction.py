@@ -16,11 +16,14 @@ from typing import Any
 import ml_collections
 
 from zaya_jax import sizing
-from zaya_jax.analysis import timeline
+from zaya_jax.analysis import report, timeline
 
 
-def predict(hlo: str, c: ml_collections.ConfigDict, cfg: Any, devices: int, hw: dict) -> dict:
-    """The `prediction` object of the report: per device, per optimizer step."""
+def predict(
+    hlo: str, c: ml_collections.ConfigDict, cfg: Any, devices: int, hw: dict, mesh: Any = None
+) -> dict:
+    """The `prediction` object of the report: per device, per optimizer step. With the step's
+    `mesh`, its ZeRO-1 collectives too (`data_parallel`: report.data_parallel_timing)."""
     cost = timeline.step_cost(hlo, hw)
     tokens = c.train.batch_size * c.train.seq_len / devices
     model_flops = sizing.flops_per_token(cfg, c.train.seq_len) * tokens
@@ -44,6 +47,8 @@ def predict(hlo: str, c: ml_collections.ConfigDict, cfg: Any, devices: int, hw: 
         op: {"runs_per_step": runs, "seconds": s, "exposed_seconds": e}
         for op, (s, e, runs) in sorted(cost.collectives.items())
     }
+    if mesh is not None and mesh.shape.get("data", 1) > 1:
+        out["data_parallel"] = report.data_parallel_timing(hlo, mesh, cost.by_name)
     return out
 
 
@@ -83,6 +88,12 @@ def rows(p: dict, hw: dict) -> list[str]:
             out.append(
                 f"  {op:<22}{r['runs_per_step']:>10}{r['seconds']:>12.4g}{r['exposed_seconds']:>12.4g}"
             )
+    dp = p.get("data_parallel")
+    if dp and dp["wire_bytes"]:
+        out.append(
+            f"  ZeRO-1 (data axis): {dp['wire_bytes'] / 2**30:.2f} GiB on the wire, {_seconds(dp['seconds'])}, "
+            f"{_seconds(dp['exposed_seconds'])} exposed: {dp['hidden_share']:.0%} of the bytes hidden behind compute"
+        )
     return out
 
 

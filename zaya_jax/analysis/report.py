@@ -44,9 +44,43 @@ def moving(ops: list[hlo_lib.Collective]) -> list[hlo_lib.Collective]:
     return [c for c in ops if c.groups is None or any(len(g) > 1 for g in c.groups)]
 
 
+# The model's name scope in jax's op names: its forward and backward.
+MODEL = "ZayaForCausalLM"
+
+
 def in_model(c: hlo_lib.Collective) -> bool:
-    """Whether a collective belongs to the model's forward / backward (runs per microbatch)."""
-    return "ZayaForCausalLM" in c.op_name
+    """Whether a collective belongs to the model's forward / backward (runs per microbatch); the
+    blocks' gradient reduce-scatters in the last microbatch's backward run once per step
+    (train.overlap_grad_reduce: zero1.BLOCK_REDUCE_SCOPE)."""
+    return MODEL in c.op_name and zero1.BLOCK_REDUCE_SCOPE not in c.op_name
+
+
+def wire_bytes(c: hlo_lib.Collective) -> float:
+    """Bytes a collective moves through each device's links per run, ring costs over its group of n:
+    all-gather and all-to-all (n - 1) / n of the result, reduce-scatter (n - 1) x the result (its
+    input is n results), all-reduce 2 (n - 1) / n, a collective-permute its result."""
+    n = len(c.groups[0]) if c.groups else 1
+    factor = {"all-gather": (n - 1) / n, "all-to-all": (n - 1) / n, "reduce-scatter": n - 1.0}
+    factor["all-reduce"] = 2 * (n - 1) / n
+    return c.bytes * factor.get(c.op, 1.0)
+
+
+def data_parallel_timing(hlo: str, mesh: jax.sharding.Mesh, by_name: dict[str, list[float]]) -> dict:
+    """The ZeRO-1 collectives (spanning the data axis, outside the model: `data_parallel_bytes`'
+    first part) on the timeline (`timeline.Cost.by_name`): their bytes on the wire per device per
+    step (`wire_bytes`), seconds, exposed seconds, and the share of those bytes hidden behind compute
+    (each collective's bytes x the part of its time not exposed)."""
+    names, shape = tuple(mesh.axis_names), tuple(mesh.devices.shape)
+    wire = hidden = seconds = exposed = 0.0
+    for c in moving(hlo_lib.collectives(hlo)):
+        if "data" not in (hlo_lib.group_axes(c.groups, names, shape) or ("data",)) or in_model(c):
+            continue
+        s, e = by_name.get(c.key, (0.0, 0.0))
+        nbytes = wire_bytes(c) * c.runs.main
+        wire, seconds, exposed = wire + nbytes, seconds + s, exposed + e
+        hidden += nbytes * (1 - e / s) if s else 0.0
+    share = hidden / wire if wire else None
+    return {"wire_bytes": wire, "seconds": seconds, "exposed_seconds": exposed, "hidden_share": share}
 
 
 def axis_rows(hlo: str, mesh: jax.sharding.Mesh) -> list[str]:
@@ -75,14 +109,16 @@ def zero1_rows(hlo: str, step: CompiledStep) -> list[str]:
     wire = zero1.step_bytes(*args, **dtypes, wire=True)
     ratio = f" ({once / formula:.2f}x)" if formula else ""
     each = zero1.reduces_per_microbatch(step.grad_reduce, step.mesh)
+    blocks = step.zero1 and zero1.overlaps_grad_reduce(step.overlap_grad_reduce, step.grad_reduce, step.mesh)
     where = f"in each of the {step.grad_accum} microbatches" if each else "once into the ZeRO-1 shards"
+    where += ", each block's in the last microbatch's backward" if blocks else ""
     master = zero1.shards_master(step.cfg.params_dtype, step.cfg.compute_dtype, step.zero1)
     gathered = f"the {step.cfg.dtype} compute weights" if master else "the fp32 updates"
     return [
         (f"  data-parallel (spanning the data axis): outside the model {once / 2**20:.2f} MiB{ratio}, in the "
         f"model {looped / 2**20:.2f} MiB (result bytes); formula {formula / 2**20:.2f} MiB, "
         f"{wire / 2**20:.2f} MiB on the wire (ring): {step.grad_reduce_dtype} gradients reduce-scattered "
-        f"{where}, {gathered} all-gathered (docs/design/zero1.md)")
+        f"{where}, {gathered} all-gathered (docs/design/zero1.md)"),
     ]
 
 
@@ -310,7 +346,7 @@ def _header(c, cfg, shape: dict[str, int], gpu: gpu_target.GpuTarget | None, n: 
 # --------------------------------------------------------------------------------- compiled work
 def is_model(w: hlo_lib.Work) -> bool:
     """Work of the model's forward / backward (the loss head included), by jax's op_name."""
-    return "ZayaForCausalLM" in w.op_name
+    return MODEL in w.op_name
 
 
 def is_optimizer(w: hlo_lib.Work) -> bool:

@@ -90,6 +90,9 @@ class Cost:
     kinds: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
     collectives: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     kernels: int = 0
+    # Per collective instruction (an async pair under its start's name): [seconds, exposed seconds].
+    # A start whose done lies in a later trip counts as exposed whole here (its wait is the op's).
+    by_name: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def add(self, other: Cost, times: int = 1) -> None:
         """Adds `times` sequential runs of `other`."""
@@ -103,12 +106,20 @@ class Cost:
         for op, (s, e, r) in other.collectives.items():
             row = self.collectives.setdefault(op, [0.0, 0.0, 0])
             row[0], row[1], row[2] = row[0] + times * s, row[1] + times * e, row[2] + times * r
+        for name, (s, e) in other.by_name.items():
+            row = self.by_name.setdefault(name, [0.0, 0.0])
+            row[0], row[1] = row[0] + times * s, row[1] + times * e
 
-    def collective(self, op: str, seconds: float = 0.0, exposed: float = 0.0, runs: int = 0) -> None:
+    def collective(
+        self, op: str, seconds: float = 0.0, exposed: float = 0.0, runs: int = 0, name: str | None = None
+    ) -> None:
         row = self.collectives.setdefault(op, [0.0, 0.0, 0])
         row[0], row[1], row[2] = row[0] + seconds, row[1] + exposed, row[2] + runs
         self.communication += seconds
         self.exposed += exposed
+        if name is not None:
+            mine = self.by_name.setdefault(name, [0.0, 0.0])
+            mine[0], mine[1] = mine[0] + seconds, mine[1] + exposed
 
 
 def _in_place(i: Inst) -> bool:
@@ -307,12 +318,14 @@ class Timeline:
                 if phase == "done":
                     if op == "async" and not (i.operands and i.operands[0] in pending):
                         continue
+                    name = None
                     if i.operands and i.operands[0] in pending:
-                        _, end = pending.pop(i.operands[0])
+                        name = i.operands[0]
+                        _, end = pending.pop(name)
                     else:  # started in the previous trip: counted from this trip's start
                         end = self.collective_seconds(op, hlo_lib.shape_bytes(i.type), i.line)
                     wait = max(0.0, end - t)
-                    cost.collective(op, exposed=wait)
+                    cost.collective(op, exposed=wait, name=name)
                     t += wait
                     continue
                 done = done_of.get(i.name)
@@ -323,9 +336,9 @@ class Timeline:
                 net = max(t, net) + seconds
                 if phase == "start":
                     pending[i.name] = (op, net)
-                    cost.collective(op, seconds, runs=1)
+                    cost.collective(op, seconds, runs=1, name=i.name)
                 else:
-                    cost.collective(op, seconds, net - t, 1)
+                    cost.collective(op, seconds, net - t, 1, name=i.name)
                     t = net
                 continue
             sub = self.called(i)
@@ -338,6 +351,8 @@ class Timeline:
                 cost.compute += seconds
                 cost.kernels += 1
                 t += seconds
+        for name in pending:  # waited for in a later trip: exposed whole, by name (see Cost.by_name)
+            cost.by_name[name][1] = cost.by_name[name][0]
         cost.seconds = t
         self._costs[comp] = cost
         return cost

@@ -200,6 +200,10 @@ class ZayaForCausalLM(nn.Module):
     # mesh.context_layout (zaya_jax/parallel/context.py): with "zigzag" the caller passes inputs in
     # its storage order (`to_layout`) with explicit positions.
     context_layout: str = CONTIGUOUS
+    # Applied to each block's variables inside the layer scan ({"params": ..., and the collections
+    # named by its `collections`, sliced like the params}): the train step's last microbatch
+    # reduce-scatters each block's gradients in its backward (zaya_jax/parallel/zero1.py BlockReduce).
+    block_hook: Any = None
 
     def setup(self):
         cfg = self.cfg
@@ -218,11 +222,14 @@ class ZayaForCausalLM(nn.Module):
         block = ZayaBlock
         if cfg.remat != "none":
             block = nn.remat(ZayaBlock, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        hooked = () if self.block_hook is None else tuple(self.block_hook.collections)
+        if hooked:
+            block = nn.map_variables(block, ("params", *hooked), trans_in_fn=self.block_hook)
         platform = mesh_platform(self.mesh)
         unroll = resolve_scan_layers(cfg.scan_layers, cfg.num_hidden_layers, platform) == "unroll"
         self.layers = nn.scan(
             block,
-            variable_axes={"params": 0, BALANCING: 0},
+            variable_axes={"params": 0, BALANCING: 0, **{name: 0 for name in hooked}},
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_hidden_layers,

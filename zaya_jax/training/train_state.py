@@ -126,10 +126,16 @@ def state_shardings(state: TrainState, mesh: Mesh, zero1: bool = True, master: b
 
 
 def loss_and_counts(
-    model: ZayaForCausalLM, params: Any, balancing: Any, batch: Batch, loss_chunk: int = 512
+    model: ZayaForCausalLM,
+    params: Any,
+    balancing: Any,
+    batch: Batch,
+    loss_chunk: int = 512,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[jax.Array, StepAux]:
-    """(sum of token losses, StepAux of the batch)."""
-    variables = {"params": params, BALANCING: balancing}
+    """(sum of token losses, StepAux of the batch). `extra`: more variable collections (those of the
+    model's block hook)."""
+    variables = {"params": params, BALANCING: balancing, **(extra or {})}
     out = model.apply(variables, batch["input_ids"], positions=batch.get("positions"), return_logits=False)
     head = lambda h: model.apply(variables, h, method=ZayaForCausalLM.logits_from_hidden)
     # With a context axis each rank chunks its own positions: the scan never crosses ranks.
@@ -177,8 +183,7 @@ def accumulated_grads(
     sees, fewer inside the per-rank loop of zaya_jax/parallel/zero1.py).
     `reduce`: applied to each microbatch's gradients before they are added (train.grad_reduce
     "microbatch": the reduce-scatter into this rank's ZeRO-1 shard, so the sum is only that shard)."""
-    upcast = lambda grads: jax.tree.map(lambda g: g.astype(_accumulated(g.dtype)), grads)
-    each = (lambda grads: reduce(upcast(grads))) if reduce else upcast
+    each = (lambda grads: reduce(_upcast(grads))) if reduce else _upcast
 
     def accumulate(carry, mb):
         (loss_sum, aux), grads = grad_fn(params, balancing, mb)
@@ -189,14 +194,45 @@ def accumulated_grads(
             jax.tree.map(jnp.add, acc_grads, each(grads)),
         ), None
 
-    zeros_of = lambda shapes: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
     first = jax.tree.map(lambda x: x[0], micro)
-    (_, aux_shapes), _ = jax.eval_shape(grad_fn, params, balancing, first)
-    # the shapes of a microbatch's gradients as added: the rank's shard where reduce-scattered
-    zeros = zeros_of(jax.eval_shape(each, params))
-    init = (jnp.zeros(()), zeros_of(aux_shapes), zeros)
-    out, _ = jax.lax.scan(accumulate, init, micro)
+    out, _ = jax.lax.scan(accumulate, _zero_sums(grad_fn, params, balancing, first, each), micro)
     return out
+
+
+def _upcast(grads: Any) -> Any:
+    """Gradients in the dtype they are summed in (`_accumulated`)."""
+    return jax.tree.map(lambda g: g.astype(_accumulated(g.dtype)), grads)
+
+
+def _zero_sums(grad_fn: Callable, params: Any, balancing: Any, mb: Batch, each: Callable = _upcast):
+    """(0, zero StepAux, zero gradients): the sums before the first microbatch, in the shapes
+    grad_fn gives for microbatch `mb` (the gradients as `each` makes them: the rank's shard where
+    reduce-scattered)."""
+    zeros_of = lambda shapes: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    (_, aux_shapes), _ = jax.eval_shape(grad_fn, params, balancing, mb)
+    return jnp.zeros(()), zeros_of(aux_shapes), zeros_of(jax.eval_shape(each, params))
+
+
+def grads_reduced_in_backward(
+    grad_fn: Callable, last_fn: Callable, params: Any, balancing: Any, micro: Batch, reduce: Any
+):
+    """`accumulated_grads` with the gradients reduced, each block's in the last microbatch's
+    backward (zaya_jax/parallel/zero1.py `BlockReduce`): microbatches 1..A-1 summed by
+    `accumulated_grads`, then the last by `last_fn`(params, sinks, balancing, mb, accs) (its model
+    has the block hook), whose sink gradients are the blocks' reduced ones; the other leaves are
+    reduced after it. `reduce`: a zero1.ReducedInBackward. The sums are taken in the order of
+    `accumulated_grads`; the last microbatch is compiled on its own, so they agree to rounding."""
+    count = jax.tree.leaves(micro)[0].shape[0]
+    last = jax.tree.map(lambda x: x[count - 1], micro)
+    if count > 1:
+        loss_sum, aux, acc = accumulated_grads(grad_fn, params, balancing, jax.tree.map(lambda x: x[:-1], micro))
+    else:
+        loss_sum, aux, acc = _zero_sums(grad_fn, params, balancing, last)
+    sinks, accs = zero1_lib.block_sinks(params["layers"], acc["layers"], reduce.dims["layers"])
+    (last_sum, last_aux), (grads, sink_grads) = last_fn(params, sinks, balancing, last, accs)
+    grads = jax.tree.map(jnp.add, acc, _upcast(grads))
+    reduced = zero1_lib.reduced_after_blocks(grads, sink_grads, reduce.dims, reduce.dtype)
+    return loss_sum + last_sum, jax.tree.map(jnp.add, aux, last_aux), reduced
 
 
 def _accumulated(dtype: Any) -> Any:
@@ -211,6 +247,7 @@ def step_gradients(
     grad_reduce: str = "step",
     context_layout: str = CONTIGUOUS,
     grad_reduce_dtype: Any = jnp.float32,
+    overlap_grad_reduce: str = "off",
 ) -> Callable:
     """grads(params, balancing, micro) -> (loss sum, (weight, counts, dropped, spills), gradients):
     sums over the whole global batch of `accumulated_grads`.
@@ -218,25 +255,41 @@ def step_gradients(
     On a mesh with a data axis each data rank accumulates its own microbatches and the gradients
     are reduce-scattered into the ZeRO-1 layout of the optimizer state (zaya_jax/parallel/zero1.py;
     with zero1 off all-reduced): with grad_reduce "step" the sum, unreduced, once after the loop (no
-    data-parallel collective per microbatch); with "microbatch" each microbatch's gradients inside
-    the loop, the sum kept as the rank's shard. The model runs inside on the data-manual mesh of
-    `zero1.step_meshes`; microbatches come in the storage order of `context_layout` (`layout_batch`).
-    `grad_reduce_dtype` (train.grad_reduce_dtype): the dtype they cross the data axis in.
-    Where `zero1.loop_per_rank` says no (no data axis, or a mesh XLA cannot partition so), GSPMD
-    reduces the gradients as it computes them, whatever grad_reduce and grad_reduce_dtype."""
+    data-parallel collective per microbatch), or, where `overlap_grad_reduce`
+    (train.overlap_grad_reduce: `zero1.overlaps_grad_reduce`) says so, each block's in the last
+    microbatch's backward (`grads_reduced_in_backward`); with "microbatch" each microbatch's
+    gradients inside the loop, the sum kept as the rank's shard. The model runs inside on the
+    data-manual mesh of `zero1.step_meshes`; microbatches come in the storage order of
+    `context_layout` (`layout_batch`). `grad_reduce_dtype` (train.grad_reduce_dtype): the dtype
+    they cross the data axis in. Where `zero1.loop_per_rank` says no (no data axis, or a mesh XLA
+    cannot partition so), GSPMD reduces the gradients as it computes them, whatever grad_reduce and
+    grad_reduce_dtype."""
     per_rank = mesh is not None and zero1_lib.loop_per_rank(mesh)
-    model = ZayaForCausalLM(cfg, zero1_lib.step_meshes(mesh)[1] if per_rank else mesh, context_layout)
+    inner = zero1_lib.step_meshes(mesh)[1] if per_rank else mesh
+    model = ZayaForCausalLM(cfg, inner, context_layout)
     grad_fn = jax.value_and_grad(lambda p, b, mb: loss_and_counts(model, p, b, mb), has_aux=True)
     if not per_rank:
         return lambda params, balancing, micro: accumulated_grads(grad_fn, params, balancing, micro)
+    # Without ZeRO-1 the gradients are all-reduced whole: nothing is reduced in the backward.
+    overlap = zero1 and zero1_lib.overlaps_grad_reduce(overlap_grad_reduce, grad_reduce, mesh)
+    hooked = ZayaForCausalLM(cfg, inner, context_layout, zero1_lib.BlockReduce(grad_reduce_dtype))
+
+    def last_loss(params, sinks, balancing, mb, accs):
+        extra = {zero1_lib.GRAD_SINK: {"layers": sinks}, zero1_lib.GRAD_ACC: {"layers": accs}}
+        return loss_and_counts(hooked, params, balancing, mb, extra=extra)
+
+    last_fn = jax.value_and_grad(last_loss, argnums=(0, 1), has_aux=True)
 
     def loop(params, balancing, micro, reduce):
-        loss_sum, aux, grads = accumulated_grads(grad_fn, params, balancing, micro, reduce)
+        if overlap:
+            loss_sum, aux, grads = grads_reduced_in_backward(grad_fn, last_fn, params, balancing, micro, reduce)
+        else:
+            loss_sum, aux, grads = accumulated_grads(grad_fn, params, balancing, micro, reduce)
         return (loss_sum, aux), grads
 
     def grads(params, balancing, micro):
         specs = grad_specs(params, mesh, zero1)
-        args = (loop, mesh, (params, balancing), micro, specs, grad_reduce, grad_reduce_dtype)
+        args = (loop, mesh, (params, balancing), micro, specs, grad_reduce, grad_reduce_dtype, overlap)
         (loss_sum, aux), g = zero1_lib.accumulate_per_rank(*args)
         return loss_sum, aux, g
 
@@ -315,18 +368,23 @@ def make_train_step(
     grad_reduce: str = "step",
     context_layout: str = CONTIGUOUS,
     grad_reduce_dtype: Any = jnp.float32,
+    overlap_grad_reduce: str = "off",
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """Returns train_step(state, batch) -> (state, metrics); batch leaves are [B, S] (global),
     split into `grad_accum` microbatches (split_microbatches). `zero1`: the optimizer state is laid
     out by ZeRO-1 (state_shardings' zero1), so the gradients are reduce-scattered into it, once per
     step or every microbatch (`grad_reduce`, train.grad_reduce: step_gradients). `context_layout`
     (mesh.context_layout): which sequence chunks each context rank holds (`layout_batch`).
+    `overlap_grad_reduce` (train.overlap_grad_reduce): the reduce-scatter of each block's gradients
+    in the last microbatch's backward (step_gradients).
 
     The step computes with `zero1.compute_weights` of state.params: where the params are the fp32
     master in the ZeRO-1 shard (`zero1.shards_master`: a model.dtype narrower than fp32), each
     weight cast to its compute dtype and all-gathered once, before the microbatch loop; with an
     fp32 model the params themselves."""
-    gradients = step_gradients(cfg, mesh, zero1, grad_reduce, context_layout, grad_reduce_dtype)
+    gradients = step_gradients(
+        cfg, mesh, zero1, grad_reduce, context_layout, grad_reduce_dtype, overlap_grad_reduce
+    )
     master = zero1_lib.shards_master(cfg.params_dtype, cfg.compute_dtype, zero1)
 
     def train_step(state: TrainState, batch: Batch):
@@ -486,9 +544,11 @@ def train_program(c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh) -> 
         train.grad_reduce,
         c.mesh.context_layout,
         jnp.dtype(train.grad_reduce_dtype),
+        train.overlap_grad_reduce,
     )
     shardings = layout.shardings
-    options = zero1_lib.compiler_options(train.grad_reduce_dtype, mesh_platform(mesh))
+    overlap = c.mesh.zero1 and zero1_lib.overlaps_grad_reduce(train.overlap_grad_reduce, train.grad_reduce, mesh)
+    options = zero1_lib.compiler_options(train.grad_reduce_dtype, mesh_platform(mesh), overlap)
     jitted = jax.jit(
         step,
         in_shardings=(shardings, None),
