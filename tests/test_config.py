@@ -56,6 +56,7 @@ def test_zaya1_phases_follow_the_recipe():
         ("optim.lr", -1.0, "config.optim.lr"),
         ("mesh.data", 0, "config.mesh.data"),
         ("train.overlap_grad_reduce", "sometimes", "config.train.overlap_grad_reduce"),
+        ("train.overlap_param_gather", "always", "config.train.overlap_param_gather"),
         (
             "model.num_key_value_heads",
             3,

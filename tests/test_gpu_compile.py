@@ -31,7 +31,7 @@ from zaya_jax.analysis.exchange import all_to_all_bytes
 from zaya_jax.config import base_config, set_model
 from zaya_jax.kernels import pick_blocks
 from zaya_jax.model import ZayaConfig
-from zaya_jax.parallel import zero1
+from zaya_jax.parallel.overlap import BLOCK_GATHER_SCOPE, BLOCK_REDUCE_SCOPE
 from zaya_jax.runtime import gpu_target
 from zaya_jax.training.train_state import OPTIMIZER_SCOPE
 
@@ -159,25 +159,30 @@ def test_expert_work_does_not_grow_with_the_expert_count(rocm):
 
 
 @pytest.mark.slow
-def test_block_gradients_reduce_scatter_behind_the_backward_on_mi300x(rocm):
-    """train.overlap_grad_reduce on 8 x MI300X (two blocks, grad_accum 2): each block's gradients are
-    reduce-scattered in the backward and the step's ZeRO-1 bytes are the same as when they are
-    reduced after the microbatch loop, but the timeline hides most of them behind compute (XLA's
-    latency-hiding scheduler, which the step turns on for ROCm); after the loop nearly nothing is."""
+def test_zero1_collectives_hidden_behind_compute_on_mi300x(rocm):
+    """The two overlaps on 8 x MI300X (two blocks, grad_accum 2): with train.overlap_grad_reduce each
+    block's gradients are reduce-scattered in the last microbatch's backward, with
+    train.overlap_param_gather each block's weights are gathered in the first one's forward too;
+    the step's ZeRO-1 bytes stay those of the collectives outside the loop, and the timeline hides
+    nearly none of them there, most with the reduce-scatters in the backward, nearly all with both
+    (XLA's latency-hiding scheduler, which the step turns on for ROCm)."""
     gpu = gpu_target.load_target("mi300x")
     hw = hardware.builtin("mi300x")
     shares, wires = {}, {}
-    for overlap in ("on", "off"):
+    for reduce, gather in (("off", "off"), ("on", "off"), ("on", "on")):
         c = small_config(layers=2)
-        c.train.batch_size, c.train.grad_accum, c.train.overlap_grad_reduce = 16, 2, overlap
+        c.train.batch_size, c.train.grad_accum = 16, 2
+        c.train.overlap_grad_reduce, c.train.overlap_param_gather = reduce, gather
         step = compiled_lib.compile_step(c, gpu_target.target_devices(gpu, DEVICES))
         hlo_text = step.compiled.as_text()
-        if overlap == "on":
-            assert any(zero1.BLOCK_REDUCE_SCOPE in col.op_name for col in hlo.collectives(hlo_text))
+        ops = [col.op_name for col in hlo.collectives(hlo_text)]
+        assert any(BLOCK_REDUCE_SCOPE in op for op in ops) == (reduce == "on")
+        assert any(BLOCK_GATHER_SCOPE in op for op in ops) == (gather == "on")
         dp = prediction.predict(hlo_text, c, step.cfg, DEVICES, hw, step.mesh)["data_parallel"]
-        shares[overlap], wires[overlap] = dp["hidden_share"], dp["wire_bytes"]
-    assert wires["on"] == wires["off"]
-    assert shares["on"] >= 0.5 and shares["off"] <= 0.2, shares
+        shares[reduce, gather], wires[reduce, gather] = dp["hidden_share"], dp["wire_bytes"]
+    assert len(set(wires.values())) == 1, wires
+    assert shares["off", "off"] <= 0.2 and shares["on", "off"] >= 0.5, shares
+    assert shares["on", "on"] >= 0.8 and shares["on", "on"] > shares["on", "off"], shares
 
 
 @pytest.mark.slow

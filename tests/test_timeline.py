@@ -182,6 +182,31 @@ def test_in_place_update_counts_the_update_bytes():
     assert cost.kinds["memory"] == pytest.approx((2 * 1024 * 4 + 4) / 1e9 + 2e-6, rel=1e-9)
 
 
+def test_in_place_update_through_bitcasts_counts_the_update_bytes():
+    """The same update when the buffer reaches the dynamic-update-slice through a bitcast and the
+    result leaves through one (a layer stack laid out with another dimension major, as XLA writes
+    a gathered weight into it): XLA still updates in place, so the buffer is not moved."""
+    extra = """
+%dus_computation (p0: f32[4096,1024], p1: f32[1024], p2: s32[]) -> f32[1024,4096] {
+  %p0 = f32[4096,1024]{0,1} parameter(0)
+  %b0 = f32[1024,4096]{1,0} bitcast(%p0)
+  %p1 = f32[1024]{0} parameter(1)
+  %b1 = f32[1024,1]{1,0} bitcast(%p1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %u = f32[1024,4096]{1,0} dynamic-update-slice(%b0, %b1, %z, %p2)
+  ROOT %r = f32[1024,4096]{1,0} bitcast(%u)
+}
+"""
+    entry = """  %buf = f32[4096,1024]{0,1} parameter(3)
+  %row = f32[1024]{0} parameter(4)
+  %i = s32[] parameter(5)
+  ROOT %f = f32[1024,4096]{1,0} fusion(%buf, %row, %i), kind=kLoop, calls=%dus_computation"""
+    hw = {**TEST_HW, "hbm_bytes_per_second": 1e9, "kernel_overhead_seconds": 2e-6}
+    cost = timeline.step_cost(module(entry, extra=extra), hw)
+    assert cost.kinds["memory"] == pytest.approx((2 * 1024 * 4 + 4) / 1e9 + 2e-6, rel=1e-9)
+
+
 def test_triton_kernel_uses_its_declared_flops_and_efficiency():
     line = (
         '  %k = bf16[256,128]{1,0} custom-call(%a, %b), custom_call_target="__gpu$xla.gpu.triton", '

@@ -28,8 +28,9 @@ from zaya_jax.model import ZayaConfig, init_variables
 from zaya_jax.optim.chain import make_optimizer
 from zaya_jax.parallel import make_mesh
 from zaya_jax.parallel.mesh import MESH_AXES, mesh_from_config
+from zaya_jax.parallel.overlap import BLOCK_REDUCE_SCOPE
 from zaya_jax.parallel.sharding import batch_sharding, opt_state_shardings, param_shardings
-from zaya_jax.parallel.zero1 import BLOCK_REDUCE_SCOPE, owner_plan, step_bytes
+from zaya_jax.parallel.zero1 import owner_plan, step_bytes
 from zaya_jax.training.train_state import TrainProgram, abstract_batch, train_program
 
 # 8 layers: the data axis (8 or 4) divides the layer stacks, so every rank owns whole matrices.
@@ -256,7 +257,7 @@ PER_RANK_MESHES = [
 @pytest.mark.parametrize("mesh, grad_accum", PER_RANK_MESHES, ids=str)
 def test_block_gradients_reduced_in_backward_equal_one_device(mesh, grad_accum):
     """train.overlap_grad_reduce=on: each block's gradients are reduce-scattered in the layer scan's
-    backward of the last microbatch (collectives named by zero1.BLOCK_REDUCE_SCOPE), the step's
+    backward of the last microbatch (collectives named by overlap.BLOCK_REDUCE_SCOPE), the step's
     data-parallel bytes are those of the reduction after the loop (counted once per step, nothing
     in the model), and MESH_STEPS steps equal one device's to 1e-5, as every mesh's do. Its
     programs are not kept (`_uncached`): the file's live executables stay under the process' map

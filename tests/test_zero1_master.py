@@ -19,9 +19,10 @@ from test_train import run_train, train_cmd, train_losses
 from xla_env import FAST_COMPILE
 
 from zaya_jax import config as config_lib
-from zaya_jax.analysis import hlo
+from zaya_jax.analysis import hlo, report
 from zaya_jax.model import ZayaConfig
 from zaya_jax.parallel.mesh import mesh_from_config
+from zaya_jax.parallel.overlap import BLOCK_GATHER_SCOPE
 from zaya_jax.parallel.sharding import grad_specs, param_shardings
 from zaya_jax.parallel.zero1 import compute_dtypes, shards_master
 from zaya_jax.reshard import reshard
@@ -135,10 +136,69 @@ def test_bf16_gradient_reduction_stays_near_fp32():
         np.testing.assert_allclose(y, x, rtol=0, atol=4e-3)
 
 
+# The per-rank meshes with the overlaps they run (train.overlap_param_gather "on", and
+# train.overlap_grad_reduce): the weights gathered in the first microbatch alone, with the
+# gradients reduced in the last, with fsdp (its split leaves gathered before the loop) and with a
+# context axis.
+GATHER_MESHES = [
+    ((("data", 8),), 3, "off"),
+    ((("data", 4), ("expert", 2)), 2, "on"),
+    ((("data", 4), ("fsdp", 2)), 2, "on"),
+    ((("data", 4), ("context", 2)), 2, "off"),
+]
+
+
+def _gather_run(mesh: tuple[tuple[str, int], ...], grad_accum: int, gather: str, reduce: str = "off"):
+    """(compiled HLO text, losses, grad norms, final params on the host) of MESH_STEPS steps of the
+    bf16 model at `grad_accum` with the two overlaps as given; nothing kept (the process' map limit:
+    docs/xla-cpu-map-count.md)."""
+    c, cfg, program = _program(dict(mesh), overlap_param_gather=gather, overlap_grad_reduce=reduce)
+    c.train.grad_accum, c.train.batch_size = grad_accum, 8 * grad_accum
+    program = train_program(c, cfg, program.mesh)
+    batch = abstract_batch(c.train.batch_size, c.train.seq_len, program.mesh)
+    compiled = program.train_step.lower(program.abstract_state(), batch).compile(FAST_COMPILE)
+    losses, norms, state = tz._steps(tz.Step(compiled, program, c, cfg, BF16), tz.MESH_STEPS)
+    return compiled.as_text(), program.mesh, losses, norms, jax.device_get(state.params)
+
+
+@functools.cache
+def _one_device(grad_accum: int):
+    """(losses, grad norms, final params) of `_gather_run` on one device."""
+    return _gather_run((("data", 1),), grad_accum, "off")[2:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, grad_accum, reduce", GATHER_MESHES, ids=str)
+def test_block_weights_gathered_in_forward_equal_one_device(mesh, grad_accum, reduce):
+    """train.overlap_param_gather=on: the first microbatch all-gathers each block's bf16 weights in
+    its layer scan's forward (collectives named by overlap.BLOCK_GATHER_SCOPE) and the others compute
+    with what it gathered: the step's data-parallel bytes are those of the gather before the loop,
+    MESH_STEPS steps equal that step's to 1e-5 (losses, norms, every fp32 master param) and one
+    device's to the bf16 tolerances of BF16_MESHES."""
+    hlo_on, step_mesh, *on = _gather_run(mesh, grad_accum, "on", reduce)
+    hlo_off, _, *off = _gather_run(mesh, grad_accum, "off", reduce)
+    assert any(BLOCK_GATHER_SCOPE in c.op_name for c in hlo.collectives(hlo_on))
+    assert report.data_parallel_bytes(hlo_on, step_mesh) == report.data_parallel_bytes(hlo_off, step_mesh)
+    (losses, norms, got), (want_losses, want_norms, want) = on, off
+    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(norms, want_norms, rtol=1e-5, atol=1e-5)
+    for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(y, x, rtol=0, atol=1e-5)
+    one_losses, one_norms, one = _one_device(grad_accum)
+    np.testing.assert_allclose(losses, one_losses, rtol=0, atol=2.5e-4)
+    np.testing.assert_allclose(norms, one_norms, rtol=0, atol=2.5e-3)
+    for x, y in zip(jax.tree.leaves(one), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(y, x, rtol=0, atol=4e-3)
+
+
 BF16_ARGS = [
     "--config.model.num_hidden_layers=1",  # a resume bit for bit does not depend on the depth
     "--config.model.dtype=bfloat16",
     "--config.train.grad_reduce_dtype=bfloat16",
+    # the first microbatch gathers the block weights in its forward (off by default on CPU)
+    "--config.train.batch_size=16",
+    "--config.train.grad_accum=2",
+    "--config.train.overlap_param_gather=on",
     "--config.train.steps=8",
     "--config.checkpoint.every_steps=2",
     "--config.eval.every_steps=0",
@@ -148,7 +208,8 @@ BF16_ARGS = [
 @pytest.mark.slow
 def test_bf16_master_trains_and_resumes_bit_exact_after_kill_9(tmp_path):
     """`python -m zaya_jax.train` with a bf16 model and bf16 gradient reduction on 8 devices (data=8:
-    the fp32 master split 8 ways): a run killed with SIGKILL after its first checkpoint and restarted
+    the fp32 master split 8 ways; two microbatches, the first gathering the block weights in its
+    forward): a run killed with SIGKILL after its first checkpoint and restarted
     logs the uninterrupted run's losses and ends with its fp32 master, bit for bit; reshard moves
     that checkpoint onto another mesh unchanged."""
     ref, killed = tmp_path / "ref", tmp_path / "killed"

@@ -23,7 +23,8 @@ from zaya_jax.optim.chain import default_optim_config
 from zaya_jax.optim.schedules import DECAY_SHAPES, SCHEDULE_NAMES
 from zaya_jax.parallel.context import CONTIGUOUS, LAYOUTS
 from zaya_jax.parallel.mesh import DEFAULT_SIZES, MESH_AXES, check_mesh_sizes
-from zaya_jax.parallel.zero1 import GRAD_REDUCE, GRAD_REDUCE_DTYPES, OVERLAP_GRAD_REDUCE
+from zaya_jax.parallel.overlap import OVERLAP_GRAD_REDUCE, OVERLAP_PARAM_GATHER
+from zaya_jax.parallel.zero1 import GRAD_REDUCE, GRAD_REDUCE_DTYPES
 from zaya_jax.runtime import cli
 
 Section = ml_collections.ConfigDict
@@ -57,6 +58,7 @@ def base_config() -> ml_collections.ConfigDict:
             # Each block's gradients reduce-scattered in the last microbatch's backward, hidden
             # behind the blocks still to run: "auto" = on GPU meshes without a context axis.
             "overlap_grad_reduce": "auto",
+            "overlap_param_gather": "auto",
             "init_from": config_dict.placeholder(str),
             "allow_schedule_change": False,
             "batch_ramp": config_dict.placeholder(str),
@@ -162,6 +164,7 @@ DECLARED_VALUES: dict[str, cli.FlagValue] = {
     "train.grad_reduce": cli.OneOf(*GRAD_REDUCE),
     "train.grad_reduce_dtype": cli.OneOf(*GRAD_REDUCE_DTYPES),
     "train.overlap_grad_reduce": cli.OneOf(*OVERLAP_GRAD_REDUCE),
+    "train.overlap_param_gather": cli.OneOf(*OVERLAP_PARAM_GATHER),
     "mesh.context_layout": cli.OneOf(*LAYOUTS),
     "model.pad_token_id": cli.Int(min=0),
     "model.bos_token_id": cli.Int(min=0),

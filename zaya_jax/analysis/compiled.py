@@ -20,6 +20,7 @@ from jax._src import config as jax_config  # enable_compilation_cache as a conte
 from zaya_jax import config as config_lib
 from zaya_jax.parallel.mesh import MESH_AXES, device_platform, mesh_from_config
 from zaya_jax.runtime import cli, device_memory, gpu_plugins, gpu_target, xla_flags
+from zaya_jax.training.gradients import DataParallel
 from zaya_jax.training.train_state import abstract_batch, check_batch_divides, train_program
 
 DEFAULT_DEVICES = 8  # a -1 mesh axis: one node, as `python -m zaya_jax.sizing` assumes
@@ -69,7 +70,8 @@ class CompiledStep:
     grad_accum: int = 1  # train.grad_accum
     grad_reduce: str = "step"  # train.grad_reduce
     grad_reduce_dtype: str = "float32"  # train.grad_reduce_dtype
-    overlap_grad_reduce: str = "off"  # train.overlap_grad_reduce
+    # (gradients reduced in the backward, weights gathered in the forward): train_state.overlaps
+    overlaps: tuple[bool, bool] = (False, False)
     xla_log: tuple[str, ...] = ()  # XLA's log records of the compile (`captured_xla_log`)
 
 
@@ -109,7 +111,7 @@ def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> Com
         c.train.grad_accum,
         c.train.grad_reduce,
         c.train.grad_reduce_dtype,
-        c.train.overlap_grad_reduce,
+        DataParallel.from_config(c).overlaps(cfg, mesh, c.train.grad_accum),
         tuple(log),
     )
 

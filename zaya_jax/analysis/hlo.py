@@ -140,6 +140,17 @@ def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
     return tuple(tuple(ids[i : i + size]) for i in range(0, len(ids), size))
 
 
+def ring_bytes(op: str, nbytes: float, n: int) -> float:
+    """Bytes a collective of result `nbytes` moves through each device's links over a ring of `n`
+    devices: all-gather and all-to-all (n - 1) / n of the result, reduce-scatter (n - 1) x the
+    result (its input is n results), all-reduce 2 (n - 1) / n, a collective-permute its result."""
+    if op == "collective-permute":
+        return float(nbytes)
+    if op == "reduce-scatter":
+        return float(nbytes) * (n - 1)
+    return nbytes * (n - 1) / n * (2 if op == "all-reduce" else 1)
+
+
 def shape_bytes(text: str) -> int:
     """Bytes of an HLO result type: an array `f32[8,128]{1,0}` or a tuple of them."""
     total = 0

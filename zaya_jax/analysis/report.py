@@ -19,7 +19,7 @@ from zaya_jax.analysis.hlo import COLLECTIVES
 from zaya_jax.kernels import attention_choice, ns_choice
 from zaya_jax.model.moe import resolve_moe_impl
 from zaya_jax.model.transformer import resolve_scan_layers
-from zaya_jax.parallel import zero1
+from zaya_jax.parallel import overlap, zero1
 from zaya_jax.runtime import device_memory, gpu_target
 from zaya_jax.training.train_state import OPTIMIZER_SCOPE
 
@@ -51,18 +51,16 @@ MODEL = "ZayaForCausalLM"
 def in_model(c: hlo_lib.Collective) -> bool:
     """Whether a collective belongs to the model's forward / backward (runs per microbatch); the
     blocks' gradient reduce-scatters in the last microbatch's backward run once per step
-    (train.overlap_grad_reduce: zero1.BLOCK_REDUCE_SCOPE)."""
-    return MODEL in c.op_name and zero1.BLOCK_REDUCE_SCOPE not in c.op_name
+    (train.overlap_grad_reduce: overlap.BLOCK_REDUCE_SCOPE), and so do the blocks' weight gathers in
+    the first microbatch's forward (train.overlap_param_gather: overlap.BLOCK_GATHER_SCOPE)."""
+    once = (overlap.BLOCK_REDUCE_SCOPE, overlap.BLOCK_GATHER_SCOPE)
+    return MODEL in c.op_name and not any(scope in c.op_name for scope in once)
 
 
 def wire_bytes(c: hlo_lib.Collective) -> float:
-    """Bytes a collective moves through each device's links per run, ring costs over its group of n:
-    all-gather and all-to-all (n - 1) / n of the result, reduce-scatter (n - 1) x the result (its
-    input is n results), all-reduce 2 (n - 1) / n, a collective-permute its result."""
-    n = len(c.groups[0]) if c.groups else 1
-    factor = {"all-gather": (n - 1) / n, "all-to-all": (n - 1) / n, "reduce-scatter": n - 1.0}
-    factor["all-reduce"] = 2 * (n - 1) / n
-    return c.bytes * factor.get(c.op, 1.0)
+    """Bytes a collective moves through each device's links per run (`hlo.ring_bytes` over its
+    group)."""
+    return hlo_lib.ring_bytes(c.op, c.bytes, len(c.groups[0]) if c.groups else 1)
 
 
 def data_parallel_timing(hlo: str, mesh: jax.sharding.Mesh, by_name: dict[str, list[float]]) -> dict:
@@ -70,10 +68,9 @@ def data_parallel_timing(hlo: str, mesh: jax.sharding.Mesh, by_name: dict[str, l
     first part) on the timeline (`timeline.Cost.by_name`): their bytes on the wire per device per
     step (`wire_bytes`), seconds, exposed seconds, and the share of those bytes hidden behind compute
     (each collective's bytes x the part of its time not exposed)."""
-    names, shape = tuple(mesh.axis_names), tuple(mesh.devices.shape)
     wire = hidden = seconds = exposed = 0.0
-    for c in moving(hlo_lib.collectives(hlo)):
-        if "data" not in (hlo_lib.group_axes(c.groups, names, shape) or ("data",)) or in_model(c):
+    for c in spanning_data(hlo, mesh):
+        if in_model(c):
             continue
         s, e = by_name.get(c.key, (0.0, 0.0))
         nbytes = wire_bytes(c) * c.runs.main
@@ -109,11 +106,12 @@ def zero1_rows(hlo: str, step: CompiledStep) -> list[str]:
     wire = zero1.step_bytes(*args, **dtypes, wire=True)
     ratio = f" ({once / formula:.2f}x)" if formula else ""
     each = zero1.reduces_per_microbatch(step.grad_reduce, step.mesh)
-    blocks = step.zero1 and zero1.overlaps_grad_reduce(step.overlap_grad_reduce, step.grad_reduce, step.mesh)
+    blocks, gathers = step.overlaps
     where = f"in each of the {step.grad_accum} microbatches" if each else "once into the ZeRO-1 shards"
     where += ", each block's in the last microbatch's backward" if blocks else ""
     master = zero1.shards_master(step.cfg.params_dtype, step.cfg.compute_dtype, step.zero1)
     gathered = f"the {step.cfg.dtype} compute weights" if master else "the fp32 updates"
+    gathered += ", each block's in the first microbatch's forward" if gathers else ""
     return [
         (f"  data-parallel (spanning the data axis): outside the model {once / 2**20:.2f} MiB{ratio}, in the "
         f"model {looped / 2**20:.2f} MiB (result bytes); formula {formula / 2**20:.2f} MiB, "
@@ -141,15 +139,20 @@ def data_parallel_bytes(hlo: str, mesh: jax.sharding.Mesh) -> tuple[int, int]:
     """(once per step, inside the model) collective result bytes per device per step spanning the
     data axis: the ZeRO-1 traffic outside the model, and what runs per microbatch (none: the
     gradients are reduced after the microbatch loop, zaya_jax/parallel/zero1.py)."""
-    names, shape = tuple(mesh.axis_names), tuple(mesh.devices.shape)
     step = model = 0
-    for c in moving(hlo_lib.collectives(hlo)):
-        if "data" in (hlo_lib.group_axes(c.groups, names, shape) or ("data",)):
-            if in_model(c):
-                model += c.bytes * c.runs.main
-            else:
-                step += c.bytes * c.runs.main
+    for c in spanning_data(hlo, mesh):
+        if in_model(c):
+            model += c.bytes * c.runs.main
+        else:
+            step += c.bytes * c.runs.main
     return step, model
+
+
+def spanning_data(hlo: str, mesh: jax.sharding.Mesh) -> list[hlo_lib.Collective]:
+    """The collectives that move data over the data axis (`moving`; groups spanning it, or groups
+    not given: every device)."""
+    names, shape = tuple(mesh.axis_names), tuple(mesh.devices.shape)
+    return [c for c in moving(hlo_lib.collectives(hlo)) if "data" in (hlo_lib.group_axes(c.groups, names, shape) or ("data",))]
 
 
 def collectives(hlo: str) -> dict[str, CollectiveStats]:

@@ -160,12 +160,7 @@ class Timeline:
         n = len(groups[0]) if groups else self.devices
         if n <= 1 or nbytes == 0:
             return 0.0
-        if op == "collective-permute":
-            moved = float(nbytes)
-        elif op == "reduce-scatter":
-            moved = float(nbytes) * (n - 1)  # the result is 1/n of the reduced buffer
-        else:
-            moved = nbytes * (n - 1) / n * (2 if op == "all-reduce" else 1)
+        moved = hlo_lib.ring_bytes(op, nbytes, n)
         per_node = self.hw["gpus_per_node"]
         inside = (
             all(len({d // per_node for d in g}) == 1 for g in groups) if groups else self.devices <= per_node
@@ -206,17 +201,26 @@ class Timeline:
             for i in insts:
                 for k, o in enumerate(i.operands):
                     uses.setdefault(o, []).append((i, k))
+            # A bitcast moves nothing: XLA's in-place update looks through one on either side of a
+            # dynamic-update-slice (CanEmitFusedDynamicUpdateSliceInPlaceForGpu).
+            def users(name: str) -> list[tuple[Inst, int]]:
+                out = []
+                for j, k in uses.get(name, []):
+                    out += users(j.name) if j.op == "bitcast" else [(j, k)]
+                return out
+
             read = {}
             for i in insts:
                 m = _PARAM.search(i.line) if i.op == "parameter" else None
-                u = uses.get(i.name, [])
+                u = users(i.name)
                 if m and u and all(j.op == "dynamic-slice" and k == 0 for j, k in u):
                     read[int(m.group(1))] = sum(hlo_lib.shape_bytes(j.type) for j, _ in u)
                 elif m and u and all(j.op == "dynamic-update-slice" and k == 0 for j, k in u):
                     read[int(m.group(1))] = 0
             root = next((i for i in insts if i.root), None)
             parts = [by_name.get(o) for o in root.operands] if root and root.op == "tuple" else [root]
-            parts = [p for p in parts if p is not None]
+            unwrap = lambda p: by_name.get(p.operands[0], p) if p.op == "bitcast" and p.operands else p
+            parts = [unwrap(p) for p in parts if p is not None]
             updates = [p.operands[1] if _in_place(p) else None for p in parts]
             written = None
             if any(updates):

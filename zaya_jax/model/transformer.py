@@ -201,8 +201,10 @@ class ZayaForCausalLM(nn.Module):
     # its storage order (`to_layout`) with explicit positions.
     context_layout: str = CONTIGUOUS
     # Applied to each block's variables inside the layer scan ({"params": ..., and the collections
-    # named by its `collections`, sliced like the params}): the train step's last microbatch
-    # reduce-scatters each block's gradients in its backward (zaya_jax/parallel/zero1.py BlockReduce).
+    # named by its `collections`, sliced like the params}; it may add its `outputs` collections,
+    # which the scan stacks): the train step's first microbatch gathers each block's weights in its
+    # forward, its last reduce-scatters each block's gradients in its backward
+    # (zaya_jax/parallel/overlap.py BlockGather, BlockReduce).
     block_hook: Any = None
 
     def setup(self):
@@ -222,9 +224,13 @@ class ZayaForCausalLM(nn.Module):
         block = ZayaBlock
         if cfg.remat != "none":
             block = nn.remat(ZayaBlock, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-        hooked = () if self.block_hook is None else tuple(self.block_hook.collections)
+        hook = self.block_hook
+        hooked = () if hook is None else (*hook.collections, *hook.outputs)
         if hooked:
-            block = nn.map_variables(block, ("params", *hooked), trans_in_fn=self.block_hook)
+            # The hook's `outputs` collections go out of the scan stacked; nothing else is written.
+            keep = lambda variables: {k: variables[k] for k in hook.outputs if k in variables}
+            mutable = bool(hook.outputs)
+            block = nn.map_variables(block, ("params", *hooked), trans_in_fn=hook, trans_out_fn=keep, mutable=mutable)
         platform = mesh_platform(self.mesh)
         unroll = resolve_scan_layers(cfg.scan_layers, cfg.num_hidden_layers, platform) == "unroll"
         self.layers = nn.scan(

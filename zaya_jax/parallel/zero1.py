@@ -9,7 +9,6 @@ The per-rank loop, `train.grad_reduce` and the owners of Newton-Schulz: docs/des
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zaya_jax.parallel.mesh import MESH_AXES, mesh_platform
+from zaya_jax.parallel.mesh import MESH_AXES
 from zaya_jax.parallel.sharding import grad_specs, param_shardings
 from zaya_jax.params import ATTENTION_MATRIX, CONV, EXPERT_MATRIX, LM_HEAD, lookup, param_path
 from zaya_jax.runtime import xla_flags
@@ -31,20 +30,6 @@ REPLICA = "replica"  # the data axis, renamed and manual, around the microbatch 
 GRAD_REDUCE = ("step", "microbatch")
 # train.grad_reduce_dtype: the dtype the gradients cross the data axis in (summed in fp32 locally).
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
-# train.overlap_grad_reduce: each block's gradients reduce-scattered in the last microbatch's
-# backward as the layer scan produces them ("on", hidden behind the blocks still to run), or every
-# gradient after the loop ("off"). "auto": on for GPU meshes without a context axis
-# (`overlaps_grad_reduce`); off on CPU (its collectives are synchronous: nothing to hide, and the
-# last microbatch compiles as a second copy of the model).
-OVERLAP_GRAD_REDUCE = ("auto", "on", "off")
-# The variable collections `BlockReduce` reads beside each block's params: zeros in the shape of the
-# block's gradient shards (their gradient is the reduced gradient) and the rank's sum of the earlier
-# microbatches' gradients. A leaf reduced after the loop has (0,)-shaped entries in both.
-GRAD_SINK = "grad_sink"
-GRAD_ACC = "grad_acc"
-# The name scope of those reduce-scatters: they sit in the model's backward but run once per step
-# (zaya_jax/analysis/report.py counts them with the step's, not the model's, collectives).
-BLOCK_REDUCE_SCOPE = "zero1_block_reduce"
 LATENCY_HIDING = "xla_gpu_enable_latency_hiding_scheduler"  # `compiler_options` turns it on for ROCm
 # The registry's weights the model casts to its compute dtype (model.dtype) before every use: a
 # copy in that dtype computes the same values. The others (embedding lookup, router, norms, scales,
@@ -85,20 +70,6 @@ def reduces_per_microbatch(grad_reduce: str, mesh: Mesh | Mapping[str, int]) -> 
     return grad_reduce == "microbatch" and loop_per_rank(mesh)
 
 
-def overlaps_grad_reduce(setting: str, grad_reduce: str, mesh: Mesh | None) -> bool:
-    """Whether the step reduce-scatters each block's gradients in the last microbatch's backward
-    (train.overlap_grad_reduce `setting`; `BlockReduce`): where the loop runs per rank and reduces
-    once per step (grad_reduce "step"), "on", or "auto" on a mesh of GPUs without a context axis."""
-    if setting not in OVERLAP_GRAD_REDUCE:
-        raise ValueError(f"config.train.overlap_grad_reduce: must be one of {OVERLAP_GRAD_REDUCE}, got {setting!r}")
-    if mesh is None or grad_reduce != "step" or not loop_per_rank(mesh):
-        return False
-    # "auto" leaves meshes with a context axis alone: their backward's context collectives hold the
-    # network, and the blocks' reduce-scatters were not hidden there (docs/design/zero1.md).
-    auto = mesh_platform(mesh) != "cpu" and mesh.shape["context"] == 1
-    return setting == "on" or (setting == "auto" and auto)
-
-
 def shards_master(param_dtype: Any, compute_dtype: Any, zero1: bool = True) -> bool:
     """Whether the parameters of the train state are fp32 master weights kept in the ZeRO-1 shard
     (like the optimizer state), the step computing with a copy in the model's compute dtype
@@ -119,22 +90,30 @@ def compute_dtypes(params: Any, dtype: Any) -> Any:
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def compute_weights(master: Any, dtype: Any, mesh: Mesh | None) -> Any:
+def compute_weights(master: Any, dtype: Any, mesh: Mesh | None, in_forward: bool = False) -> Any:
     """The weights every device computes with, from the master `master` (the ZeRO-1 shards): each
     cast to its compute dtype (`compute_dtypes`) on its shard, then all-gathered over the data axis
-    into the parameter layout (`param_shardings`): once per optimizer step, in the compute dtype."""
+    into the parameter layout (`param_shardings`): once per optimizer step, in the compute dtype.
+    With `in_forward` the block params `gathered_in_forward` stay cast on their shards: the first
+    microbatch gathers them (zaya_jax/parallel/overlap.py BlockGather)."""
     weights = jax.tree.map(lambda x, dt: x.astype(dt), master, compute_dtypes(master, dtype))
     if mesh is None:
         return weights
     # The barrier keeps each cast on the shard: left free, XLA may gather the fp32 master and cast
     # after the gather, twice the bytes (phase 3 on 1024 MI300X: docs/performance.md).
     weights = jax.lax.optimization_barrier(weights)
-    return jax.lax.with_sharding_constraint(weights, param_shardings(weights, mesh))
+    shardings = param_shardings(weights, mesh)
+    if in_forward:
+        shard = lambda sh, spec: NamedSharding(mesh, spec) if gathered_in_forward(spec, mesh) else sh
+        specs = grad_specs(weights, mesh)["layers"]
+        shardings = {**shardings, "layers": jax.tree.map(shard, shardings["layers"], specs)}
+    return jax.lax.with_sharding_constraint(weights, shardings)
 
 
-def compiler_options(grad_reduce_dtype: Any, platform: str, overlap: bool = False) -> dict[str, Any]:
+def compiler_options(grad_reduce_dtype: Any, platform: str, overlap: tuple[bool, ...] = ()) -> dict[str, Any]:
     """XLA options the train step needs on the devices of `platform`:
-    - on ROCm with `overlap` (the blocks' gradients reduced in the backward: `overlaps_grad_reduce`),
+    - on ROCm where any of `overlap` holds (the blocks' gradients reduced in the backward, their
+      weights gathered in the forward: zaya_jax/parallel/overlap.py `train_state.overlaps`),
       XLA's latency-hiding scheduler (LATENCY_HIDING), unless XLA_FLAGS names it. It is off by
       default there (jax 0.10.2), and without it an async collective's done directly follows its
       start: nothing is hidden;
@@ -143,7 +122,7 @@ def compiler_options(grad_reduce_dtype: Any, platform: str, overlap: bool = Fals
       reduction computation ends in a sharding annotation (a copy); XLA:CPU's collectives sum bf16
       without it."""
     options: dict[str, Any] = {}
-    if platform == "rocm" and overlap and xla_flags.current("--" + LATENCY_HIDING) is None:
+    if platform == "rocm" and any(overlap) and xla_flags.current("--" + LATENCY_HIDING) is None:
         options[LATENCY_HIDING] = True
     if platform == "cpu" and jnp.dtype(grad_reduce_dtype) != jnp.float32:
         options["xla_disable_hlo_passes"] = "all-reduce-promotion"
@@ -165,6 +144,23 @@ def manual_part(spec: P) -> P:
     return P(*(REPLICA if d == dim else None for d in range(len(spec))))
 
 
+def in_blocks(dim: int | None) -> bool:
+    """Whether a block leaf whose ZeRO-1 shard splits dimension `dim` ([l, ...]; None: whole) can be
+    gathered / reduced inside the layer scan (zaya_jax/parallel/overlap.py): split past the layer
+    axis, so every block holds a slice of it. The others are gathered before the loop and reduced
+    after it."""
+    return dim is not None and dim != 0
+
+
+def gathered_in_forward(spec: P, mesh: Mesh) -> bool:
+    """Whether the first microbatch gathers a block leaf of ZeRO-1 spec `spec` ([l, ...]) in its
+    forward (zaya_jax/parallel/overlap.py BlockGather): `in_blocks`, and split over no other axis
+    larger than 1. A leaf also split over fsdp or expert is gathered before the loop: inside it
+    GSPMD gathers such a shard over those axes first and moves it whole over the data axis."""
+    others = [a for axes in spec if axes for a in (axes if isinstance(axes, tuple) else (axes,)) if a != DATA]
+    return in_blocks(data_dim(spec)) and all(mesh.shape[a] == 1 for a in others)
+
+
 def reduce_per_rank(grads: Any, dims: Any, dtype: Any = jnp.float32) -> Any:
     """Inside the loop's shard_map: each rank's summed gradients -> the sum over ranks, reduce-scattered
     over REPLICA along `dims` (a tree like `grads` of ints, or None where a leaf stays whole:
@@ -183,91 +179,25 @@ def _reduce_one(g: jax.Array, dim: int | None, dtype: Any) -> jax.Array:
     return out.astype(g.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _reduced_in_backward(w: jax.Array, sink: jax.Array, acc: jax.Array, dim: int, dtype: Any) -> jax.Array:
-    """w, unchanged. Backward: the cotangent of w plus `acc` (the rank's earlier microbatches),
-    reduce-scattered over REPLICA along `dim` in `dtype`, is the cotangent of `sink` (its shard
-    shape); w's own is zero."""
-    return w
-
-
-def _reduced_fwd(w, sink, acc, dim, dtype):
-    return w, acc
-
-
-def _reduced_bwd(dim, dtype, acc, g):
-    with jax.named_scope(BLOCK_REDUCE_SCOPE):
-        total = (acc + g.astype(acc.dtype)).astype(dtype)  # the order of reduce_per_rank's sum
-        out = jax.lax.psum_scatter(total, REPLICA, scatter_dimension=dim, tiled=True).astype(acc.dtype)
-    return jnp.zeros_like(g), out, jnp.zeros_like(acc)
-
-
-_reduced_in_backward.defvjp(_reduced_fwd, _reduced_bwd)
-
-
 @dataclasses.dataclass(frozen=True)
-class BlockReduce:
-    """The model's block hook (`ZayaForCausalLM.block_hook`) for the last microbatch: each block's
-    params pass through `_reduced_in_backward` with its GRAD_SINK and GRAD_ACC entries, so the
-    backward of the layer scan reduce-scatters a block's gradients as soon as it has made them and
-    XLA can overlap the collective with the blocks still to run. `dtype`: train.grad_reduce_dtype."""
-
-    dtype: Any = jnp.float32
-    collections: tuple[str, ...] = (GRAD_SINK, GRAD_ACC)
-
-    def __call__(self, variables: dict[str, Any]) -> dict[str, Any]:
-        def one(w, sink, acc):
-            if sink.size == 0:  # reduced after the loop
-                return w
-            dim = next(d for d in range(w.ndim) if sink.shape[d] != w.shape[d])
-            return _reduced_in_backward(w, sink, acc, dim, self.dtype)
-
-        params = jax.tree.map(one, variables["params"], variables[GRAD_SINK], variables[GRAD_ACC])
-        return {**variables, "params": params}
-
-
-def block_sinks(layers: Any, acc: Any, dims: Any) -> tuple[Any, Any]:
-    """(GRAD_SINK, GRAD_ACC) trees for the stacked block params `layers` [l, ...] (per rank), `acc`
-    their summed gradients and `dims` the dimension ZeRO-1 splits each over the data axis (None:
-    whole). A leaf split on a dimension after the layer axis is reduced in the backward
-    (`BlockReduce`): its sink is zeros of its shard's shape. The others (whole, or split on the
-    layer axis: no block holds a slice of it) get (l, 0) entries and are reduced after the loop."""
-    n = jax.lax.axis_size(REPLICA)
-
-    def sink(w, d):
-        if d is None or d == 0:
-            return jnp.zeros((w.shape[0], 0), jnp.float32)
-        return jnp.zeros((*w.shape[:d], w.shape[d] // n, *w.shape[d + 1 :]), jnp.float32)
-
-    def kept(a, d):
-        return jnp.zeros((a.shape[0], 0), a.dtype) if d is None or d == 0 else a
-
-    leaf = lambda x: x is None
-    return jax.tree.map(sink, layers, dims, is_leaf=leaf), jax.tree.map(kept, acc, dims, is_leaf=leaf)
-
-
-def reduced_after_blocks(grads: Any, sink_grads: Any, dims: Any, dtype: Any = jnp.float32) -> Any:
-    """The step's reduced gradients from the last microbatch's: `sink_grads` (the GRAD_SINK
-    gradients: the block params `BlockReduce` reduced in the backward) where `block_sinks` gave a
-    shard, and `grads` (the rank's sums) reduced now (`reduce_per_rank`) everywhere else."""
-    leaf = lambda x: x is None
-    in_backward = lambda d: d is not None and d != 0
-    one = lambda g, s, d: s if in_backward(d) else _reduce_one(g, d, dtype)
-    layers = jax.tree.map(one, grads["layers"], sink_grads, dims["layers"], is_leaf=leaf)
-    rest = {k: v for k, v in grads.items() if k != "layers"}
-    reduced = reduce_per_rank(rest, {k: dims[k] for k in rest}, dtype)
-    return {**reduced, "layers": layers}
-
-
-@dataclasses.dataclass(frozen=True)
-class ReducedInBackward:
-    """What the per-rank loop gets as `reduce` when each block's gradients are reduce-scattered in
-    the last microbatch's backward (`overlaps_grad_reduce`): the loop reduces every gradient itself
-    (`block_sinks`, `BlockReduce`, `reduced_after_blocks`). dims: the ZeRO-1 data dimension of each
-    leaf (None: all-reduced); dtype: train.grad_reduce_dtype."""
+class PerRank:
+    """How the per-rank loop meets the data axis (`accumulate_per_rank`). dims: the ZeRO-1 data
+    dimension of each gradient leaf (None: all-reduced); dtype: train.grad_reduce_dtype; each: every
+    microbatch's gradients reduce-scattered (grad_reduce "microbatch": `reduces_per_microbatch`);
+    in_backward: each block's in the last microbatch's backward (zaya_jax/parallel/overlap.py
+    BlockReduce); gather_dims: where the first microbatch all-gathers block params in its forward
+    (BlockGather), the dimension of each (`gathered_in_forward`) in a tree like dims["layers"],
+    None for the others; the loop gets those leaves as this rank's shards. None: nothing is."""
 
     dims: Any
-    dtype: Any
+    dtype: Any = jnp.float32
+    each: bool = False
+    in_backward: bool = False
+    gather_dims: Any = None
+
+    def reduce(self, grads: Any) -> Any:
+        """`grads` (this rank's) reduced over the data axis into the ZeRO-1 layout."""
+        return reduce_per_rank(grads, self.dims, self.dtype)
 
 
 def accumulate_per_rank(
@@ -278,14 +208,17 @@ def accumulate_per_rank(
     grad_specs: Any,
     grad_reduce: str = "step",
     grad_reduce_dtype: Any = jnp.float32,
-    overlap: bool = False,
+    in_backward: bool = False,
+    in_forward: bool = False,
 ) -> tuple[Any, Any]:
-    """Runs `loop(*replicated, batch, reduce)` -> (sums, grads) per data rank and reduces the
-    gradients into the ZeRO-1 shards: once after the loop (grad_reduce "step": `reduce` is None),
-    or inside it, the loop applying `reduce` (`reduce_per_rank`) to each microbatch's gradients
-    before summing them ("microbatch": its sum is then the rank's shard, reduced already), or, with
-    `overlap` (`overlaps_grad_reduce`), in the last microbatch's backward: `reduce` is a
-    `ReducedInBackward` and the loop returns the gradients reduced.
+    """Runs `loop(*replicated, batch, plan)` -> (sums, grads) per data rank (`plan`: a `PerRank`)
+    and reduces the gradients into the ZeRO-1 shards: once after the loop (grad_reduce "step"), or
+    inside it, the loop reducing each microbatch's gradients before summing them (`plan.each`,
+    "microbatch": its sum is then the rank's shard), or, with `in_backward`
+    (overlap.overlaps_grad_reduce), in the last microbatch's backward; the loop returns them reduced
+    in the last two cases. With `in_forward` (overlap.overlaps_param_gather) the block params
+    `gathered_in_forward` come into the loop as this rank's shards of their ZeRO-1 layout, gathered
+    there (PerRank's gather_dims).
 
     replicated: the arguments every data rank holds whole (params, balancing biases); batch: leaves
     [A, B, ...] with rows B split over the data axis (and any other); grad_specs: the ZeRO-1 spec of
@@ -293,22 +226,25 @@ def accumulate_per_rank(
     gradients summed over the ranks and laid out by grad_specs). grad_reduce_dtype: the dtype they
     cross the data axis in (train.grad_reduce_dtype)."""
     outer, _ = step_meshes(mesh)
-    dims = jax.tree.map(data_dim, grad_specs, is_leaf=lambda x: isinstance(x, P))
-    reduce = lambda grads: reduce_per_rank(grads, dims, grad_reduce_dtype)
+    is_spec = lambda x: isinstance(x, P)
+    dims = jax.tree.map(data_dim, grad_specs, is_leaf=is_spec)
     each = reduces_per_microbatch(grad_reduce, mesh)
+    forward = lambda spec: data_dim(spec) if gathered_in_forward(spec, mesh) else None
+    gather_dims = jax.tree.map(forward, grad_specs["layers"], is_leaf=is_spec) if in_forward else None
+    plan = PerRank(dims, grad_reduce_dtype, each, in_backward, gather_dims)
 
     def body(*args):
-        if overlap:
-            sums, grads = loop(*args, ReducedInBackward(dims, grad_reduce_dtype))
-            return jax.lax.psum(sums, REPLICA), grads
-        sums, grads = loop(*args, reduce if each else None)
-        return jax.lax.psum(sums, REPLICA), grads if each else reduce(grads)
+        sums, grads = loop(*args, plan)
+        return jax.lax.psum(sums, REPLICA), grads if each or in_backward else plan.reduce(grads)
 
-    is_spec = lambda x: isinstance(x, P)
+    params_specs = jax.tree.map(lambda _: P(), grad_specs, is_leaf=is_spec)
+    if in_forward:
+        sharded = lambda spec: manual_part(spec) if gathered_in_forward(spec, mesh) else P()
+        params_specs = {**params_specs, "layers": jax.tree.map(sharded, grad_specs["layers"], is_leaf=is_spec)}
     sums, grads = jax.shard_map(
         body,
         mesh=outer,
-        in_specs=(*(P() for _ in replicated), P(None, REPLICA)),
+        in_specs=(params_specs, *(P() for _ in replicated[1:]), P(None, REPLICA)),
         out_specs=(P(), jax.tree.map(manual_part, grad_specs, is_leaf=is_spec)),
         axis_names={REPLICA},
         check_vma=False,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax
 import jax
@@ -23,7 +23,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
-from zaya_jax.model.loss import chunked_cross_entropy
 from zaya_jax.optim import balancing as bal
 from zaya_jax.optim.chain import lr_schedule, make_optimizer
 from zaya_jax.parallel import zero1 as zero1_lib
@@ -33,7 +32,6 @@ from zaya_jax.parallel.context import (
     check_local_length,
     config_context,
     context_size,
-    fold_sequences,
     layout_is_identity,
     layout_permutation,
     to_layout,
@@ -46,25 +44,18 @@ from zaya_jax.parallel.sharding import (
     opt_state_shardings,
     param_shardings,
 )
+from zaya_jax.training.gradients import (
+    DEFAULT_DATA_PARALLEL,
+    Batch,
+    DataParallel,
+    StepAux,
+    loss_and_counts,
+    step_gradients,
+)
 from zaya_jax.training.routing_telemetry import step_metrics as routing_step_metrics
 
-Batch = dict[str, jax.Array]  # input_ids / targets int32 [B, S], loss_mask fp32 [B, S]; positions
-# int32 [B, S] where the context layout permutes the sequence (`layout_batch`)
+__all__ = ["Batch", "StepAux", "loss_and_counts"]  # the step's loss, read by tests and evaluation
 OPTIMIZER_SCOPE = "optimizer_update"  # jax.named_scope of the optimizer's ops (in their HLO op_name)
-
-
-class StepAux(NamedTuple):
-    """What a forward pass sums besides the loss (over tokens; over microbatches in the step):
-    weight (loss weights) fp32 []; counts (tokens per class per block) fp32 [L, E+1]; dropped
-    (tokens past an expert-parallel capacity) int32 [L]; entropy (router entropies, nats) fp32 [L];
-    spills (1 where a device's expert group took the exchange's spill round) int32 [L, devices].
-    Fields are read by name, so adding one changes no caller."""
-
-    weight: jax.Array
-    counts: jax.Array
-    dropped: jax.Array
-    entropy: jax.Array
-    spills: jax.Array
 
 
 @flax.struct.dataclass
@@ -125,29 +116,6 @@ def state_shardings(state: TrainState, mesh: Mesh, zero1: bool = True, master: b
     )
 
 
-def loss_and_counts(
-    model: ZayaForCausalLM,
-    params: Any,
-    balancing: Any,
-    batch: Batch,
-    loss_chunk: int = 512,
-    extra: dict[str, Any] | None = None,
-) -> tuple[jax.Array, StepAux]:
-    """(sum of token losses, StepAux of the batch). `extra`: more variable collections (those of the
-    model's block hook)."""
-    variables = {"params": params, BALANCING: balancing, **(extra or {})}
-    out = model.apply(variables, batch["input_ids"], positions=batch.get("positions"), return_logits=False)
-    head = lambda h: model.apply(variables, h, method=ZayaForCausalLM.logits_from_hidden)
-    # With a context axis each rank chunks its own positions: the scan never crosses ranks.
-    fold = lambda x: fold_sequences(x, model.mesh)
-    total, weight = chunked_cross_entropy(
-        fold(out.hidden), fold(batch["targets"]), fold(batch["loss_mask"]), head, loss_chunk
-    )
-    return total, StepAux(
-        weight, out.expert_counts, out.dropped_tokens, out.router_entropy, out.exchange_spills
-    )
-
-
 def layout_batch(batch: Batch, layout: str, mesh: Mesh | None) -> Batch:
     """The batch [B, S] (position order) in the storage order of the context layout (`to_layout`,
     mesh.context_layout) plus its positions (the permuted arange): unchanged where that order is
@@ -171,129 +139,6 @@ def split_microbatches(x: jax.Array, grad_accum: int, mesh: Mesh | None) -> jax.
     if mesh is not None:
         x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES, CONTEXT)))
     return x
-
-
-def accumulated_grads(
-    grad_fn: Callable, params: Any, balancing: Any, micro: Batch, reduce: Callable | None = None
-):
-    """Sums over the microbatches (leading axis of `micro`) of grad_fn's loss sum, its StepAux and
-    gradients, in one lax.scan; the gradients in fp32 whatever the dtype of `params` (compute
-    weights in model.dtype come out with gradients in it, each upcast before it is added). The
-    aux's zeros take grad_fn's own shapes (the spill flags have one entry per device the model
-    sees, fewer inside the per-rank loop of zaya_jax/parallel/zero1.py).
-    `reduce`: applied to each microbatch's gradients before they are added (train.grad_reduce
-    "microbatch": the reduce-scatter into this rank's ZeRO-1 shard, so the sum is only that shard)."""
-    each = (lambda grads: reduce(_upcast(grads))) if reduce else _upcast
-
-    def accumulate(carry, mb):
-        (loss_sum, aux), grads = grad_fn(params, balancing, mb)
-        acc_loss, acc_aux, acc_grads = carry
-        return (
-            acc_loss + loss_sum,
-            jax.tree.map(jnp.add, acc_aux, aux),
-            jax.tree.map(jnp.add, acc_grads, each(grads)),
-        ), None
-
-    first = jax.tree.map(lambda x: x[0], micro)
-    out, _ = jax.lax.scan(accumulate, _zero_sums(grad_fn, params, balancing, first, each), micro)
-    return out
-
-
-def _upcast(grads: Any) -> Any:
-    """Gradients in the dtype they are summed in (`_accumulated`)."""
-    return jax.tree.map(lambda g: g.astype(_accumulated(g.dtype)), grads)
-
-
-def _zero_sums(grad_fn: Callable, params: Any, balancing: Any, mb: Batch, each: Callable = _upcast):
-    """(0, zero StepAux, zero gradients): the sums before the first microbatch, in the shapes
-    grad_fn gives for microbatch `mb` (the gradients as `each` makes them: the rank's shard where
-    reduce-scattered)."""
-    zeros_of = lambda shapes: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-    (_, aux_shapes), _ = jax.eval_shape(grad_fn, params, balancing, mb)
-    return jnp.zeros(()), zeros_of(aux_shapes), zeros_of(jax.eval_shape(each, params))
-
-
-def grads_reduced_in_backward(
-    grad_fn: Callable, last_fn: Callable, params: Any, balancing: Any, micro: Batch, reduce: Any
-):
-    """`accumulated_grads` with the gradients reduced, each block's in the last microbatch's
-    backward (zaya_jax/parallel/zero1.py `BlockReduce`): microbatches 1..A-1 summed by
-    `accumulated_grads`, then the last by `last_fn`(params, sinks, balancing, mb, accs) (its model
-    has the block hook), whose sink gradients are the blocks' reduced ones; the other leaves are
-    reduced after it. `reduce`: a zero1.ReducedInBackward. The sums are taken in the order of
-    `accumulated_grads`; the last microbatch is compiled on its own, so they agree to rounding."""
-    count = jax.tree.leaves(micro)[0].shape[0]
-    last = jax.tree.map(lambda x: x[count - 1], micro)
-    if count > 1:
-        loss_sum, aux, acc = accumulated_grads(grad_fn, params, balancing, jax.tree.map(lambda x: x[:-1], micro))
-    else:
-        loss_sum, aux, acc = _zero_sums(grad_fn, params, balancing, last)
-    sinks, accs = zero1_lib.block_sinks(params["layers"], acc["layers"], reduce.dims["layers"])
-    (last_sum, last_aux), (grads, sink_grads) = last_fn(params, sinks, balancing, last, accs)
-    grads = jax.tree.map(jnp.add, acc, _upcast(grads))
-    reduced = zero1_lib.reduced_after_blocks(grads, sink_grads, reduce.dims, reduce.dtype)
-    return loss_sum + last_sum, jax.tree.map(jnp.add, aux, last_aux), reduced
-
-
-def _accumulated(dtype: Any) -> Any:
-    """The dtype gradients of `dtype` are summed in: at least fp32."""
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def step_gradients(
-    cfg: ZayaConfig,
-    mesh: Mesh | None,
-    zero1: bool = True,
-    grad_reduce: str = "step",
-    context_layout: str = CONTIGUOUS,
-    grad_reduce_dtype: Any = jnp.float32,
-    overlap_grad_reduce: str = "off",
-) -> Callable:
-    """grads(params, balancing, micro) -> (loss sum, (weight, counts, dropped, spills), gradients):
-    sums over the whole global batch of `accumulated_grads`.
-
-    On a mesh with a data axis each data rank accumulates its own microbatches and the gradients
-    are reduce-scattered into the ZeRO-1 layout of the optimizer state (zaya_jax/parallel/zero1.py;
-    with zero1 off all-reduced): with grad_reduce "step" the sum, unreduced, once after the loop (no
-    data-parallel collective per microbatch), or, where `overlap_grad_reduce`
-    (train.overlap_grad_reduce: `zero1.overlaps_grad_reduce`) says so, each block's in the last
-    microbatch's backward (`grads_reduced_in_backward`); with "microbatch" each microbatch's
-    gradients inside the loop, the sum kept as the rank's shard. The model runs inside on the
-    data-manual mesh of `zero1.step_meshes`; microbatches come in the storage order of
-    `context_layout` (`layout_batch`). `grad_reduce_dtype` (train.grad_reduce_dtype): the dtype
-    they cross the data axis in. Where `zero1.loop_per_rank` says no (no data axis, or a mesh XLA
-    cannot partition so), GSPMD reduces the gradients as it computes them, whatever grad_reduce and
-    grad_reduce_dtype."""
-    per_rank = mesh is not None and zero1_lib.loop_per_rank(mesh)
-    inner = zero1_lib.step_meshes(mesh)[1] if per_rank else mesh
-    model = ZayaForCausalLM(cfg, inner, context_layout)
-    grad_fn = jax.value_and_grad(lambda p, b, mb: loss_and_counts(model, p, b, mb), has_aux=True)
-    if not per_rank:
-        return lambda params, balancing, micro: accumulated_grads(grad_fn, params, balancing, micro)
-    # Without ZeRO-1 the gradients are all-reduced whole: nothing is reduced in the backward.
-    overlap = zero1 and zero1_lib.overlaps_grad_reduce(overlap_grad_reduce, grad_reduce, mesh)
-    hooked = ZayaForCausalLM(cfg, inner, context_layout, zero1_lib.BlockReduce(grad_reduce_dtype))
-
-    def last_loss(params, sinks, balancing, mb, accs):
-        extra = {zero1_lib.GRAD_SINK: {"layers": sinks}, zero1_lib.GRAD_ACC: {"layers": accs}}
-        return loss_and_counts(hooked, params, balancing, mb, extra=extra)
-
-    last_fn = jax.value_and_grad(last_loss, argnums=(0, 1), has_aux=True)
-
-    def loop(params, balancing, micro, reduce):
-        if overlap:
-            loss_sum, aux, grads = grads_reduced_in_backward(grad_fn, last_fn, params, balancing, micro, reduce)
-        else:
-            loss_sum, aux, grads = accumulated_grads(grad_fn, params, balancing, micro, reduce)
-        return (loss_sum, aux), grads
-
-    def grads(params, balancing, micro):
-        specs = grad_specs(params, mesh, zero1)
-        args = (loop, mesh, (params, balancing), micro, specs, grad_reduce, grad_reduce_dtype, overlap)
-        (loss_sum, aux), g = zero1_lib.accumulate_per_rank(*args)
-        return loss_sum, aux, g
-
-    return grads
 
 
 def balancing_step(
@@ -364,33 +209,28 @@ def make_train_step(
     schedule: Callable[[jax.Array], jax.Array],
     grad_accum: int = 1,
     mesh: Mesh | None = None,
-    zero1: bool = True,
-    grad_reduce: str = "step",
     context_layout: str = CONTIGUOUS,
-    grad_reduce_dtype: Any = jnp.float32,
-    overlap_grad_reduce: str = "off",
+    dp: DataParallel = DEFAULT_DATA_PARALLEL,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """Returns train_step(state, batch) -> (state, metrics); batch leaves are [B, S] (global),
-    split into `grad_accum` microbatches (split_microbatches). `zero1`: the optimizer state is laid
-    out by ZeRO-1 (state_shardings' zero1), so the gradients are reduce-scattered into it, once per
-    step or every microbatch (`grad_reduce`, train.grad_reduce: step_gradients). `context_layout`
-    (mesh.context_layout): which sequence chunks each context rank holds (`layout_batch`).
-    `overlap_grad_reduce` (train.overlap_grad_reduce): the reduce-scatter of each block's gradients
-    in the last microbatch's backward (step_gradients).
+    split into `grad_accum` microbatches (split_microbatches). `context_layout`
+    (mesh.context_layout): which sequence chunks each context rank holds (`layout_batch`). `dp`:
+    how the gradients and weights cross the data axis (ZeRO-1 per mesh.zero1, train.grad_reduce,
+    its dtype and the two overlaps: gradients.DataParallel, step_gradients).
 
     The step computes with `zero1.compute_weights` of state.params: where the params are the fp32
     master in the ZeRO-1 shard (`zero1.shards_master`: a model.dtype narrower than fp32), each
-    weight cast to its compute dtype and all-gathered once, before the microbatch loop; with an
-    fp32 model the params themselves."""
-    gradients = step_gradients(
-        cfg, mesh, zero1, grad_reduce, context_layout, grad_reduce_dtype, overlap_grad_reduce
-    )
-    master = zero1_lib.shards_master(cfg.params_dtype, cfg.compute_dtype, zero1)
+    weight cast to its compute dtype and all-gathered once, before the microbatch loop or, block by
+    block, in the first microbatch; with an fp32 model the params themselves."""
+    gradients = step_gradients(cfg, mesh, context_layout, dp)
+    master = dp.master(cfg)
+    in_forward = dp.overlaps(cfg, mesh, grad_accum)[1]
 
     def train_step(state: TrainState, batch: Batch):
         batch = layout_batch(batch, context_layout, mesh)
         micro = jax.tree.map(lambda x: split_microbatches(x, grad_accum, mesh), batch)
-        params = zero1_lib.compute_weights(state.params, cfg.compute_dtype, mesh) if master else state.params
+        weights = zero1_lib.compute_weights(state.params, cfg.compute_dtype, mesh, in_forward)
+        params = weights if master else state.params
         loss_sum, aux, grads = gradients(params, state.balancing, micro)
         weight, counts = aux.weight, aux.counts
         denom = jnp.maximum(weight, 1.0)
@@ -532,23 +372,12 @@ def train_program(c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh) -> 
     the gradients reduced per train.grad_reduce in train.grad_reduce_dtype."""
     layout = _state_layout(c, cfg, mesh)
     schedule = lr_schedule(c, total_steps=c.train.steps)
-    train = c.train
-    step = make_train_step(
-        cfg,
-        layout.tx,
-        layout.bal_cfg,
-        schedule,
-        train.grad_accum,
-        mesh,
-        c.mesh.zero1,
-        train.grad_reduce,
-        c.mesh.context_layout,
-        jnp.dtype(train.grad_reduce_dtype),
-        train.overlap_grad_reduce,
-    )
+    train, dp = c.train, DataParallel.from_config(c)
+    args = (layout.tx, layout.bal_cfg, schedule, train.grad_accum, mesh, c.mesh.context_layout, dp)
+    step = make_train_step(cfg, *args)
     shardings = layout.shardings
-    overlap = c.mesh.zero1 and zero1_lib.overlaps_grad_reduce(train.overlap_grad_reduce, train.grad_reduce, mesh)
-    options = zero1_lib.compiler_options(train.grad_reduce_dtype, mesh_platform(mesh), overlap)
+    overlaps = dp.overlaps(cfg, mesh, train.grad_accum)
+    options = zero1_lib.compiler_options(train.grad_reduce_dtype, mesh_platform(mesh), overlaps)
     jitted = jax.jit(
         step,
         in_shardings=(shardings, None),
