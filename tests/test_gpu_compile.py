@@ -163,25 +163,25 @@ def test_zero1_collectives_hidden_behind_compute_on_mi300x(rocm):
     """The two overlaps on 8 x MI300X (two blocks, grad_accum 2): with train.overlap_grad_reduce each
     block's gradients are reduce-scattered in the last microbatch's backward, with
     train.overlap_param_gather each block's weights are gathered in the first one's forward too;
-    the step's ZeRO-1 bytes stay those of the collectives outside the loop, and the timeline hides
-    nearly none of them there, most with the reduce-scatters in the backward, nearly all with both
-    (XLA's latency-hiding scheduler, which the step turns on for ROCm)."""
+    the step's ZeRO-1 bytes stay the same, and the timeline hides most of them with the
+    reduce-scatters in the backward, nearly all with both (XLA's latency-hiding scheduler, which
+    the step turns on for ROCm)."""
     gpu = gpu_target.load_target("mi300x")
     hw = hardware.builtin("mi300x")
     shares, wires = {}, {}
-    for reduce, gather in (("off", "off"), ("on", "off"), ("on", "on")):
+    for reduce, gather in (("on", "off"), ("on", "on")):
         c = small_config(layers=2)
         c.train.batch_size, c.train.grad_accum = 16, 2
         c.train.overlap_grad_reduce, c.train.overlap_param_gather = reduce, gather
         step = compiled_lib.compile_step(c, gpu_target.target_devices(gpu, DEVICES))
         hlo_text = step.compiled.as_text()
         ops = [col.op_name for col in hlo.collectives(hlo_text)]
-        assert any(BLOCK_REDUCE_SCOPE in op for op in ops) == (reduce == "on")
+        assert any(BLOCK_REDUCE_SCOPE in op for op in ops)
         assert any(BLOCK_GATHER_SCOPE in op for op in ops) == (gather == "on")
         dp = prediction.predict(hlo_text, c, step.cfg, DEVICES, hw, step.mesh)["data_parallel"]
         shares[reduce, gather], wires[reduce, gather] = dp["hidden_share"], dp["wire_bytes"]
     assert len(set(wires.values())) == 1, wires
-    assert shares["off", "off"] <= 0.2 and shares["on", "off"] >= 0.5, shares
+    assert shares["on", "off"] >= 0.5, shares
     assert shares["on", "on"] >= 0.8 and shares["on", "on"] > shares["on", "off"], shares
 
 
