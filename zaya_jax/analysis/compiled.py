@@ -70,7 +70,7 @@ class CompiledStep:
     grad_accum: int = 1  # train.grad_accum
     grad_reduce: str = "step"  # train.grad_reduce
     grad_reduce_dtype: str = "float32"  # train.grad_reduce_dtype
-    # (gradients reduced in the backward, weights gathered in the forward): train_state.overlaps
+    # (gradients reduced in the backward, weights gathered in the forward): gradients.DataParallel.overlaps
     overlaps: tuple[bool, bool] = (False, False)
     xla_log: tuple[str, ...] = ()  # XLA's log records of the compile (`captured_xla_log`)
 

@@ -113,7 +113,7 @@ def compute_weights(master: Any, dtype: Any, mesh: Mesh | None, in_forward: bool
 def compiler_options(grad_reduce_dtype: Any, platform: str, overlap: tuple[bool, ...] = ()) -> dict[str, Any]:
     """XLA options the train step needs on the devices of `platform`:
     - on ROCm where any of `overlap` holds (the blocks' gradients reduced in the backward, their
-      weights gathered in the forward: zaya_jax/parallel/overlap.py `train_state.overlaps`),
+      weights gathered in the forward: zaya_jax/parallel/overlap.py, `gradients.DataParallel.overlaps`),
       XLA's latency-hiding scheduler (LATENCY_HIDING), unless XLA_FLAGS names it. It is off by
       default there (jax 0.10.2), and without it an async collective's done directly follows its
       start: nothing is hidden;
@@ -238,9 +238,10 @@ def accumulate_per_rank(
         return jax.lax.psum(sums, REPLICA), grads if each or in_backward else plan.reduce(grads)
 
     params_specs = jax.tree.map(lambda _: P(), grad_specs, is_leaf=is_spec)
-    if in_forward:
-        sharded = lambda spec: manual_part(spec) if gathered_in_forward(spec, mesh) else P()
-        params_specs = {**params_specs, "layers": jax.tree.map(sharded, grad_specs["layers"], is_leaf=is_spec)}
+    if in_forward:  # the leaves the loop gathers come as this rank's shards
+        sharded = lambda spec, d: P() if d is None else manual_part(spec)
+        layers = jax.tree.map(sharded, grad_specs["layers"], gather_dims, is_leaf=is_spec)
+        params_specs = {**params_specs, "layers": layers}
     sums, grads = jax.shard_map(
         body,
         mesh=outer,
