@@ -137,17 +137,18 @@ def test_bf16_gradient_reduction_stays_near_fp32():
 
 
 # The per-rank meshes with the overlaps they run (train.overlap_param_gather "on", and
-# train.overlap_grad_reduce) and whether the test also compiles the step that gathers before the
-# loop to compare with: the weights gathered in the first microbatch alone, with fsdp (its split
-# leaves gathered before the loop: the bytes must not grow), with the gradients reduced in the
-# last microbatch and expert parallelism, with a context axis.
+# train.overlap_grad_reduce), whether the test also compiles the step that gathers before the
+# loop to compare with, and grad_accum: the weights gathered in the first microbatch alone, with
+# fsdp (its split leaves gathered before the loop: the bytes must not grow), with the gradients
+# reduced in the last microbatch and expert parallelism, with a context axis, and both in the one
+# microbatch of a step without accumulation (overlap.BlockGatherReduce).
 GATHER_MESHES = [
-    ((("data", 8),), "off", True),
-    ((("data", 4), ("fsdp", 2)), "on", True),
-    ((("data", 4), ("expert", 2)), "on", False),
-    ((("data", 4), ("context", 2)), "off", False),
+    ((("data", 8),), "off", True, 2),
+    ((("data", 4), ("fsdp", 2)), "on", True, 2),
+    ((("data", 4), ("expert", 2)), "on", False, 2),
+    ((("data", 4), ("context", 2)), "off", False, 2),
+    ((("data", 8),), "on", True, 1),
 ]
-GATHER_ACCUM = 2
 
 
 def _gather_run(mesh: tuple[tuple[str, int], ...], grad_accum: int, gather: str, reduce: str = "off"):
@@ -170,19 +171,19 @@ def _one_device(grad_accum: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh, reduce, against_before", GATHER_MESHES, ids=str)
-def test_block_weights_gathered_in_forward_equal_one_device(mesh, reduce, against_before):
+@pytest.mark.parametrize("mesh, reduce, against_before, grad_accum", GATHER_MESHES, ids=str)
+def test_block_weights_gathered_in_forward_equal_one_device(mesh, reduce, against_before, grad_accum):
     """train.overlap_param_gather=on: the first microbatch all-gathers each block's bf16 weights in
     its layer scan's forward (collectives named by overlap.BLOCK_GATHER_SCOPE) and the others compute
     with what it gathered: MESH_STEPS steps equal one device's to the bf16 tolerances of
     BF16_MESHES; where `against_before`, the step's data-parallel bytes are those of the gather
     before the loop and its steps equal that step's to 1e-5 in the losses, 1e-4 in the norms and
     every fp32 param."""
-    hlo_on, step_mesh, *on = _gather_run(mesh, GATHER_ACCUM, "on", reduce)
+    hlo_on, step_mesh, *on = _gather_run(mesh, grad_accum, "on", reduce)
     assert any(BLOCK_GATHER_SCOPE in c.op_name for c in hlo.collectives(hlo_on))
     (losses, norms, got) = on
     if against_before:
-        hlo_off, _, want_losses, want_norms, want = _gather_run(mesh, GATHER_ACCUM, "off", reduce)
+        hlo_off, _, want_losses, want_norms, want = _gather_run(mesh, grad_accum, "off", reduce)
         assert report.data_parallel_bytes(hlo_on, step_mesh) == report.data_parallel_bytes(hlo_off, step_mesh)
         # The first microbatch is compiled on its own, so XLA may round its bf16 ops otherwise:
         # measured on data=8 the losses were equal and the norms and params 3.3e-5 apart at most.
@@ -190,7 +191,7 @@ def test_block_weights_gathered_in_forward_equal_one_device(mesh, reduce, agains
         np.testing.assert_allclose(norms, want_norms, rtol=1e-4, atol=1e-4)
         for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
             np.testing.assert_allclose(y, x, rtol=0, atol=1e-4)
-    one_losses, one_norms, one = _one_device(GATHER_ACCUM)
+    one_losses, one_norms, one = _one_device(grad_accum)
     np.testing.assert_allclose(losses, one_losses, rtol=0, atol=2.5e-4)
     np.testing.assert_allclose(norms, one_norms, rtol=0, atol=2.5e-3)
     for x, y in zip(jax.tree.leaves(one), jax.tree.leaves(got), strict=True):

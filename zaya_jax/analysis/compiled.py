@@ -111,7 +111,7 @@ def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> Com
         c.train.grad_accum,
         c.train.grad_reduce,
         c.train.grad_reduce_dtype,
-        DataParallel.from_config(c).overlaps(cfg, mesh, c.train.grad_accum),
+        DataParallel.from_config(c).overlaps(cfg, mesh),
         tuple(log),
     )
 

@@ -1,6 +1,7 @@
 """ZeRO-1's data-axis collectives inside the model's layer scan, where compute can hide them: each
 block's weights all-gathered in the first microbatch's forward (`BlockGather`) and each block's
-gradients reduce-scattered in the last microbatch's backward (`BlockReduce`).
+gradients reduce-scattered in the last microbatch's backward (`BlockReduce`); both in the one
+microbatch of a step without accumulation (`BlockGatherReduce`).
 
 Both are block hooks (`ZayaForCausalLM.block_hook`). The design: docs/design/zero1.md, "Overlap with
 compute".
@@ -71,17 +72,17 @@ def overlaps_grad_reduce(setting: str, grad_reduce: str, mesh: Mesh | None) -> b
     return setting == "on" or (setting == "auto" and _auto(mesh))
 
 
-def overlaps_param_gather(setting: str, mesh: Mesh | None, master: bool, grad_accum: int) -> bool:
+def overlaps_param_gather(setting: str, mesh: Mesh | None, master: bool) -> bool:
     """Whether the step all-gathers each block's compute weights in the first microbatch's forward
-    (train.overlap_param_gather `setting`; `BlockGather`): where the loop runs per rank, the fp32
-    master sits in the ZeRO-1 shard (`master`: zero1.shards_master, so the step gathers compute
-    weights at all) and there are microbatches after the first (`grad_accum` > 1: with one, the
-    weights are gathered before it), "on", or "auto" on a mesh of GPUs whose only axis is data. With
+    (train.overlap_param_gather `setting`; `BlockGather`, or `BlockGatherReduce` when that
+    microbatch is the only one): where the loop runs per rank and the fp32 master sits in the
+    ZeRO-1 shard (`master`: zero1.shards_master, so the step gathers compute weights at all), "on",
+    or "auto" on a mesh of GPUs whose only axis is data. With
     fsdp, a block's leaves split over it are gathered before the loop (zero1.gathered_in_forward),
     and on MI300X the step hid less of its ZeRO-1 bytes with the rest gathered in the forward than
     without (docs/design/zero1.md)."""
     _setting("overlap_param_gather", setting)
-    if mesh is None or not master or grad_accum < 2 or not loop_per_rank(mesh):
+    if mesh is None or not master or not loop_per_rank(mesh):
         return False
     return setting == "on" or (setting == "auto" and _auto(mesh) and _only_data(mesh))
 
@@ -89,9 +90,9 @@ def overlaps_param_gather(setting: str, mesh: Mesh | None, master: bool, grad_ac
 # ------------------------------------------------------------------------------- gradients' reduce
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _reduced_in_backward(w: jax.Array, sink: jax.Array, acc: jax.Array, dim: int, dtype: Any) -> jax.Array:
-    """w, unchanged. Backward: the cotangent of w plus `acc` (the rank's earlier microbatches),
-    reduce-scattered over REPLICA along `dim` in `dtype`, is the cotangent of `sink` (its shard
-    shape); w's own is zero."""
+    """w, unchanged. Backward: the cotangent of w plus `acc` (the rank's earlier microbatches; a
+    size-0 `acc`: none), reduce-scattered over REPLICA along `dim` in `dtype`, is the cotangent of
+    `sink` (its shard shape); w's own is zero."""
     return w
 
 
@@ -101,7 +102,8 @@ def _reduced_fwd(w, sink, acc, dim, dtype):
 
 def _reduced_bwd(dim, dtype, acc, g):
     with jax.named_scope(BLOCK_REDUCE_SCOPE):
-        total = (acc + g.astype(acc.dtype)).astype(dtype)  # the order of reduce_per_rank's sum
+        total = g.astype(acc.dtype) if acc.size == 0 else acc + g.astype(acc.dtype)
+        total = total.astype(dtype)  # the order of reduce_per_rank's sum
         out = jax.lax.psum_scatter(total, REPLICA, scatter_dimension=dim, tiled=True).astype(acc.dtype)
     return jnp.zeros_like(g), out, jnp.zeros_like(acc)
 
@@ -133,9 +135,11 @@ class BlockReduce:
 
 def block_sinks(layers: Any, acc: Any, dims: Any) -> tuple[Any, Any]:
     """(GRAD_SINK, GRAD_ACC) trees for the stacked block params `layers` [l, ...] (per rank), `acc`
-    their summed gradients and `dims` the dimension ZeRO-1 splits each over the data axis (None:
-    whole). A leaf `in_blocks` is reduced in the backward (`BlockReduce`): its sink is zeros of its
-    shard's shape. The others get (l, 0) entries and are reduced after the loop."""
+    their summed gradients (None: no earlier microbatch) and `dims` the dimension ZeRO-1 splits
+    each over the data axis (None: whole). A leaf `in_blocks` is reduced in the backward
+    (`BlockReduce`): its sink is zeros of its shard's shape. The others get (l, 0) entries and are
+    reduced after the loop; so do all GRAD_ACC entries without an earlier microbatch (nothing to
+    add, and no zeros stacked for the scan to read)."""
     n = jax.lax.axis_size(REPLICA)
 
     def sink(w, d):
@@ -143,8 +147,11 @@ def block_sinks(layers: Any, acc: Any, dims: Any) -> tuple[Any, Any]:
             return jnp.zeros((w.shape[0], 0), jnp.float32)
         return jnp.zeros((*w.shape[:d], w.shape[d] // n, *w.shape[d + 1 :]), jnp.float32)
 
-    kept = lambda a, d: a if in_blocks(d) else jnp.zeros((a.shape[0], 0), a.dtype)
+    empty = lambda a: jnp.zeros((a.shape[0], 0), jnp.promote_types(a.dtype, jnp.float32))
     leaf = lambda x: x is None
+    if acc is None:
+        return jax.tree.map(sink, layers, dims, is_leaf=leaf), jax.tree.map(empty, layers)
+    kept = lambda a, d: a if in_blocks(d) else empty(a)
     return jax.tree.map(sink, layers, dims, is_leaf=leaf), jax.tree.map(kept, acc, dims, is_leaf=leaf)
 
 
@@ -208,6 +215,23 @@ class BlockGather:
         params = jax.tree.map(one, variables["params"], variables[GATHER_SINK])
         out = jax.tree.map(lambda w, s: w if s.size else s, params, variables[GATHER_SINK])
         return {**variables, "params": params, GATHERED: out}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockGatherReduce:
+    """The block hook of a step with one microbatch: `BlockGather`, then `BlockReduce` on the
+    gathered weights. A block's weights are gathered just before its forward and its gradients
+    reduce-scattered as soon as its backward has made them; nothing is written out (no microbatch
+    follows). `dtype`: train.grad_reduce_dtype."""
+
+    dtype: Any = jnp.float32
+    # GRAD_SINK first: the hooked loss is differentiated with respect to the first collection.
+    collections: tuple[str, ...] = (GRAD_SINK, GATHER_SINK, GRAD_ACC)
+    outputs: tuple[str, ...] = ()
+
+    def __call__(self, variables: dict[str, Any]) -> dict[str, Any]:
+        gathered = BlockGather()(variables)["params"]
+        return BlockReduce(self.dtype)({**variables, "params": gathered})
 
 
 def gather_sinks(layers: Any, dims: Any) -> Any:

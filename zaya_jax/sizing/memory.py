@@ -26,6 +26,7 @@ from typing import Any
 
 from zaya_jax.kernels import attention_choice, pick_blocks
 from zaya_jax.model.config import ZayaConfig
+from zaya_jax.model.loss import LOSS_CHUNK_TOKENS, chunk_positions
 from zaya_jax.parallel.context import config_context
 from zaya_jax.parallel.expert import remat_saved_bytes
 from zaya_jax.parallel.mesh import parse_mesh_spec, resolve_mesh_sizes
@@ -243,7 +244,7 @@ def activation_bytes(
     seq_len: int,
     micro_batch: int,
     remat: str,
-    loss_chunk: int = 512,
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
     expert_axis: int = 1,
     context: int = 1,
     attention: str = "xla",
@@ -263,7 +264,8 @@ def activation_bytes(
     plus, when the compute dtype differs from param_dtype, the compute-dtype copies of the block
     weights (every block's for `none`, one block's otherwise; experts divided by `expert_axis`), and
     outside the blocks: the embedding output and final norm (fp32 [d] each, per token) and one loss
-    chunk's logits (`micro_batch` x `loss_chunk` rows x V, fp32 logits, softmax and gradient).
+    chunk's logits (`loss_chunk_tokens` of the microbatch's tokens x V, fp32 logits, softmax and
+    gradient: zaya_jax/model/loss.py `chunk_positions`).
     The per-token parts were checked against `print_saved_residuals` (within ~10%, above).
     """
     if remat not in REMAT_CHOICES:
@@ -301,7 +303,7 @@ def activation_bytes(
         per_layer = (pc.active / n - expert) + expert * cfg.num_experts / expert_axis
         casts = (n if remat == "none" else 1) * per_layer * _DTYPE_BYTES[cfg.dtype]
     outside = tokens * 3 * 4 * cfg.hidden_size
-    loss = micro_batch * min(loss_chunk, seq_len // context) * cfg.vocab_size * 3 * 4
+    loss = micro_batch * min(chunk_positions(micro_batch, loss_chunk_tokens), seq_len // context) * cfg.vocab_size * 3 * 4
     # The gathered K/V: every block's kept without remat, the recomputed block's otherwise.
     gathered = 0.0
     if context > 1:

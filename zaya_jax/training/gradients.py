@@ -7,6 +7,7 @@ and the last reducing each block's gradients inside the layer scan where the con
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -15,10 +16,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM
-from zaya_jax.model.loss import chunked_cross_entropy
+from zaya_jax.model.loss import LOSS_CHUNK_TOKENS, chunk_positions, chunked_cross_entropy
 from zaya_jax.parallel import overlap
 from zaya_jax.parallel import zero1 as zero1_lib
 from zaya_jax.parallel.context import CONTIGUOUS, fold_sequences
+from zaya_jax.parallel.mesh import MESH_AXES
 from zaya_jax.parallel.sharding import grad_specs
 
 Batch = dict[str, jax.Array]  # input_ids / targets int32 [B, S], loss_mask fp32 [B, S]; positions
@@ -51,11 +53,11 @@ class DataParallel:
         (`zero1.shards_master`)."""
         return zero1_lib.shards_master(cfg.params_dtype, cfg.compute_dtype, self.zero1)
 
-    def overlaps(self, cfg: ZayaConfig, mesh: Mesh | None, grad_accum: int) -> tuple[bool, bool]:
+    def overlaps(self, cfg: ZayaConfig, mesh: Mesh | None) -> tuple[bool, bool]:
         """(each block's gradients reduce-scattered in the last microbatch's backward, each block's
         compute weights gathered in the first microbatch's forward) in the step on `mesh`."""
         reduce = self.zero1 and overlap.overlaps_grad_reduce(self.overlap_grad_reduce, self.grad_reduce, mesh)
-        gather = overlap.overlaps_param_gather(self.overlap_param_gather, mesh, self.master(cfg), grad_accum)
+        gather = overlap.overlaps_param_gather(self.overlap_param_gather, mesh, self.master(cfg))
         return reduce, gather
 
 
@@ -81,25 +83,38 @@ def loss_and_counts(
     params: Any,
     balancing: Any,
     batch: Batch,
-    loss_chunk: int = 512,
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
     extra: dict[str, Any] | None = None,
     outputs: tuple[str, ...] = (),
 ) -> tuple[jax.Array, Any]:
-    """(sum of token losses, StepAux of the batch). `extra`: more variable collections (those of the
-    model's block hook); `outputs`: the collections the hook writes, returned beside the StepAux:
+    """(sum of token losses, StepAux of the batch). `loss_chunk_tokens`: tokens per device in a
+    chunk of the cross-entropy; `extra`: more variable collections (those of the model's block
+    hook); `outputs`: the collections the hook writes, returned beside the StepAux:
     (sum, (StepAux, {collection: ...})) where there are any."""
     variables = {"params": params, BALANCING: balancing, **(extra or {})}
     args = (variables, batch["input_ids"])
     kwargs = dict(positions=batch.get("positions"), return_logits=False)
     out, written = model.apply(*args, **kwargs, mutable=list(outputs)) if outputs else (model.apply(*args, **kwargs), {})
-    head = lambda h: model.apply(variables, h, method=ZayaForCausalLM.logits_from_hidden)
+    # The params the head reads (the loss differentiates them), and the two the model's setup
+    # creates eagerly (flax needs them to bind the model; [d] each, their head gradients zero).
+    names = ("embed_tokens", "lm_head", "input_hidden_states_scale", "input_hidden_states_bias")
+    head_params = {k: params[k] for k in names if k in params}
+    head = lambda p, h: model.apply({"params": p}, h, method=ZayaForCausalLM.logits_from_hidden)
     # With a context axis each rank chunks its own positions: the scan never crosses ranks.
     fold = lambda x: fold_sequences(x, model.mesh)
+    hidden = fold(out.hidden)
+    chunk = chunk_positions(hidden.shape[0] // _row_devices(model.mesh), loss_chunk_tokens)
     total, weight = chunked_cross_entropy(
-        fold(out.hidden), fold(batch["targets"]), fold(batch["loss_mask"]), head, loss_chunk
+        hidden, fold(batch["targets"]), fold(batch["loss_mask"]), head, head_params, chunk
     )
     aux = StepAux(weight, out.expert_counts, out.dropped_tokens, out.router_entropy, out.exchange_spills)
     return total, ((aux, written) if outputs else aux)
+
+
+def _row_devices(mesh: Mesh | None) -> int:
+    """The devices the automatic mesh axes split the model's (folded) rows over: 1 without a mesh;
+    inside the per-rank loop the data ranks are manual, each with its own rows."""
+    return 1 if mesh is None else math.prod(mesh.shape[a] for a in MESH_AXES if a in mesh.shape)
 
 
 def accumulated_grads(
@@ -174,7 +189,8 @@ def grads_reduced_in_backward(
         loss_sum, aux, acc = accumulated_grads(grad_fn, params, balancing, jax.tree.map(lambda x: x[:-1], micro), init=init)
     else:
         loss_sum, aux, acc = init or _zero_sums(grad_fn, params, balancing, last)
-    sinks, accs = overlap.block_sinks(params["layers"], acc["layers"], plan.dims["layers"])
+    earlier = acc["layers"] if count > 1 or init is not None else None  # None: the blocks add nothing
+    sinks, accs = overlap.block_sinks(params["layers"], earlier, plan.dims["layers"])
     (last_sum, last_aux), (grads, sink_grads) = last_fn(params, sinks, balancing, last, accs)
     grads = jax.tree.map(jnp.add, acc, _upcast(grads))
     reduced = overlap.reduced_after_blocks(grads, sink_grads, plan.dims, plan.dtype)
@@ -186,7 +202,8 @@ def grads_gathered_in_forward(first_fn: Callable, rest: Callable, params: Any, b
     microbatch, run by `first_fn`(params, sinks, balancing, mb) (its model has overlap.BlockGather):
     the block params of `plan.gather_dims` come as this rank's shards, gathered block by block in the first
     microbatch's forward. The weights it gathered (GATHERED) are the ones the other microbatches
-    compute with, and its gradients of them are its sink gradients (GATHER_SINK)."""
+    compute with, and its gradients of them are its sink gradients (GATHER_SINK). With one
+    microbatch, its sums are the step's."""
     dims = plan.gather_dims
     first = jax.tree.map(lambda x: x[0], micro)
     sinks = overlap.gather_sinks(params["layers"], dims)
@@ -194,7 +211,24 @@ def grads_gathered_in_forward(first_fn: Callable, rest: Callable, params: Any, b
     weights = {**params, "layers": overlap.with_gathered(params["layers"], written[overlap.GATHERED]["layers"], dims)}
     grads = _upcast({**grads, "layers": overlap.with_gathered(grads["layers"], sink_grads, dims)})
     init = (loss_sum, aux, plan.reduce(grads) if plan.each else grads)
+    if jax.tree.leaves(micro)[0].shape[0] == 1:
+        return init
     return rest(weights, balancing, jax.tree.map(lambda x: x[1:], micro), init)
+
+
+def grads_of_one_microbatch(both_fn: Callable, params: Any, balancing: Any, micro: Batch, plan):
+    """The step's sums when it has one microbatch and its blocks are both gathered in the forward
+    and reduced in the backward: `both_fn`(params, grad sinks, balancing, mb, gather sinks, accs)
+    (its model has overlap.BlockGatherReduce). The block params of `plan.gather_dims` come as this
+    rank's shards; the sinks take the gathered weights' shapes; no earlier sums are added."""
+    dims = plan.gather_dims
+    mb = jax.tree.map(lambda x: x[0], micro)
+    gather = overlap.gather_sinks(params["layers"], dims)
+    whole = overlap.with_gathered(params["layers"], gather, dims)  # the layers at the gathered shapes
+    sinks, accs = overlap.block_sinks(whole, None, plan.dims["layers"])
+    (loss_sum, aux), (grads, sink_grads) = both_fn(params, sinks, balancing, mb, gather, accs)
+    reduced = overlap.reduced_after_blocks(_upcast(grads), sink_grads, plan.dims, plan.dtype)
+    return loss_sum, aux, reduced
 
 
 def hooked_grad_fn(cfg: ZayaConfig, mesh: Mesh, context_layout: str, hook: Any) -> Callable:
@@ -223,7 +257,8 @@ def step_gradients(
     the last microbatch's backward (`grads_reduced_in_backward`); with "microbatch" each
     microbatch's gradients inside the loop, the sum kept as the rank's shard. Where `dp.overlaps`
     says so, the block params come as ZeRO-1 shards and the first microbatch gathers them
-    (`grads_gathered_in_forward`). The model runs inside on the data-manual mesh of
+    (`grads_gathered_in_forward`; with one microbatch and the blocks reduced in its backward,
+    `grads_of_one_microbatch`). The model runs inside on the data-manual mesh of
     `zero1.step_meshes`; microbatches come in the storage order of `context_layout`; the gradients
     cross the data axis in `dp.grad_reduce_dtype`. Where `zero1.loop_per_rank` says no (no data
     axis, or a mesh XLA cannot partition so), GSPMD reduces the gradients as it computes them,
@@ -236,13 +271,17 @@ def step_gradients(
         return lambda params, balancing, micro: accumulated_grads(grad_fn, params, balancing, micro)
     last_fn = hooked_grad_fn(cfg, inner, context_layout, overlap.BlockReduce(dp.grad_reduce_dtype))
     first_fn = hooked_grad_fn(cfg, inner, context_layout, overlap.BlockGather())
+    both_fn = hooked_grad_fn(cfg, inner, context_layout, overlap.BlockGatherReduce(dp.grad_reduce_dtype))
 
     def loop(params, balancing, micro, plan):
+        gather, count = plan.gather_dims is not None, jax.tree.leaves(micro)[0].shape[0]
         if plan.in_backward:
             rest = lambda p, b, m, init: grads_reduced_in_backward(grad_fn, last_fn, p, b, m, plan, init)
         else:
             rest = lambda p, b, m, init: accumulated_grads(grad_fn, p, b, m, plan.reduce if plan.each else None, init)
-        if plan.gather_dims is not None:
+        if gather and plan.in_backward and count == 1:
+            loss_sum, aux, grads = grads_of_one_microbatch(both_fn, params, balancing, micro, plan)
+        elif gather:
             loss_sum, aux, grads = grads_gathered_in_forward(first_fn, rest, params, balancing, micro, plan)
         else:
             loss_sum, aux, grads = rest(params, balancing, micro, None)
@@ -250,7 +289,7 @@ def step_gradients(
 
     def grads(params, balancing, micro):
         specs = grad_specs(params, mesh, dp.zero1)
-        in_backward, in_forward = dp.overlaps(cfg, mesh, jax.tree.leaves(micro)[0].shape[0])
+        in_backward, in_forward = dp.overlaps(cfg, mesh)
         args = (loop, mesh, (params, balancing), micro, specs, dp.grad_reduce, dp.grad_reduce_dtype)
         (loss_sum, aux), g = zero1_lib.accumulate_per_rank(*args, in_backward, in_forward)
         return loss_sum, aux, g

@@ -224,7 +224,7 @@ def make_train_step(
     block, in the first microbatch; with an fp32 model the params themselves."""
     gradients = step_gradients(cfg, mesh, context_layout, dp)
     master = dp.master(cfg)
-    in_forward = dp.overlaps(cfg, mesh, grad_accum)[1]
+    in_forward = dp.overlaps(cfg, mesh)[1]
 
     def train_step(state: TrainState, batch: Batch):
         batch = layout_batch(batch, context_layout, mesh)
@@ -376,7 +376,7 @@ def train_program(c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh) -> 
     args = (layout.tx, layout.bal_cfg, schedule, train.grad_accum, mesh, c.mesh.context_layout, dp)
     step = make_train_step(cfg, *args)
     shardings = layout.shardings
-    overlaps = dp.overlaps(cfg, mesh, train.grad_accum)
+    overlaps = dp.overlaps(cfg, mesh)
     options = zero1_lib.compiler_options(train.grad_reduce_dtype, mesh_platform(mesh), overlaps)
     jitted = jax.jit(
         step,
