@@ -265,12 +265,23 @@ def test_block_gradients_reduced_in_backward_equal_one_device(mesh, grad_accum):
     step = _uncached(mesh, grad_accum, "on")
     hlo = step.compiled.as_text()
     assert any(BLOCK_REDUCE_SCOPE in c.op_name for c in hlo_lib.collectives(hlo))
+    assert not _context_reductions_in_model(hlo, step.mesh)
     # "auto" is "off" on CPU: at grad_accum 1 the every-mesh test's program
     after = _compiled(mesh, 1, cfg=MESH_CFG, steps=MESH_STEPS) if grad_accum == 1 else _uncached(mesh, grad_accum)
     bytes_after = report.data_parallel_bytes(after.compiled.as_text(), after.mesh)
     assert report.data_parallel_bytes(hlo, step.mesh) == bytes_after
     losses, norms, state = _steps(step, MESH_STEPS)
     _assert_equals_one_device(_mesh_run((("data", 1),), grad_accum), (losses, norms, jax.device_get(state)))
+
+
+def _context_reductions_in_model(hlo: str, mesh: jax.sharding.Mesh) -> list[hlo_lib.Collective]:
+    """The all-reduces of the model's forward / backward (run per microbatch) that span the context
+    axis: none where the per-rank loop sums each context rank's gradients itself and reduces them
+    once per step (the keys' and values' gather reduce-scatters in the backward)."""
+    names, shape = tuple(mesh.axis_names), tuple(mesh.devices.shape)
+    spans = lambda c: "context" in hlo_lib.group_axes(c.groups, names, shape)
+    ops = report.moving(hlo_lib.collectives(hlo))
+    return [c for c in ops if c.op == "all-reduce" and report.in_model(c) and spans(c)]
 
 
 def _uncached(mesh: tuple[tuple[str, int], ...], grad_accum: int, overlap: str = "auto") -> Step:

@@ -19,12 +19,12 @@ from jax.sharding import PartitionSpec as P
 from zaya_jax.kernels import blockwise_attention, flash_attention, kernel_options
 from zaya_jax.kernels.xla_attention import MASK_VALUE, attention_allowed, xla_attention
 from zaya_jax.parallel.context import (
-    CONTEXT,
     CONTIGUOUS,
     ROW_AXES,
     all_gather_context,
     context_size,
     rank_chunks,
+    sequence_spec,
 )
 from zaya_jax.parallel.mesh import mesh_platform
 
@@ -79,7 +79,7 @@ def pallas_attention(
 
     if mesh is None:
         return run(q_bsnh, k_bskh, v_bskh, segment_ids, key_mask)
-    spec = P(ROW_AXES, CONTEXT)
+    spec = sequence_spec(mesh)
     opt = lambda x: None if x is None else spec
     return jax.shard_map(
         run,
@@ -130,7 +130,7 @@ def blockwise_self_attention(
     if mesh is None or (r == 1 and q_bsnh.shape[0] % rows):
         # a batch the rows do not divide (a model init): XLA partitions the loops itself
         return run(*args)
-    spec = P(ROW_AXES, CONTEXT)
+    spec = sequence_spec(mesh)
     opt = lambda x: None if x is None else spec
     return jax.shard_map(
         run,

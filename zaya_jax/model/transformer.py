@@ -30,7 +30,7 @@ from zaya_jax.model.moe import ZayaExperts
 from zaya_jax.model.norm import RMSNorm
 from zaya_jax.model.residual import ResidualScaling
 from zaya_jax.model.router import BALANCING, ZayaRouter
-from zaya_jax.parallel.context import CONTIGUOUS, flatten_tokens, unflatten_tokens
+from zaya_jax.parallel.context import CONTEXT, CONTIGUOUS, context_manual, flatten_tokens, unflatten_tokens
 from zaya_jax.parallel.expert import EXCHANGE_NAMES
 from zaya_jax.parallel.mesh import mesh_platform
 
@@ -276,6 +276,8 @@ class ZayaForCausalLM(nn.Module):
         b, s = input_ids.shape
         if positions is None:
             start = 0 if cache is None else jnp.asarray(cache_index, jnp.int32)
+            if context_manual(self.mesh):  # this rank's chunk (a zigzag batch carries its positions)
+                start = jax.lax.axis_index(CONTEXT) * s
             positions = jnp.broadcast_to(start + jnp.arange(s, dtype=jnp.int32), (b, s))
         kv_shared, layer_caches = None, None
         if cache is not None:

@@ -14,7 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax.parallel.mesh import MESH_AXES, resolve_mesh_sizes
@@ -28,6 +28,21 @@ LAYOUTS = (CONTIGUOUS, ZIGZAG)  # mesh.context_layout
 def context_size(mesh: Mesh | None) -> int:
     """R, the number of context ranks (1 without a mesh)."""
     return 1 if mesh is None or CONTEXT not in mesh.shape else int(mesh.shape[CONTEXT])
+
+
+def context_manual(mesh: Mesh | None) -> bool:
+    """Whether the context axis of `mesh` is manual: the model runs inside the per-rank microbatch
+    loop (zaya_jax/parallel/zero1.py), its arrays hold this rank's chunks [B, S/R, ...], and the
+    context collectives below run there without a shard_map of their own."""
+    if mesh is None or context_size(mesh) == 1:
+        return False
+    return mesh.axis_types[mesh.axis_names.index(CONTEXT)] == AxisType.Manual
+
+
+def sequence_spec(mesh: Mesh) -> P:
+    """The spec of a [B, S, ...] array in a shard_map over `mesh`: rows over ROW_AXES, positions
+    over "context" unless that axis is already manual (`context_manual`)."""
+    return P(ROW_AXES) if context_manual(mesh) else P(ROW_AXES, CONTEXT)
 
 
 def row_devices(mesh: Mesh | None) -> int:
@@ -111,7 +126,8 @@ def left_halo(x_bsc: jax.Array, rows: int, mesh: Mesh, layout: str = CONTIGUOUS)
     second (a permute backward), except on rank R-1, whose second chunk c_R follows its own first."""
     r = context_size(mesh)
     k = chunks_per_rank(layout, r)
-    check_local_length(x_bsc.shape[1], r, rows, layout)
+    manual = context_manual(mesh)
+    check_local_length(x_bsc.shape[1] * (r if manual else 1), r, rows, layout)
 
     def per_device(x):
         chunks = x.reshape(x.shape[0], k, x.shape[1] // k, *x.shape[2:])
@@ -123,6 +139,8 @@ def left_halo(x_bsc: jax.Array, rows: int, mesh: Mesh, layout: str = CONTIGUOUS)
             halos.append(jnp.where(jax.lax.axis_index(CONTEXT) == r - 1, tails[:, 0], back))
         return jnp.stack(halos, axis=1)
 
+    if manual:  # x is this rank's [B, S/R, C] already
+        return per_device(x_bsc)
     return jax.shard_map(
         per_device,
         mesh=mesh,
@@ -138,24 +156,30 @@ def with_left_context(
     """x [B, S, C] (storage order of `layout`) -> [B, K*R, rows + S/(K*R), C]: each stored chunk
     preceded by its `rows` rows of left context (`left_halo`); the first chunk's (c_0, stored first)
     is `left_btc` [B, rows, C] (a decoding state; None = zeros). With R = 1 this is just
-    concat(left, x) with a unit chunk axis, so one code path serves both."""
+    concat(left, x) with a unit chunk axis, so one code path serves both. With the context axis
+    manual (`context_manual`) x is this rank's [B, S/R, C] and the result its [B, K, ...] chunks."""
     b, s, c = x_bsc.shape
     r = context_size(mesh)
     if r == 1:
         left = jnp.zeros((b, rows, c), x_bsc.dtype) if left_btc is None else left_btc.astype(x_bsc.dtype)
         return jnp.concatenate([left, x_bsc], axis=1)[:, None]
-    n = r * chunks_per_rank(layout, r)
+    manual = context_manual(mesh)
+    n = chunks_per_rank(layout, r) * (1 if manual else r)
     halo = left_halo(x_bsc, rows, mesh, layout)
     if left_btc is not None:
-        halo = halo.at[:, 0].set(left_btc.astype(x_bsc.dtype))
+        first = left_btc.astype(x_bsc.dtype)
+        if manual:  # c_0 is rank 0's first chunk
+            first = jnp.where(jax.lax.axis_index(CONTEXT) == 0, first, halo[:, 0])
+        halo = halo.at[:, 0].set(first)
     return jnp.concatenate([halo, x_bsc.reshape(b, n, s // n, c)], axis=2)
 
 
 def last_chunk(layout: str, mesh: Mesh | None) -> int:
     """Where the sequence's last chunk sits among `with_left_context`'s K*R chunks (its end is the
-    decoding state a forward leaves)."""
+    decoding state a forward leaves; with the context axis manual, among a rank's K)."""
     order = chunk_order(layout, context_size(mesh))
-    return order.index(len(order) - 1)
+    last = order.index(len(order) - 1)
+    return last % chunks_per_rank(layout, context_size(mesh)) if context_manual(mesh) else last
 
 
 def rank_chunks(layout: str, ranks: int, local_len: int) -> list[tuple[int, jax.Array, int]]:
@@ -184,6 +208,8 @@ def all_gather_context(x_bs: jax.Array | None, ranks: int, layout: str | None = 
 def gather_sequence(x_bs: jax.Array, mesh: Mesh) -> jax.Array:
     """[B, S, ...] split over "context" -> the same array whole on every context rank (all-gather),
     rows still split over ROW_AXES."""
+    if context_manual(mesh):
+        return all_gather_context(x_bs, context_size(mesh))
     rest = (None,) * (x_bs.ndim - 2)
     return jax.shard_map(
         lambda x: all_gather_context(x, context_size(mesh)),
@@ -200,7 +226,7 @@ def fold_sequences(x_bs: jax.Array, mesh: Mesh | None) -> jax.Array:
     new row axis is split over (ROW_AXES, "context") in mesh order. A plain reshape [B, S] ->
     [B*R, S/R] would interleave ranks within a row shard and make XLA reshuffle (all-to-all)."""
     r = context_size(mesh)
-    if r == 1:
+    if r == 1 or context_manual(mesh):  # manual: each rank's rows are its own chunks already
         return x_bs
     b, s, *rest = x_bs.shape
     j = math.prod(mesh.shape[a] for a in ROW_AXES)
@@ -211,7 +237,7 @@ def fold_sequences(x_bs: jax.Array, mesh: Mesh | None) -> jax.Array:
 def unfold_sequences(x_bs: jax.Array, batch: int, mesh: Mesh | None) -> jax.Array:
     """The inverse of `fold_sequences`: [B*R, S/R, ...] -> [B, S, ...]."""
     r = context_size(mesh)
-    if r == 1:
+    if r == 1 or context_manual(mesh):
         return x_bs
     _, s_local, *rest = x_bs.shape
     j = math.prod(mesh.shape[a] for a in ROW_AXES)
@@ -228,5 +254,5 @@ def flatten_tokens(x_bs: jax.Array, mesh: Mesh | None) -> jax.Array:
 
 def unflatten_tokens(x_md: jax.Array, batch: int, mesh: Mesh | None) -> jax.Array:
     """tokens [B*S, ...] (as `flatten_tokens` ordered them) -> [B, S, ...]."""
-    rows = batch * context_size(mesh)
+    rows = batch * (1 if context_manual(mesh) else context_size(mesh))
     return unfold_sequences(x_md.reshape(rows, x_md.shape[0] // rows, *x_md.shape[1:]), batch, mesh)

@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from zaya_jax.parallel.context import CONTEXT, context_manual
 from zaya_jax.parallel.mesh import MESH_AXES
 
 BATCH = MESH_AXES  # tokens are split over every axis
@@ -176,12 +177,15 @@ def expert_parallel_moe(
         else:
             local = expert % (num_experts // n)
             y = _exchange(x, rank, slot, kept, local, n, cap, gate_up, down, act, local_moe)
-        return y, jax.lax.psum(jnp.sum((rank < n) & ~kept), MESH_AXES), zero[None]
+        return y, jax.lax.psum(jnp.sum((rank < n) & ~kept), axes), zero[None]
 
+    # A manual context axis (the per-rank loop) holds each rank's tokens already; its sums are
+    # taken with the loop's (zaya_jax/parallel/zero1.py).
+    axes = tuple(a for a in BATCH if a != CONTEXT or not context_manual(mesh))
     return jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(P(BATCH, None), P(BATCH), P("expert", None, None), P("expert", None, None)),
-        out_specs=(P(BATCH, None), P(), P(BATCH)),
+        in_specs=(P(axes, None), P(axes), P("expert", None, None), P("expert", None, None)),
+        out_specs=(P(axes, None), P(), P(axes)),
         check_vma=False,
     )(x_md, expert_m, gate_up_edf, down_efd)

@@ -18,7 +18,15 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from zaya_jax.parallel.mesh import mesh_platform
-from zaya_jax.parallel.zero1 import DATA, REPLICA, _reduce_one, in_blocks, loop_per_rank, reduce_per_rank
+from zaya_jax.parallel.zero1 import (
+    DATA,
+    REPLICA,
+    _reduce_one,
+    in_blocks,
+    loop_per_rank,
+    rank_sum,
+    reduce_per_rank,
+)
 
 # train.overlap_grad_reduce: each block's gradients reduce-scattered in the last microbatch's
 # backward as the layer scan produces them ("on", hidden behind the blocks still to run), or every
@@ -104,7 +112,7 @@ def _reduced_bwd(dim, dtype, acc, g):
     with jax.named_scope(BLOCK_REDUCE_SCOPE):
         total = g.astype(acc.dtype) if acc.size == 0 else acc + g.astype(acc.dtype)
         total = total.astype(dtype)  # the order of reduce_per_rank's sum
-        out = jax.lax.psum_scatter(total, REPLICA, scatter_dimension=dim, tiled=True).astype(acc.dtype)
+        out = rank_sum(jax.lax.psum_scatter(total, REPLICA, scatter_dimension=dim, tiled=True)).astype(acc.dtype)
     return jnp.zeros_like(g), out, jnp.zeros_like(acc)
 
 

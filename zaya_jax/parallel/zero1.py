@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zaya_jax.parallel.context import CONTEXT
 from zaya_jax.parallel.mesh import MESH_AXES
 from zaya_jax.parallel.sharding import grad_specs, param_shardings
 from zaya_jax.params import ATTENTION_MATRIX, CONV, EXPERT_MATRIX, LM_HEAD, lookup, param_path
@@ -40,14 +41,33 @@ COMPUTE_DTYPE_RULES = (ATTENTION_MATRIX, EXPERT_MATRIX, LM_HEAD, CONV)
 def step_meshes(mesh: Mesh) -> tuple[Mesh, Mesh]:
     """(outer, inner): `mesh`'s devices with axes (REPLICA, *MESH_AXES), REPLICA the data axis and
     `data` of size 1. `outer` (every axis automatic) is the mesh of the loop's `shard_map`; `inner`
-    (REPLICA manual) is the mesh the model is built on inside it, equal to the abstract mesh there."""
+    (the `loop_axes` manual) is the mesh the model is built on inside it, equal to the abstract
+    mesh there."""
     if tuple(mesh.axis_names) != MESH_AXES:
         raise ValueError(f"zero1: expected a mesh with axes {MESH_AXES}, got {mesh.axis_names}")
     devices = mesh.devices.reshape(mesh.shape[DATA], 1, *mesh.devices.shape[1:])
     names = (REPLICA, *MESH_AXES)
     auto = (AxisType.Auto,) * len(names)
-    manual = (AxisType.Manual, *auto[1:])
+    manual = tuple(AxisType.Manual if a in loop_axes(mesh) else AxisType.Auto for a in names)
     return Mesh(devices, names, axis_types=auto), Mesh(devices, names, axis_types=manual)
+
+
+def loop_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes the per-rank loop's shard_map makes manual: REPLICA, and the context axis where it
+    splits sequences (each context rank sums its own chunks' gradients over the microbatches, and
+    they are summed over the context ranks once per step, with the data ranks')."""
+    return (REPLICA, CONTEXT) if mesh.shape[CONTEXT] > 1 else (REPLICA,)
+
+
+def manual_context(mesh: Mesh) -> bool:
+    """Whether the step's microbatch loop runs per rank with the context axis manual (`loop_axes`)."""
+    return loop_per_rank(mesh) and mesh.shape[CONTEXT] > 1
+
+
+def rank_sum(x: Any) -> Any:
+    """Inside the loop's shard_map: `x` summed over the context ranks where that axis is manual
+    (`loop_axes`), else `x`."""
+    return jax.lax.psum(x, CONTEXT) if CONTEXT in jax.sharding.get_abstract_mesh().manual_axes else x
 
 
 def loop_per_rank(mesh: Mesh | Mapping[str, int]) -> bool:
@@ -110,21 +130,24 @@ def compute_weights(master: Any, dtype: Any, mesh: Mesh | None, in_forward: bool
     return jax.lax.with_sharding_constraint(weights, shardings)
 
 
-def compiler_options(grad_reduce_dtype: Any, platform: str, overlap: tuple[bool, ...] = ()) -> dict[str, Any]:
+def compiler_options(
+    grad_reduce_dtype: Any, platform: str, overlap: tuple[bool, ...] = (), manual_context: bool = False
+) -> dict[str, Any]:
     """XLA options the train step needs on the devices of `platform`:
     - on ROCm where any of `overlap` holds (the blocks' gradients reduced in the backward, their
       weights gathered in the forward: zaya_jax/parallel/overlap.py, `gradients.DataParallel.overlaps`),
       XLA's latency-hiding scheduler (LATENCY_HIDING), unless XLA_FLAGS names it. It is off by
       default there (jax 0.10.2), and without it an async collective's done directly follows its
       start: nothing is hidden;
-    - on CPU with gradients reduced in bf16, XLA's all-reduce promotion pass left out. It widens
-      bf16 collectives to fp32 and aborts (jax 0.10.2) on those of a partly manual shard_map, whose
-      reduction computation ends in a sharding annotation (a copy); XLA:CPU's collectives sum bf16
-      without it."""
+    - on CPU with gradients reduced in bf16, or with the loop's context axis manual
+      (`manual_context`: the model's bf16 collectives are then in the loop's shard_map), XLA's
+      all-reduce promotion pass left out. It widens bf16 collectives to fp32 and aborts (jax 0.10.2)
+      on those of a partly manual shard_map, whose reduction computation ends in a sharding
+      annotation (a copy); XLA:CPU's collectives sum bf16 without it."""
     options: dict[str, Any] = {}
     if platform == "rocm" and any(overlap) and xla_flags.current("--" + LATENCY_HIDING) is None:
         options[LATENCY_HIDING] = True
-    if platform == "cpu" and jnp.dtype(grad_reduce_dtype) != jnp.float32:
+    if platform == "cpu" and (jnp.dtype(grad_reduce_dtype) != jnp.float32 or manual_context):
         options["xla_disable_hlo_passes"] = "all-reduce-promotion"
     return options
 
@@ -176,7 +199,7 @@ def _reduce_one(g: jax.Array, dim: int | None, dtype: Any) -> jax.Array:
         out = jax.lax.psum(x, REPLICA)
     else:
         out = jax.lax.psum_scatter(x, REPLICA, scatter_dimension=dim, tiled=True)
-    return out.astype(g.dtype)
+    return rank_sum(out).astype(g.dtype)  # the context ranks sum the shard: 1/n of the bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +258,7 @@ def accumulate_per_rank(
 
     def body(*args):
         sums, grads = loop(*args, plan)
-        return jax.lax.psum(sums, REPLICA), grads if each or in_backward else plan.reduce(grads)
+        return jax.lax.psum(sums, loop_axes(mesh)), grads if each or in_backward else plan.reduce(grads)
 
     params_specs = jax.tree.map(lambda _: P(), grad_specs, is_leaf=is_spec)
     if in_forward:  # the leaves the loop gathers come as this rank's shards
@@ -245,9 +268,9 @@ def accumulate_per_rank(
     sums, grads = jax.shard_map(
         body,
         mesh=outer,
-        in_specs=(params_specs, *(P() for _ in replicated[1:]), P(None, REPLICA)),
+        in_specs=(params_specs, *(P() for _ in replicated[1:]), P(None, REPLICA, *loop_axes(mesh)[1:])),
         out_specs=(P(), jax.tree.map(manual_part, grad_specs, is_leaf=is_spec)),
-        axis_names={REPLICA},
+        axis_names=set(loop_axes(mesh)),
         check_vma=False,
     )(*replicated, batch)
     place = lambda g, spec: jax.lax.with_sharding_constraint(g, NamedSharding(mesh, spec))

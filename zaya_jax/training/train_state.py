@@ -377,7 +377,8 @@ def train_program(c: ml_collections.ConfigDict, cfg: ZayaConfig, mesh: Mesh) -> 
     step = make_train_step(cfg, *args)
     shardings = layout.shardings
     overlaps = dp.overlaps(cfg, mesh)
-    options = zero1_lib.compiler_options(train.grad_reduce_dtype, mesh_platform(mesh), overlaps)
+    context = zero1_lib.manual_context(mesh)
+    options = zero1_lib.compiler_options(train.grad_reduce_dtype, mesh_platform(mesh), overlaps, context)
     jitted = jax.jit(
         step,
         in_shardings=(shardings, None),
