@@ -56,8 +56,10 @@ def base_config() -> ml_collections.ConfigDict:
             "grad_reduce": "step",
             "grad_reduce_dtype": "float32",
             # Each block's gradients reduce-scattered in the last microbatch's backward, hidden
-            # behind the blocks still to run: "auto" = on GPU meshes without a context axis.
+            # behind the blocks still to run: "auto" = on GPU meshes.
             "overlap_grad_reduce": "auto",
+            # Each block's weights gathered in the first microbatch's forward: "auto" = on GPU
+            # meshes without fsdp or expert parallelism.
             "overlap_param_gather": "auto",
             "init_from": config_dict.placeholder(str),
             "allow_schedule_change": False,

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from zaya_jax.parallel.context import CONTEXT
 from zaya_jax.parallel.mesh import mesh_platform
 from zaya_jax.parallel.zero1 import (
     DATA,
@@ -32,9 +33,9 @@ from zaya_jax.parallel.zero1 import (
 # backward as the layer scan produces them ("on", hidden behind the blocks still to run), or every
 # gradient after the loop ("off"). train.overlap_param_gather: each block's compute weights
 # all-gathered in the first microbatch's forward ("on", hidden behind the blocks before it), or all
-# of them before the loop ("off"). "auto": on for GPU meshes without a context axis
-# (`overlaps_grad_reduce`; `overlaps_param_gather`: whose only axis is data); off on CPU (its collectives are synchronous:
-# nothing to hide, and the hooked microbatch compiles as a second copy of the model).
+# of them before the loop ("off"). "auto": on for GPU meshes (`overlaps_grad_reduce`;
+# `overlaps_param_gather`: those whose weights only data splits); off on CPU (its collectives are
+# synchronous: nothing to hide, and the hooked microbatch compiles as a second copy of the model).
 OVERLAP_SETTINGS = ("auto", "on", "off")
 OVERLAP_GRAD_REDUCE = OVERLAP_SETTINGS
 OVERLAP_PARAM_GATHER = OVERLAP_SETTINGS
@@ -54,15 +55,14 @@ BLOCK_GATHER_SCOPE = "zero1_block_gather"
 
 
 def _auto(mesh: Mesh) -> bool:
-    """Where "auto" turns an overlap on: GPU meshes without a context axis. Their backward's context
-    collectives hold the network, and the blocks' collectives were not hidden there
-    (docs/design/zero1.md)."""
-    return mesh_platform(mesh) != "cpu" and mesh.shape["context"] == 1
+    """Where "auto" turns an overlap on: GPU meshes (docs/design/zero1.md)."""
+    return mesh_platform(mesh) != "cpu"
 
 
-def _only_data(mesh: Mesh) -> bool:
-    """Whether the data axis is the mesh's only axis larger than 1 (ZeRO-1 data parallelism alone)."""
-    return all(size == 1 for axis, size in mesh.shape.items() if axis != DATA)
+def _whole_weights(mesh: Mesh) -> bool:
+    """Whether no mesh axis but data splits the weights: fsdp and expert are 1 (the context axis
+    splits sequences only)."""
+    return all(size == 1 for axis, size in mesh.shape.items() if axis not in (DATA, CONTEXT))
 
 
 def _setting(name: str, setting: str) -> None:
@@ -73,7 +73,7 @@ def _setting(name: str, setting: str) -> None:
 def overlaps_grad_reduce(setting: str, grad_reduce: str, mesh: Mesh | None) -> bool:
     """Whether the step reduce-scatters each block's gradients in the last microbatch's backward
     (train.overlap_grad_reduce `setting`; `BlockReduce`): where the loop runs per rank and reduces
-    once per step (grad_reduce "step"), "on", or "auto" on a mesh of GPUs without a context axis."""
+    once per step (grad_reduce "step"), "on", or "auto" on a mesh of GPUs."""
     _setting("overlap_grad_reduce", setting)
     if mesh is None or grad_reduce != "step" or not loop_per_rank(mesh):
         return False
@@ -85,14 +85,14 @@ def overlaps_param_gather(setting: str, mesh: Mesh | None, master: bool) -> bool
     (train.overlap_param_gather `setting`; `BlockGather`, or `BlockGatherReduce` when that
     microbatch is the only one): where the loop runs per rank and the fp32 master sits in the
     ZeRO-1 shard (`master`: zero1.shards_master, so the step gathers compute weights at all), "on",
-    or "auto" on a mesh of GPUs whose only axis is data. With
+    or "auto" on a mesh of GPUs whose weights only the data axis splits (no fsdp, no expert). With
     fsdp, a block's leaves split over it are gathered before the loop (zero1.gathered_in_forward),
     and on MI300X the step hid less of its ZeRO-1 bytes with the rest gathered in the forward than
     without (docs/design/zero1.md)."""
     _setting("overlap_param_gather", setting)
     if mesh is None or not master or not loop_per_rank(mesh):
         return False
-    return setting == "on" or (setting == "auto" and _auto(mesh) and _only_data(mesh))
+    return setting == "on" or (setting == "auto" and _auto(mesh) and _whole_weights(mesh))
 
 
 # ------------------------------------------------------------------------------- gradients' reduce
