@@ -25,7 +25,6 @@ from zaya_jax.parallel.zero1 import (
     _reduce_one,
     in_blocks,
     loop_per_rank,
-    rank_sum,
     reduce_per_rank,
 )
 
@@ -111,8 +110,7 @@ def _reduced_fwd(w, sink, acc, dim, dtype):
 def _reduced_bwd(dim, dtype, acc, g):
     with jax.named_scope(BLOCK_REDUCE_SCOPE):
         total = g.astype(acc.dtype) if acc.size == 0 else acc + g.astype(acc.dtype)
-        total = total.astype(dtype)  # the order of reduce_per_rank's sum
-        out = rank_sum(jax.lax.psum_scatter(total, REPLICA, scatter_dimension=dim, tiled=True)).astype(acc.dtype)
+        out = _reduce_one(total, dim, dtype)  # the order of reduce_per_rank's sum
     return jnp.zeros_like(g), out, jnp.zeros_like(acc)
 
 

@@ -61,7 +61,7 @@ def loop_axes(mesh: Mesh) -> tuple[str, ...]:
 
 def manual_context(mesh: Mesh) -> bool:
     """Whether the step's microbatch loop runs per rank with the context axis manual (`loop_axes`)."""
-    return loop_per_rank(mesh) and mesh.shape[CONTEXT] > 1
+    return loop_per_rank(mesh) and CONTEXT in loop_axes(mesh)
 
 
 def rank_sum(x: Any) -> Any:

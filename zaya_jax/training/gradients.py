@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM
 from zaya_jax.model.loss import LOSS_CHUNK_TOKENS, chunk_positions, chunked_cross_entropy
@@ -113,8 +113,12 @@ def loss_and_counts(
 
 def _row_devices(mesh: Mesh | None) -> int:
     """The devices the automatic mesh axes split the model's (folded) rows over: 1 without a mesh;
-    inside the per-rank loop the data ranks are manual, each with its own rows."""
-    return 1 if mesh is None else math.prod(mesh.shape[a] for a in MESH_AXES if a in mesh.shape)
+    inside the per-rank loop the data ranks, and the context ranks where that axis is manual, each
+    hold their own rows."""
+    if mesh is None:
+        return 1
+    auto = lambda a: mesh.axis_types[mesh.axis_names.index(a)] != AxisType.Manual
+    return math.prod(mesh.shape[a] for a in MESH_AXES if a in mesh.shape and auto(a))
 
 
 def accumulated_grads(
