@@ -6,7 +6,7 @@ import tempfile
 
 from xla_env import xla_flags
 
-os.environ.setdefault("XLA_FLAGS", xla_flags(8))
+os.environ.setdefault("XLA_FLAGS", xla_flags(8, fast=False))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -25,41 +25,45 @@ import gc
 import jax
 import pytest
 
-# The test files that keep one worker longest, longest first: the files whose slowest tests sum to
-# 20 s or more in a whole-suite run (`make test ARGS=--durations=150`, docs/performance.md "Test
-# suite"). pytest-xdist hands whole files out in collection order (`make test`: --dist loadfile
+from zaya_jax.runtime import python_gc
+
+# The CLIs' garbage-collector setting (zaya_jax/runtime/python_gc.py): tracing collects less often.
+python_gc.collect_rarely()
+
+# The test files that keep one worker longest, longest first: the files whose tests took 40 s or
+# more in a whole-suite run (`make test ARGS=--durations=0`, docs/performance.md "Test suite"). pytest-xdist hands whole files out in collection order (`make test`: --dist loadfile
 # --no-loadscope-reorder), so these start first and no long file starts last, alone at the end.
 # The other files follow, most tests first.
 HEAVIEST_FIRST = (
     "test_zero1.py",
     "test_benchmarks.py",
-    "test_context_parallel.py",
-    "test_train.py",
-    "test_train_state.py",
     "test_cli_errors.py",
     "test_zero1_master.py",
+    "test_train.py",
+    "test_context_parallel.py",
     "test_gpu_compile.py",
-    "test_checkpoint.py",
-    "test_lm_eval_backend.py",
-    "test_reshard.py",
-    "test_export.py",
-    "test_dry_run.py",
-    "test_train_start.py",
+    "test_train_state.py",
     "test_expert_exchange.py",
+    "test_kernels_blockwise_attention.py",
+    "test_reshard.py",
+    "test_train_start.py",
     "test_kernels_integration.py",
     "test_parallel.py",
-    "test_kernels_blockwise_attention.py",
+    "test_lm_eval_backend.py",
+    "test_checkpoint.py",
+    "test_export.py",
     "test_remat.py",
     "test_generate.py",
+    "test_dry_run.py",
+    "test_hf.py",
     "test_mixture_ramp.py",
-    "test_megatron.py",
-    "test_fault.py",
-    "test_evaluate.py",
     "test_systems_benchmarks.py",
+    "test_evaluate.py",
+    "test_megatron.py",
     "test_lm_eval.py",
+    "test_fault.py",
     "test_timeline.py",
     "test_interrupt.py",
-    "test_hf.py",
 )
 
 

@@ -51,6 +51,33 @@ def _corrupt(workdir, step):
             fh.truncate(max(os.path.getsize(f) // 3, 1))
 
 
+def test_replicated_arrays_are_sliced_per_replica_only_when_large(tmp_path, caplog):
+    """On 8 devices a replicated array whose per-replica slice is under MIN_REPLICA_SLICE_BYTES is
+    saved whole by one replica: the save compiles no per-device slice program. A larger one is still
+    written in 8 slices (one `slice` program per device). Both restore to the saved values."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from zaya_jax.parallel import make_mesh
+    from zaya_jax.training.checkpoint import MIN_REPLICA_SLICE_BYTES
+
+    replicated = NamedSharding(make_mesh(data=8), P())
+    small = jax.device_put(jnp.arange(8 * 1024, dtype=jnp.float32), replicated)  # 4 KiB a replica
+    large = jax.device_put(jnp.ones((8, MIN_REPLICA_SLICE_BYTES // 4), jnp.float32), replicated)
+    slices = {}
+    for name, state in (("small", {"w": small}), ("large", {"w": large * 2.0})):
+        caplog.clear()
+        with jax.log_compiles(), caplog.at_level("WARNING"):
+            ck = Checkpointer(str(tmp_path / name))
+            ck.save(1, state, {}, {})
+            ck.wait()
+        slices[name] = sum("Compiling jit(slice)" in r.getMessage() for r in caplog.records)
+        restored, _, _ = ck.restore(1, abstract_like(state))
+        np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(state["w"]))
+        ck.close()
+    assert slices == {"small": 0, "large": 8}, slices
+
+
 def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, capsys):
     ck = _save_steps(tmp_path, [1, 2, 3])
     _corrupt(tmp_path, 3)

@@ -170,13 +170,24 @@ def _padded_batch():
     return {"input_ids": ids[:, :-1], "targets": ids[:, 1:], "attention_mask": mask, "segment_ids": segments}
 
 
+@functools.cache
+def _variables(cfg: ZayaConfig):
+    """init_variables(cfg, key 1) as one jitted program (FAST_COMPILE), not op by op (~20 s on a
+    fresh cache), once per model: `_loss_grads` asks with attention_impl reset to CFG's, a field
+    that creates no parameter (the attention function is picked at apply time), so every case and
+    the single device start from the same arrays."""
+    key = jax.random.key(1)
+    init = jax.jit(init_variables, static_argnums=0).lower(cfg, key).compile(compiler_options=FAST_COMPILE)
+    return init(key)
+
+
 def _loss_grads(mesh, layout=CONTIGUOUS, cfg=CFG, compiler_options=FAST_COMPILE):
     """jit(value_and_grad) of the mean token loss (padding excluded), with the expert counts and
     the logits (in position order), compiled for `mesh` with the batch in `layout`'s order
     (`layout_batch`, as the train step does); returns ((loss, (counts, logits)), grads) and the
     compiled program's HLO."""
     model = ZayaForCausalLM(cfg, mesh, layout)
-    variables = init_variables(cfg, jax.random.key(1))
+    variables = _variables(dataclasses.replace(cfg, attention_impl=CFG.attention_impl))
 
     def objective(params, batch):
         batch = layout_batch(batch, layout, mesh)
@@ -296,12 +307,15 @@ def test_pallas_attention_on_context_2_equals_the_reference(layout):
 @functools.cache
 def _start(steps):
     """(tx, balancing config, lr schedule, initial state): one initial state for every run, created
-    once on one device (each run only places it on its mesh: no sharded init program to compile)."""
+    once on one device by one jitted program (FAST_COMPILE, not op by op; each run only places it
+    on its mesh: no sharded init program to compile)."""
     c = base_config()
     c.optim.warmup_steps = 2
     tx = make_optimizer(c, total_steps=steps)
     bc = bal.BalancingConfig(lr=1e-2)
-    return tx, bc, lr_schedule(c, steps), create_train_state(CFG, tx, bc, jax.random.key(0))
+    key = jax.random.key(0)
+    init = jax.jit(lambda k: create_train_state(CFG, tx, bc, k)).lower(key).compile(compiler_options=FAST_COMPILE)
+    return tx, bc, lr_schedule(c, steps), init(key)
 
 
 def _train(mesh, steps, layout=CONTIGUOUS):
@@ -396,8 +410,11 @@ def test_cli_trains_with_a_context_axis(tmp_path):
     the zigzag layout on data=2 x context=4, trains,
     evaluates and checkpoints with the losses of the same run on 4 devices without a context axis.
     The batch checks (batch size, ramp) divide by the devices that split rows (8 / context), and
-    eval.batch_size 2 is rounded up to the 4 row devices, as on data=4."""
+    eval.batch_size 2 is rounded up to the 4 row devices, as on data=4. One block: each of the three
+    runs compiles its mesh's programs (never cached across processes), and nothing checked here
+    depends on the depth."""
     args = ["--config.train.steps=3", "--config.train.batch_size=4", "--config.eval.batch_size=2"]
+    args += ["--config.model.num_hidden_layers=1"]
     # Block gradients reduced in the backward (train.overlap_grad_reduce, GPU meshes' default), here
     # against the run that reduces them after the loop.
     overlap = "--config.train.overlap_grad_reduce=on"

@@ -20,7 +20,7 @@ def successor_model():
     """Every block's output is scaled to zero, so logits depend on the current token only: the
     untied head gives logit A to token cur+1 and 0 to every other token."""
     cfg = ZayaConfig.tiny(vocab_size=V, hidden_size=D, tie_word_embeddings=False, num_hidden_layers=2)
-    variables = init_variables(cfg, jax.random.key(0))
+    variables = jax.jit(init_variables, static_argnums=0)(cfg, jax.random.key(0))  # one program
     p = jax.tree.map(np.array, variables["params"])  # writable copies
     p["embed_tokens"]["embedding"] = np.eye(V, D, dtype=np.float32)
     for res in ("post_attention_residual_scale", "post_mlp_residual_scale"):

@@ -52,7 +52,7 @@ def test_rolling_windows_predict_every_token_once_with_maximal_context(n, max_le
 @pytest.fixture(scope="module")
 def model():
     cfg = ZayaConfig.tiny(vocab_size=259, num_hidden_layers=2)
-    return cfg, init_variables(cfg, jax.random.key(4))
+    return cfg, jax.jit(init_variables, static_argnums=0)(cfg, jax.random.key(4))  # one program
 
 
 def test_one_window_equals_the_full_forward_and_metrics_follow(model):

@@ -29,7 +29,7 @@ def full_logits(cfg, variables, ids):
 @pytest.fixture(scope="module")
 def model():
     cfg = ZayaConfig.tiny(vocab_size=61, num_hidden_layers=2)
-    return cfg, init_variables(cfg, jax.random.key(3))
+    return cfg, jax.jit(init_variables, static_argnums=0)(cfg, jax.random.key(3))  # one program
 
 
 def alone(cfg, variables, r: Request):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from xla_env import FAST_COMPILE
 
 from zaya_jax.analysis import hlo
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
@@ -181,20 +182,27 @@ def test_capacity_factor_drops_and_counts_exactly():
 
 
 def _model_loss_and_grads(cfg, mesh, variables, batch):
+    """((mean token loss, dropped), gradients), compiled with FAST_COMPILE (tests/xla_env.py: a
+    program run once; the single device and the meshes alike)."""
     model = ZayaForCausalLM(cfg, mesh)
 
     def f(p):  # the train step's objective: mean token loss
         loss_sum, aux = loss_and_counts(model, p, variables[BALANCING], batch)
         return loss_sum / aux.weight, aux.dropped
 
-    return jax.jit(jax.value_and_grad(f, has_aux=True))(variables["params"])
+    params = variables["params"]
+    compiled = jax.jit(jax.value_and_grad(f, has_aux=True)).lower(params).compile(compiler_options=FAST_COMPILE)
+    return compiled(params)
 
 
 @pytest.fixture(scope="module")
 def model_case():
     """Tiny model, 8 x 32 tokens, a skewed router (balancing bias +5 on expert 0: most tokens of
-    every device go to rank 0) and its single-device loss and gradients."""
-    variables = init_variables(CFG, jax.random.key(0))
+    every device go to rank 0) and its single-device loss and gradients. The variables come from
+    one jitted init program (FAST_COMPILE), not op by op."""
+    key = jax.random.key(0)
+    init = jax.jit(init_variables, static_argnums=0).lower(CFG, key).compile(compiler_options=FAST_COMPILE)
+    variables = init(key)
     biases = jnp.zeros((CFG.num_hidden_layers, CFG.num_experts + 1)).at[:, 0].set(5.0)
     variables = {**variables, BALANCING: {"layers": {"mlp": {"gate": {"balancing_biases": biases}}}}}
     ids = np.random.default_rng(0).integers(3, CFG.vocab_size, size=(8, 33))
@@ -256,6 +264,7 @@ def test_train_logs_the_spill_rounds(tmp_path):
         workdir = tmp_path / str(factor)
         args = [f"--config.model.moe_exchange_capacity_factor={factor}", "--config.mesh.expert=4"]
         args += ["--config.train.steps=4", "--config.logging.every_steps=2", "--config.eval.every_steps=0"]
+        args += ["--config.checkpoint.every_steps=0"]  # the final checkpoint only: none is read here
         run_train(workdir, *args, "--config.logging.tensorboard=True", devices=devices)
         records = read_metrics(str(workdir), split="train")
         assert [r["step"] for r in records] == [2, 4]

@@ -177,7 +177,7 @@ def _model_loss_grads(impl: str, mesh):
     """Loss and gradients of the tiny model (a sliding-window block, padding, packed documents)."""
     cfg = CFG.replace(attention_impl=impl)
     model = ZayaForCausalLM(cfg, mesh)
-    variables = init_variables(cfg, jax.random.key(1))
+    variables = jax.jit(init_variables, static_argnums=0)(cfg, jax.random.key(1))  # one program
     batch = jax.tree.map(jnp.asarray, _padded_batch())
     if mesh is not None:
         batch = jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh)), batch)

@@ -58,7 +58,7 @@ def test_impl_resolution_and_backend_check():
 
 @pytest.mark.slow
 def test_pallas_loss_and_gradients_equal_xla():
-    variables = init_variables(XLA, jax.random.key(0))
+    variables = jax.jit(init_variables, static_argnums=0)(XLA, jax.random.key(0))  # one program
     batch = _batch()
 
     def value_and_grad(cfg):
@@ -104,7 +104,7 @@ def test_full_train_step_with_every_pallas_path_equals_xla():
 def test_pallas_paths_on_an_expert_parallel_mesh():
     mesh = make_mesh(2, 1, 4)
     cfg = PALLAS.replace(num_experts=8)
-    variables = init_variables(cfg, jax.random.key(2))
+    variables = jax.jit(init_variables, static_argnums=0)(cfg, jax.random.key(2))  # one program
     ids = _batch(b=8)["input_ids"]
     ref = ZayaForCausalLM(cfg.replace(attention_impl="xla", moe_impl="ragged_dot")).apply(variables, ids)
     got = ZayaForCausalLM(cfg, mesh).apply(variables, jax.device_put(ids, batch_sharding(mesh)))

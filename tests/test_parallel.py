@@ -114,7 +114,7 @@ def test_first_step_gradients_match_per_parameter():
     from zaya_jax.model import BALANCING, ZayaForCausalLM, init_variables
     from zaya_jax.training.train_state import loss_and_counts
 
-    variables = init_variables(CFG, jax.random.key(1))
+    variables = jax.jit(init_variables, static_argnums=0)(CFG, jax.random.key(1))  # one program
     batch = jax.tree.map(jnp.asarray, _batch(0))
 
     def grads(mesh):
@@ -243,7 +243,7 @@ def test_capacity_factor_drops_and_counts():
     mesh = make_mesh(2, 1, 4)
     assert capacity(16, 4, None) == 16 and capacity(16, 4, 1.0) == 8 and capacity(64, 4, 1.0) == 16
     ids = jax.device_put(jnp.asarray(_batch(3)["input_ids"]), batch_sharding(mesh))
-    variables = init_variables(CFG, jax.random.key(0))
+    variables = jax.jit(init_variables, static_argnums=0)(CFG, jax.random.key(0))  # one program
     # Route everything to expert 0 so the rank owning it overflows a capacity-1.0 bucket.
     biases = jnp.zeros((2, 9)).at[:, 0].set(5.0)
     variables = {**variables, BALANCING: {"layers": {"mlp": {"gate": {"balancing_biases": biases}}}}}
@@ -267,7 +267,7 @@ def test_expert_parallel_tiled_dispatch_equals_single_device_ragged_dot():
     from zaya_jax.model import ZayaForCausalLM, init_variables
 
     mesh = make_mesh(2, 1, 4)
-    variables = init_variables(CFG, jax.random.key(3))
+    variables = jax.jit(init_variables, static_argnums=0)(CFG, jax.random.key(3))  # one program
     ids = jnp.asarray(_batch(4)["input_ids"])
     ref = jax.jit(ZayaForCausalLM(CFG.replace(moe_impl="ragged_dot")).apply)(variables, ids)
     got = jax.jit(ZayaForCausalLM(CFG.replace(moe_impl="tiled"), mesh).apply)(

@@ -62,7 +62,7 @@ def test_dead_experts_over_the_window():
 
 def test_model_router_entropy_is_the_summed_entropy_of_its_probabilities():
     cfg = ZayaConfig.tiny(num_experts=4)
-    variables = init_variables(cfg, jax.random.key(0))
+    variables = jax.jit(init_variables, static_argnums=0)(cfg, jax.random.key(0))  # one program
     ids = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
     mask = jnp.ones((2, 12), jnp.int32).at[1, :5].set(0)  # left padding is not counted
     forward = jax.jit(lambda v, i, m: ZayaForCausalLM(cfg).apply(v, i, attention_mask=m, return_logits=False))

@@ -201,6 +201,7 @@ def test_cli_trains_and_resumes_bf16_parameters(tmp_path):
     """`python -m zaya_jax.train` with model.param_dtype=bfloat16 (the dry run's leanest layout) on a
     data x fsdp x expert mesh: trains with finite losses, saves, and resumes to the end."""
     flags = ["--config.model.param_dtype=bfloat16", "--config.mesh.data=2", "--config.mesh.fsdp=2"]
+    flags.append("--config.model.num_hidden_layers=1")  # the layout of a block is what is checked
     flags += ["--config.mesh.expert=2", "--config.checkpoint.every_steps=2", "--config.eval.every_steps=0"]
     flags.append("--config.train.allow_schedule_change=True")  # the resumed run plans 4 steps, not 3
     run_train(tmp_path, *flags, "--config.train.steps=3", devices=8)

@@ -4,15 +4,13 @@ zaya_jax.train` keeps them (its train.lean_cpu_compile trades 20-45% longer comp
 peak, zaya_jax/runtime/host_memory.py; the suite compiles hundreds of programs). tests/test_train.py runs the
 CLI once with the trainer's default.
 
-Not here: `--xla_backend_optimization_level=0` (LLVM unoptimised; 20% off four test files) keeps
-the optimized HLO but not the rounding of the machine code: one device and a 2 x 2 mesh then scored
-an lm-eval perplexity 1.5e-6 apart (tests/test_lm_eval_backend.py asks 1e-6, and meets it as users
-compile).
-
-Nor `--xla_llvm_disable_expensive_passes=true` (no loop unrolling or vectorization in LLVM): the
-same rounding (lm-eval's 1e-6 between meshes held) and tests/test_train_state.py alone took 218
-instead of 248 s, but the whole suite on a clean clone did not move (729 passed in 3,638 s with it,
-3,637 s without; its slowest tests 2% slower in sum): the CLI tests' compiles are not LLVM-bound.
+The subprocesses compile with LLVM unoptimised (FAST_COMPILE_FLAGS): they train tiny models for a
+few steps, where LLVM's optimisation costs more than it saves (docs/performance.md, "Test suite").
+The test process itself keeps the optimised machine code, and so does every subprocess whose numbers
+are compared with the test process' own to rounding (`xla_flags(n, fast=False)`, or no XLA_FLAGS of
+ours): unoptimised code rounds differently, and one device and a 2 x 2 mesh then scored an lm-eval
+perplexity 1.5e-6 apart (tests/test_lm_eval_backend.py asks 1e-6, and meets it as users compile).
+The test process' heavy programs take the same options one by one (FAST_COMPILE).
 """
 
 COMPILE_FLAGS = "--xla_cpu_use_fusion_emitters=true"
@@ -23,6 +21,11 @@ COMPILE_FLAGS = "--xla_cpu_use_fusion_emitters=true"
 # temporaries) is the default compile's. Both sides of a comparison are compiled with them.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
+# XLA_FLAGS' form of FAST_COMPILE, for the CLI subprocesses tests start (`xla_flags(n)`): they run
+# tiny models for a few steps. Subprocesses that must round as users compile take `fast=False`.
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
-def xla_flags(devices: int) -> str:
-    return f"--xla_force_host_platform_device_count={devices} {COMPILE_FLAGS}"
+
+def xla_flags(devices: int, fast: bool = True) -> str:
+    flags = f"--xla_force_host_platform_device_count={devices} {COMPILE_FLAGS}"
+    return f"{flags} {FAST_COMPILE_FLAGS}" if fast else flags

@@ -28,6 +28,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from zaya_jax.runtime import python_gc
 from zaya_jax.runtime.interrupt import Interrupted, exit_with
 
 EXIT_USER_ERROR = 2
@@ -61,7 +62,9 @@ def fail(message: str) -> NoReturn:
 
 
 def run(main: Callable[..., Any], *args: Any) -> Any:
-    """Calls main(*args); a user error becomes one `error:` line and exit 2 (traceback with ZAYA_DEBUG=1)."""
+    """Calls main(*args); a user error becomes one `error:` line and exit 2 (traceback with ZAYA_DEBUG=1).
+    Python's garbage collector runs rarely from here on (python_gc: the CLIs trace large programs)."""
+    python_gc.collect_rarely()
     try:
         out = main(*args)
     except USER_ERRORS as e:

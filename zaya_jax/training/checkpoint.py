@@ -37,6 +37,24 @@ from zaya_jax.runtime.cli import UserError
 # The config sections that fix the saved tensors' shapes whatever the mesh (named in a mismatch).
 SHAPE_SECTIONS = ("model", "optim", "balancing")
 
+# Orbax writes a replicated array in slices, one per replica, only where a replica's slice has at
+# least this many bytes. Each slice is an eager `jax.lax.slice_in_dim`, a program compiled once per
+# device and shape; a small array (a norm's scale, every tensor of a tiny model) is written faster
+# whole, by one replica, than those compiles take. ZAYA1's weight stacks split over 1,024 replicas
+# still give slices of hundreds of KiB.
+MIN_REPLICA_SLICE_BYTES = 64 * 1024
+
+
+def _register_array_handler() -> None:
+    """Orbax's jax.Array handler (its default array metadata store) with MIN_REPLICA_SLICE_BYTES."""
+    from orbax.checkpoint._src.metadata import array_metadata_store  # the default handler's store
+
+    handler = ocp.type_handlers.ArrayHandler(
+        array_metadata_store=array_metadata_store.Store(),
+        min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
+    )
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+
 
 class CheckpointError(UserError):
     """Checkpoints exist but none of them can be restored."""
@@ -60,6 +78,7 @@ class Checkpointer:
         async_save: bool = True,
         read_only: bool = False,
     ):
+        _register_array_handler()
         self.workdir = os.path.abspath(workdir)
         self.directory = os.path.join(self.workdir, "checkpoints")
         self.every_steps = every_steps
