@@ -46,14 +46,23 @@ MIN_REPLICA_SLICE_BYTES = 64 * 1024
 
 
 def _register_array_handler() -> None:
-    """Orbax's jax.Array handler (its default array metadata store) with MIN_REPLICA_SLICE_BYTES."""
+    """Orbax's jax.Array handler (its default array metadata store) with MIN_REPLICA_SLICE_BYTES,
+    registered once per process."""
     from orbax.checkpoint._src.metadata import array_metadata_store  # the default handler's store
 
+    current = ocp.type_handlers.get_type_handler(jax.Array)
+    if getattr(current, "_min_slice_bytes_for_replica_parallel", None) == MIN_REPLICA_SLICE_BYTES:
+        return
     handler = ocp.type_handlers.ArrayHandler(
         array_metadata_store=array_metadata_store.Store(),
         min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
     )
-    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity(logging.ERROR)  # Orbax warns that a handler replaces its default one
+    try:
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    finally:
+        logging.set_verbosity(verbosity)
 
 
 class CheckpointError(UserError):
