@@ -31,7 +31,8 @@ from zaya_jax.runtime import python_gc
 python_gc.collect_rarely()
 
 # The test files that keep one worker longest, longest first: the files whose tests took 40 s or
-# more in a whole-suite run (`make test ARGS=--durations=0`, docs/performance.md "Test suite"). pytest-xdist hands whole files out in collection order (`make test`: --dist loadfile
+# more in a whole-suite run (`make test ARGS=--durations=0`, docs/performance.md "Test suite").
+# pytest-xdist hands whole files out in collection order (`make test`: --dist loadfile
 # --no-loadscope-reorder), so these start first and no long file starts last, alone at the end.
 # The other files follow, most tests first.
 HEAVIEST_FIRST = (

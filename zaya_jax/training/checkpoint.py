@@ -20,11 +20,12 @@ can be read it raises `CheckpointError` naming the directory: never a silent res
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -57,10 +58,18 @@ def _register_array_handler() -> None:
         array_metadata_store=array_metadata_store.Store(),
         min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
     )
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity(logging.ERROR)  # Orbax warns that a handler replaces its default one
-    try:
+    with _absl_errors_only():  # Orbax warns that a handler replaces its default one
         ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+
+
+@contextlib.contextmanager
+def _absl_errors_only(quiet: bool = True) -> Iterator[None]:
+    """absl logging (Orbax's) at ERROR inside the block when `quiet`, as it was after."""
+    verbosity = logging.get_verbosity()
+    if quiet:
+        logging.set_verbosity(logging.ERROR)
+    try:
+        yield
     finally:
         logging.set_verbosity(verbosity)
 
@@ -104,13 +113,9 @@ class Checkpointer:
                 create=True,
                 enable_async_checkpointing=async_save,
             )
-        verbosity = logging.get_verbosity()
-        if read_only:  # Orbax warns "Given directory is read only" on every read-only open
-            logging.set_verbosity(logging.ERROR)
-        try:
+        # Orbax warns "Given directory is read only" on every read-only open
+        with _absl_errors_only(quiet=read_only):
             self._manager = ocp.CheckpointManager(self.directory, options=options)
-        finally:
-            logging.set_verbosity(verbosity)
         self._closed = False
 
     def latest_step(self) -> int | None:
