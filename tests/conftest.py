@@ -14,8 +14,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # here, the CLI subprocesses start with it (tests/test_train.py runs one without it).
 os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
 # Identical programs (the same tiny train step in several tests, test files, pytest workers and CLI
-# subprocesses) compile once: every process reads and writes the cache. Only programs of one CPU
-# device: zaya_jax/runtime/compile_cache.py keeps those of several out (they can deadlock read back).
+# subprocesses) compile once: every process reads and writes the cache. Not the CPU programs of
+# several devices with a collective in a loop: zaya_jax/runtime/compile_cache.py keeps them out
+# (they can deadlock read back).
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "zaya_jax_test_xla_cache")
 )

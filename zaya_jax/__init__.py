@@ -14,6 +14,6 @@ gpu_plugins.import_jax()
 
 from zaya_jax.runtime import compile_cache  # after gpu_plugins.import_jax(): it imports jax
 
-# Programs of several CPU devices stay out of jax's persistent compilation cache: read back from it,
-# XLA:CPU can deadlock in their collectives (zaya_jax/runtime/compile_cache.py).
+# CPU programs of several devices with a collective inside a loop stay out of jax's persistent
+# compilation cache: read back from it, XLA:CPU can deadlock in them (zaya_jax/runtime/compile_cache.py).
 compile_cache.install()

@@ -1,0 +1,60 @@
+"""Reproduces docs/xla-cpu-cache-deadlock.md in one process, without the persistent cache.
+
+Compiles the ZeRO-1 train step of tests/test_zero1.py on an expert=4 x data=2 mesh of 8 CPU
+devices, serializes the executable before it runs (as jax's persistent cache does), runs the
+compiled step, then loads the serialized bytes and runs that. The compiled step runs; the loaded
+one stops in an all-gather inside a while loop on some devices and in one outside it on the others,
+and XLA ends the process after the collective timeout (SIGABRT).
+
+    python docs/repro/xla_cpu_cache_deadlock.py
+"""
+
+import os
+import pathlib
+import re
+import sys
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = (
+    "--xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=20"
+)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
+
+import test_zero1 as t
+from jax.experimental import serialize_executable
+
+from zaya_jax.training.train_state import abstract_batch
+
+MESH = tuple((a, int(n)) for a, n in (x.split("=") for x in sys.argv[1].split(","))) if len(sys.argv) > 1 else (("expert", 4), ("data", 2))
+
+
+def collective_homes(hlo: str) -> dict[int, str]:
+    """channel_id (the op_id of XLA's rendezvous key) -> the computation its collective is in."""
+    homes, computation = {}, ""
+    for line in hlo.splitlines():
+        if not line.startswith(" ") and line.endswith("{"):
+            computation = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+        elif found := re.search(r"channel_id=(\d+)", line):
+            homes[int(found.group(1))] = computation
+    return homes
+
+
+def main() -> None:
+    c, cfg, program = t._program(MESH, 1, "step", t.MESH_CFG, t.MESH_STEPS)
+    batch = abstract_batch(c.train.batch_size, c.train.seq_len, program.mesh)
+    compiled = program.train_step.lower(program.abstract_state(), batch).compile()
+    # Before the first run: a run resolves the sort comparators, after which XLA:CPU refuses to
+    # serialize ("`LessThan` is not serializable").
+    payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+    entry = compiled.as_text().split("ENTRY ")[1].split()[0].lstrip("%")
+    homes = collective_homes(compiled.as_text())
+    print("collectives in the entry computation:", sorted(i for i, h in homes.items() if h == entry))
+    print("in called computations (while bodies, ...):", sorted(i for i, h in homes.items() if h != entry))
+    step = t.Step(compiled, program, c, cfg, t.MESH_CFG)
+    print("compiled in the process, loss:", t._steps(step, 1)[0], flush=True)
+    loaded = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+    print("deserialized, loss:", t._steps(step._replace(compiled=loaded), 1)[0], flush=True)
+
+
+if __name__ == "__main__":
+    main()
