@@ -146,7 +146,7 @@ def test_train_step_benchmark_writes_report(tmp_path):
     # how it was measured: torch as a user runs it (its default threads, OMP_WAIT_POLICY unset)
     method = report["method"]
     assert method["omp_wait_policy"] == "default" and method["omp_wait_policy_env"] is None
-    assert method["lean_cpu_compile"] is False  # XLA_FLAGS names the flag (tests/xla_env.py): it stands
+    assert method["lean_cpu_compile"] is True  # XLA_FLAGS turns the emitters off (tests/xla_env.py)
     assert method["torch_threads_set_by"] == "torch's default" and method["torch_threads"] >= 1
     assert "own spawned process" in method["processes"] and "flipped" in method["processes"]
     assert method["cores"] >= 1 and len(method["load_average_before"]) == 3

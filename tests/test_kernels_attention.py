@@ -10,17 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from kernel_lowering import lowered_triton_kernels
+from xla_env import FAST_COMPILE
 
 from zaya_jax.kernels import flash_attention, reference_attention, reference_mask
 from zaya_jax.kernels.flops import causal_pairs
 from zaya_jax.model.attention import MASK_VALUE, attention_allowed, xla_attention
 
-# Interpret-mode programs are large while loops; XLA's optimisation passes only slow them down.
-FAST_COMPILE = {
-    "xla_backend_optimization_level": 0,
-    "xla_llvm_disable_expensive_passes": True,
-    "xla_cpu_use_fusion_emitters": False,
-}
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 

@@ -12,16 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from kernel_lowering import lowered_triton_kernels
+from xla_env import FAST_COMPILE
 
 from zaya_jax.kernels import grouped_matmul, reference_grouped_matmul, swiglu_grouped_pallas, tgmm
 from zaya_jax.kernels.grouped_matmul import make_tiles, num_tiles
 from zaya_jax.model.moe import ACTIVATIONS, swiglu_grouped
 
-FAST_COMPILE = {
-    "xla_backend_optimization_level": 0,
-    "xla_llvm_disable_expensive_passes": True,
-    "xla_cpu_use_fusion_emitters": False,
-}
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 ERRORS: dict = {}  # (test, dtype) -> {output: rel_err}; printed by test_zz_report with -s
 

@@ -15,15 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from kernel_lowering import lowered_triton_kernels
+from xla_env import FAST_COMPILE
 
 from zaya_jax.kernels import newton_schulz, reference_newton_schulz
 from zaya_jax.kernels.newton_schulz import orthogonalize
 
-FAST_COMPILE = {
-    "xla_backend_optimization_level": 0,
-    "xla_llvm_disable_expensive_passes": True,
-    "xla_cpu_use_fusion_emitters": False,
-}
 ERRORS: dict = {}
 
 

@@ -108,10 +108,12 @@ def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
 
     # An existing workdir resumes from its latest checkpoint and continues the step count (a new
     # plan of 8 steps: allowed explicitly).
-    out = run_train(a, "--config.train.steps=8", "--config.train.allow_schedule_change=True")
+    # XLA_FLAGS turns the fusion emitters on (a user's value stands).
+    on = {"XLA_FLAGS": xla_flags(1, fast=False)}
+    out = run_train(a, "--config.train.steps=8", "--config.train.allow_schedule_change=True", env=on)
     summary = summary_of(out)
     assert summary["start_step"] == 6 and summary["final_step"] == 8
-    assert summary["lean_cpu_compile"] is False  # XLA_FLAGS names the flag (tests/xla_env.py): it stands
+    assert summary["lean_cpu_compile"] is False
     assert sorted(train_losses(a)) == list(range(1, 9))
 
 
