@@ -6,7 +6,7 @@ import tempfile
 
 from xla_env import xla_flags
 
-os.environ.setdefault("XLA_FLAGS", xla_flags(8, fast=False))
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

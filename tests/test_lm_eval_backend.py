@@ -16,7 +16,7 @@ import pytest
 from eval_models import orbax_from_hf, random_byte_model, write_harness_tasks
 from test_metrics import _event_tags
 from test_train import ROOT, SMALL
-from xla_env import xla_flags
+from xla_env import FAST_COMPILE_FLAGS, xla_flags
 
 from zaya_jax.data.tokenizer import ByteTokenizer
 from zaya_jax.export import export
@@ -190,20 +190,16 @@ def test_zaya_jax_on_a_checkpoint_equals_hf_on_its_export(model_dir, ours):
 
 
 def _two_process_env():
-    # no persistent compilation cache: see tests/test_train.py::_two_processes
+    # no persistent compilation cache: see tests/test_train.py::_two_processes. The test process'
+    # compile options (the launcher sets the device count): numbers compared to 1e-6 round alike.
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "ZAYA_LAUNCH_PLATFORM": "cpu",
         "JAX_ENABLE_COMPILATION_CACHE": "false",
+        "XLA_FLAGS": FAST_COMPILE_FLAGS,
     }
-    for k in (
-        "ZAYA_COORDINATOR",
-        "ZAYA_NUM_PROCESSES",
-        "ZAYA_PROCESS_ID",
-        "ZAYA_LOCAL_DEVICE_IDS",
-        "XLA_FLAGS",
-    ):
+    for k in ("ZAYA_COORDINATOR", "ZAYA_NUM_PROCESSES", "ZAYA_PROCESS_ID", "ZAYA_LOCAL_DEVICE_IDS"):
         env.pop(k, None)
     return env
 
