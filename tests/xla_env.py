@@ -15,13 +15,22 @@ with the emitters on (COMPILE_FLAGS), for a run that checks a user's flag stands
 COMPILE_FLAGS = "--xla_cpu_use_fusion_emitters=true"
 
 # FAST_COMPILE_FLAGS as compile options, for a test's heavy programs (`.compile(FAST_COMPILE)`):
-# they compile fast whatever XLA_FLAGS the suite was started with. The partitioner and every HLO
-# pass run as usual: the optimised HLO has the default compile's collectives, and memory_analysis's
+# they compile fast whatever XLA_FLAGS the suite was started with. The partitioner and the HLO passes
+# run: a train step's optimised HLO has the default compile's collectives, and memory_analysis's
 # temporaries within 0.1% of it. Both sides of a comparison are compiled with them.
 FAST_COMPILE = {
     "xla_backend_optimization_level": 0,
     "xla_llvm_disable_expensive_passes": True,
     "xla_cpu_use_fusion_emitters": False,
+}
+
+# XLA's default code generation as compile options (`.compile(XLA_DEFAULT_COMPILE)`), for a check
+# made on what users compile: the HLO of XLA's default pipeline (the fusion emitters change which
+# instructions CSE merges), or a rounding gap a tolerance was set on.
+XLA_DEFAULT_COMPILE = {
+    "xla_backend_optimization_level": 3,
+    "xla_llvm_disable_expensive_passes": False,
+    "xla_cpu_use_fusion_emitters": True,
 }
 
 # XLA_FLAGS' form of FAST_COMPILE: the test process' and its subprocesses' (`xla_flags(n)`).
