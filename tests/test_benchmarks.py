@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from xla_env import xla_flags
+from xla_env import FAST_COMPILE_FLAGS, xla_flags
 
 from zaya_jax.runtime import host_memory
 
@@ -702,7 +702,7 @@ def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     --allow-cpu it refuses the CPU with one error line."""
     from test_timeline import one_error
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": FAST_COMPILE_FLAGS}  # the script sets its device count
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [
         sys.executable,

@@ -22,6 +22,7 @@ import pytest
 pytest.importorskip("jax_plugins.xla_cuda12", reason="the gpu_compile extra is not installed")
 
 import rocm_standins
+from xla_env import FAST_COMPILE_FLAGS
 
 from zaya_jax import sizing
 from zaya_jax.analysis import compiled as compiled_lib
@@ -195,7 +196,8 @@ def test_cli_gpu_target_file_that_does_not_fit(tmp_path):
     assert small != spec
     path = tmp_path / "small_gpu.txtpb"
     path.write_text(small)
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["XLA_FLAGS"] = FAST_COMPILE_FLAGS  # the dry run sets its device count
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     args = ["--config.model.num_hidden_layers=1", "--config.train.batch_size=8", "--config.mesh.data=8"]
     cmd = [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, "configs/tiny.py")]

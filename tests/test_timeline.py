@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from xla_env import FAST_COMPILE_FLAGS
 
 from zaya_jax.analysis import hardware, timeline
 
@@ -324,7 +325,8 @@ TINY = ["--config.model.num_hidden_layers=1", "--config.train.batch_size=8", "--
 
 
 def train_cli(cwd, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["XLA_FLAGS"] = FAST_COMPILE_FLAGS  # the dry run sets its device count
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, "configs/tiny.py"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env, check=False)
