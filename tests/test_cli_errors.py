@@ -1,7 +1,8 @@
 """Every CLI turns user errors into one `error: ...` line naming the key / file, a non-zero exit and
-no traceback; a wrong command leaves the workdir it names byte-identical (subprocesses, as a user
-runs them). The bad inputs stop at validation, before anything compiles; the cases that need a
-trained run share one tiny workdir."""
+no traceback; a wrong command leaves the workdir it names byte-identical (each run a process of its
+own running the CLI's `__main__`, forked from one that imported the CLIs: tests/cli_fork.py). The
+bad inputs stop at validation, before anything compiles; the cases that need a trained run share
+one tiny workdir."""
 
 import hashlib
 import json
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 import sys
 
+import cli_fork
 import numpy as np
 import pytest
 from test_train import ROOT, SMALL, run_train, train_losses
@@ -24,16 +26,9 @@ ENV.pop("ZAYA_DEBUG", None)
 
 
 def run_cli(module, *args, env=None, cwd=ROOT, umask=-1):
-    proc = subprocess.run(
-        [sys.executable, "-m", f"zaya_jax.{module}", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=300,
-        env={**ENV, **(env or {})},
-        umask=umask,
-    )
-    return proc
+    """`python -m zaya_jax.MODULE ARGS` with ENV and `env` on top, forked from a process that has
+    imported the CLIs (tests/cli_fork.py): a CompletedProcess with its exit code, stdout and stderr."""
+    return cli_fork.shared(ENV).run(module, *args, env={**ENV, **(env or {})}, cwd=cwd, umask=umask)
 
 
 def assert_one_line_error(proc, *names):
