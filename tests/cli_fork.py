@@ -55,6 +55,7 @@ def _child(request: dict) -> None:
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
             os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
         sys.argv = [request["module"], *request["args"]]
+        sys.orig_argv = [sys.executable, "-m", *sys.argv]  # what a re-executing CLI starts again
         # `python -m` runs a module that is not imported yet (runpy warns otherwise)
         for name in (request["module"], request["module"] + ".__main__"):
             sys.modules.pop(name, None)

@@ -587,6 +587,34 @@ def test_debug_env_shows_the_traceback(tmp_path):
     assert proc.returncode != 0 and "Traceback" in proc.stderr
 
 
+def test_a_forked_run_is_what_python_dash_m_gives(tmp_path):
+    """run_cli's fork (tests/cli_fork.py) gives a fresh `python -m` process' exit code, stdout and
+    stderr: an argparse CLI and an absl one, an error, a traceback, a usage message."""
+    cases = [
+        ("plot", [tmp_path / "missing"], {}),
+        ("plot", [tmp_path / "missing"], {"ZAYA_DEBUG": "1"}),
+        ("train", ["--config", TINY, "--workdir", tmp_path / "w", "--config.model.hidden_sz=3"], {}),
+        ("export", ["--help"], {}),
+    ]
+    for module, args, env in cases:
+        forked = run_cli(module, *args, env=env)
+        fresh = subprocess.run(
+            [sys.executable, "-m", f"zaya_jax.{module}", *map(str, args)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**ENV, **env},
+            timeout=300,
+        )
+        assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout), module
+        if "Traceback" not in fresh.stderr:
+            assert forked.stderr == fresh.stderr, module
+        else:  # its first frames are the process' own (runpy's, the fork's); jax's plugin notices
+            # come from the imports, which the fork server made
+            assert "Traceback" in forked.stderr, forked.stderr[-1500:]
+            assert forked.stderr.splitlines()[-1] == fresh.stderr.splitlines()[-1], module
+
+
 def test_the_checkpoint_clis_do_not_import_the_trainer():
     """reshard, import_hf and export take their helpers from train_state, not from the trainer."""
     code = (
