@@ -38,39 +38,27 @@ PRELOAD = (
 
 
 def _child(request: dict) -> None:
-    """In the forked child: the run's process state, then the module as `__main__`; never returns."""
+    """In the forked child: the run's process state, then the module as `__main__`. What ends the
+    module ends the child as it ends `python -m`: its exit status, an exception's traceback and
+    exit 1, then the interpreter's own shutdown (atexit handlers, buffers flushed)."""
     import runpy
-    import traceback
 
-    code = 0
-    try:
-        os.chdir(request["cwd"])
-        sys.path[0] = os.getcwd()  # as `python -m` has it
-        if request["umask"] >= 0:
-            os.umask(request["umask"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # not the server's request pipe
-        sys.stdin = open(os.devnull)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
-        sys.argv = [request["module"], *request["args"]]
-        sys.orig_argv = [sys.executable, "-m", *sys.argv]  # what a re-executing CLI starts again
-        # `python -m` runs a module that is not imported yet (runpy warns otherwise)
-        for name in (request["module"], request["module"] + ".__main__"):
-            sys.modules.pop(name, None)
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    os.chdir(request["cwd"])
+    sys.path[0] = os.getcwd()  # as `python -m` has it
+    if request["umask"] >= 0:
+        os.umask(request["umask"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.stdin = open(os.devnull)  # not the server's request pipe
+    os.dup2(sys.stdin.fileno(), 0)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
+    sys.argv = [request["module"], *request["args"]]
+    sys.orig_argv = [sys.executable, "-m", *sys.argv]  # what a re-executing CLI starts again
+    # `python -m` runs a module that is not imported yet (runpy warns otherwise)
+    for name in (request["module"], request["module"] + ".__main__"):
+        sys.modules.pop(name, None)
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
 
 
 def _wait(pid: int, timeout: float) -> int:
@@ -100,6 +88,7 @@ def serve() -> None:
         if pid == 0:
             replies.close()
             _child(request)
+            sys.exit(0)
         print(json.dumps({"returncode": _wait(pid, request["timeout"])}), file=replies, flush=True)
 
 

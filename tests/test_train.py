@@ -7,6 +7,7 @@ import subprocess
 import sys
 import types
 
+import cli_fork
 import jax
 import numpy as np
 import pytest
@@ -52,11 +53,16 @@ def train_cmd(workdir, *extra) -> list[str]:
     ]
 
 
-def run_train(workdir, *extra, check=True, devices=1, env=None):
-    """Runs the CLI on `devices` simulated CPU devices (the default mesh takes them all)."""
+def run_train(workdir, *extra, check=True, devices=1, env=None, fresh=False):
+    """Runs the CLI on `devices` simulated CPU devices (the default mesh takes them all): forked from
+    a process that imported the CLIs (tests/cli_fork.py), or `fresh`, a new Python process (a run
+    whose start-up is checked)."""
     cmd = train_cmd(workdir, *extra)
     env = {**os.environ, "XLA_FLAGS": xla_flags(devices), **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
+    if fresh:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
+    else:
+        proc = cli_fork.shared(env).run("train", *cmd[3:], env=env, cwd=ROOT, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return proc
@@ -92,7 +98,7 @@ def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
     # as a user starts it, without the tunable (the trainer re-executes itself with it) and with
     # XLA_FLAGS silent on the fusion emitters (the trainer turns them off: train.lean_cpu_compile)
     user_env = {"GLIBC_TUNABLES": "", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    first = summary_of(run_train(a, "--config.train.steps=6", env=user_env))
+    first = summary_of(run_train(a, "--config.train.steps=6", env=user_env, fresh=True))
     assert first["host_memory"] == ("huge_pages" if host_memory.huge_pages_possible() else "reuse")
     assert first["lean_cpu_compile"] is True
     assert first["keep_step_buffers"] is (first["host_memory"] == "huge_pages")
