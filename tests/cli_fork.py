@@ -93,7 +93,7 @@ def serve() -> None:
 
 
 class ForkServer:
-    """One server process for a test module; `run` is subprocess.run for `python -m zaya_jax.X`."""
+    """A server process; `run` is subprocess.run for `python -m zaya_jax.X`, one run at a time."""
 
     def __init__(self, env: dict[str, str] | None = None):
         self._dir = tempfile.TemporaryDirectory(prefix="cli_fork_")
