@@ -34,10 +34,7 @@ XLA_DEFAULT_COMPILE = {
 }
 
 # XLA_FLAGS' form of FAST_COMPILE: the test process' and its subprocesses' (`xla_flags(n)`).
-FAST_COMPILE_FLAGS = (
-    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-    "--xla_cpu_use_fusion_emitters=false"
-)
+FAST_COMPILE_FLAGS = " ".join(f"--{name}={str(value).lower()}" for name, value in FAST_COMPILE.items())
 
 
 def xla_flags(devices: int, fast: bool = True) -> str:
