@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import jax.numpy as jnp
+import jaxlib
 import pytest
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="the gpu_compile extra is not installed")
@@ -199,6 +200,7 @@ def test_cli_gpu_target_file_that_does_not_fit(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     env["XLA_FLAGS"] = FAST_COMPILE_FLAGS  # the dry run sets its device count
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "xla_cache")
     args = ["--config.model.num_hidden_layers=1", "--config.train.batch_size=8", "--config.mesh.data=8"]
     cmd = [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, "configs/tiny.py")]
     cmd += ["--dry_run", f"--dry_run_target={path}", "--dry_run_fit", *args]
@@ -220,6 +222,30 @@ def test_cli_gpu_target_file_that_does_not_fit(tmp_path):
     assert len(errors) == 1 and "MiB more than the NVIDIA H100 80GB HBM3's 4.00 MiB" in errors[0], (
         proc.stderr[-2000:]
     )
+    # the three compiles' kernels, kept in the compilation cache directory for the next dry run
+    [kernels] = os.listdir(tmp_path / "xla_cache" / "xla_gpu_kernels")
+    assert kernels == f"cuda-NVIDIA_H100_80GB_HBM3-jaxlib{jaxlib.__version__}.pb"
+    assert os.path.getsize(tmp_path / "xla_cache" / "xla_gpu_kernels" / kernels) > 0
+
+
+def test_kernel_cache_file_per_device_kind(monkeypatch, tmp_path):
+    """A GPU compile's kernel cache: one file per platform, device kind and jaxlib, in jax's
+    compilation cache directory or else in one directory of the process; none for a CPU compile or
+    where XLA_FLAGS names the option."""
+    option = gpu_target.KERNEL_CACHE
+    monkeypatch.setenv("XLA_FLAGS", FAST_COMPILE_FLAGS)
+    monkeypatch.setattr(gpu_target, "_compilation_cache_dir", lambda: str(tmp_path))
+    h100 = gpu_target.kernel_cache_options("cuda", "NVIDIA H100 80GB HBM3")[option]
+    mi300x = gpu_target.kernel_cache_options("rocm", "AMD Instinct MI300X")[option]
+    assert os.path.dirname(h100) == os.path.dirname(mi300x) == str(tmp_path / "xla_gpu_kernels")
+    assert os.path.basename(mi300x) == f"rocm-AMD_Instinct_MI300X-jaxlib{jaxlib.__version__}.pb"
+    assert gpu_target.kernel_cache_options("cpu", "cpu") == {}
+    monkeypatch.setattr(gpu_target, "_compilation_cache_dir", lambda: None)
+    own = gpu_target.kernel_cache_options("cuda", "NVIDIA H100 80GB HBM3")[option]
+    assert os.path.isdir(os.path.dirname(own)) and not own.startswith(str(tmp_path))
+    assert gpu_target.kernel_cache_options("cuda", "NVIDIA H100 80GB HBM3")[option] == own
+    monkeypatch.setenv("XLA_FLAGS", f"{FAST_COMPILE_FLAGS} --{option}=/elsewhere/kernels.pb")
+    assert gpu_target.kernel_cache_options("cuda", "NVIDIA H100 80GB HBM3") == {}
 
 
 def test_rocm_without_its_libraries_is_one_line(tmp_path):

@@ -79,8 +79,10 @@ def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> Com
     """The step the trainer jits (`train_state.train_program`), lowered from abstract state and batch
     on a mesh of `devices` and compiled; nothing is allocated. The persistent compilation cache is
     off for it: the compile time reported is XLA's, a deviceless GPU executable cannot be read back
-    without its client, and a CPU mesh's step read back can deadlock (zaya_jax/runtime/compile_cache.py)."""
-    cfg = config_lib.validate(c, device_platform(devices[0]))
+    without its client, and a CPU mesh's step read back can deadlock (zaya_jax/runtime/compile_cache.py).
+    A GPU compile reuses the kernels earlier compiles made (`gpu_target.kernel_cache_options`)."""
+    platform = device_platform(devices[0])
+    cfg = config_lib.validate(c, platform)
     mesh = mesh_from_config(c, devices=devices)
     check_batch_divides(c, len(devices))
     program = train_program(c, cfg, mesh)
@@ -95,7 +97,7 @@ def compile_step(c: ml_collections.ConfigDict, devices: list[jax.Device]) -> Com
     log: list[str] = []
     try:
         with jax_config.enable_compilation_cache(False), no_cache_write, captured_xla_log(log):
-            compiled = lowered.compile()
+            compiled = lowered.compile(gpu_target.kernel_cache_options(platform, devices[0].device_kind) or None)
     except Exception as e:
         e.xla_log = tuple(log)  # the refusal's report reads XLA's own account (`remat_shortfall`)
         raise

@@ -10,15 +10,19 @@ How it works and the facts it rests on: docs/design/gpu-compile.md.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
+import functools
 import os
 import re
+import shutil
 import struct
+import tempfile
 from importlib import resources
 from typing import Any
 
-from zaya_jax.runtime import cli
+from zaya_jax.runtime import cli, xla_flags
 
 GIB = 2**30
 DEVICES_PER_HOST = 8  # a node of 8 GPUs: the topology's hosts x devices
@@ -148,6 +152,41 @@ def target_devices(target: GpuTarget, n: int) -> list[Any]:
     except NotImplementedError:
         raise ValueError(_no_plugin(target.platform)) from None
     return list(topo.devices)
+
+
+KERNEL_CACHE = "xla_gpu_kernel_cache_file"  # XLA's option: a file of compiled GPU kernels
+
+
+def kernel_cache_options(platform: str, device_kind: str) -> dict[str, str]:
+    """The compiler option that gives a GPU compile XLA's kernel cache: {KERNEL_CACHE: file}. A
+    kernel already in the file is not compiled again (its device code is copied), so the compiles
+    of one dry run (the fit search's remat policies, microbatches and layouts) and later dry runs
+    share them. XLA keys a kernel by its fused computation, not by the GPU it was compiled for:
+    each device kind and jaxlib has its own file, in jax's compilation cache directory when one is
+    set, else in a directory of this process, removed at exit. {} for a CPU compile, or where
+    XLA_FLAGS names the option (the user's file stands)."""
+    if platform not in ("cuda", "rocm") or xla_flags.current("--" + KERNEL_CACHE) is not None:
+        return {}
+    import jaxlib
+
+    root = _compilation_cache_dir()
+    folder = os.path.join(root, "xla_gpu_kernels") if root else _process_folder()
+    os.makedirs(folder, exist_ok=True)
+    kind = re.sub(r"[^\w.-]+", "_", device_kind).strip("_")
+    return {KERNEL_CACHE: os.path.join(folder, f"{platform}-{kind}-jaxlib{jaxlib.__version__}.pb")}
+
+
+def _compilation_cache_dir() -> str | None:
+    import jax
+
+    return jax.config.jax_compilation_cache_dir
+
+
+@functools.cache
+def _process_folder() -> str:
+    folder = tempfile.mkdtemp(prefix="zaya_jax_gpu_kernels_")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def _no_plugin(platform: str) -> str:

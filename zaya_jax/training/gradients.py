@@ -138,6 +138,9 @@ def accumulated_grads(
     "microbatch": the reduce-scatter into this rank's ZeRO-1 shard, so the sum is only that shard).
     `init`: the sums to start from (the earlier microbatches'; default zeros)."""
     each = (lambda grads: reduce(_upcast(grads))) if reduce else _upcast
+    # One trace of the model's forward and backward: the zeros' shapes (`_zero_sums`) and the
+    # scan's body share it (jit's trace cache); inlined, the step's program is the one without it.
+    grad_fn = jax.jit(grad_fn, inline=True)
 
     def accumulate(carry, mb):
         (loss_sum, aux), grads = grad_fn(params, balancing, mb)
@@ -163,12 +166,12 @@ def _accumulated(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _zero_sums(grad_fn: Callable, params: Any, balancing: Any, mb: Batch, each: Callable = _upcast):
+def _zero_sums(grad_fn: Any, params: Any, balancing: Any, mb: Batch, each: Callable = _upcast):
     """(0, zero StepAux, zero gradients): the sums before the first microbatch, in the shapes
     grad_fn gives for microbatch `mb` (the gradients as `each` makes them: the rank's shard where
     reduce-scattered)."""
     zeros_of = lambda shapes: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-    (_, aux_shapes), _ = jax.eval_shape(grad_fn, params, balancing, mb)
+    (_, aux_shapes), _ = grad_fn.eval_shape(params, balancing, mb)
     return jnp.zeros(()), zeros_of(aux_shapes), zeros_of(jax.eval_shape(each, params))
 
 
@@ -192,12 +195,14 @@ def grads_reduced_in_backward(
     if count > 1:
         loss_sum, aux, acc = accumulated_grads(grad_fn, params, balancing, jax.tree.map(lambda x: x[:-1], micro), init=init)
     else:
-        loss_sum, aux, acc = init or _zero_sums(grad_fn, params, balancing, last)
-    earlier = acc["layers"] if count > 1 or init is not None else None  # None: the blocks add nothing
+        loss_sum, aux, acc = init or (None, None, None)  # None: the last microbatch is the only one
+    earlier = acc["layers"] if acc is not None else None  # None: the blocks add nothing
     sinks, accs = overlap.block_sinks(params["layers"], earlier, plan.dims["layers"])
     (last_sum, last_aux), (grads, sink_grads) = last_fn(params, sinks, balancing, last, accs)
-    grads = jax.tree.map(jnp.add, acc, _upcast(grads))
+    grads = _upcast(grads) if acc is None else jax.tree.map(jnp.add, acc, _upcast(grads))
     reduced = overlap.reduced_after_blocks(grads, sink_grads, plan.dims, plan.dtype)
+    if acc is None:
+        return last_sum, last_aux, reduced
     return loss_sum + last_sum, jax.tree.map(jnp.add, aux, last_aux), reduced
 
 
