@@ -14,7 +14,7 @@ import pytest
 from jax._src import config as jax_config  # a config option as a context: not public
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from xla_env import COMPILE_FLAGS
+from xla_env import FAST_COMPILE_FLAGS
 
 from zaya_jax.analysis import compiled as compiled_lib
 from zaya_jax.analysis import dry_run, fit, report
@@ -28,7 +28,7 @@ SECTIONS = ("dry run: ", "Memory per device", "Collectives per device", "Compile
 def run_dry(cwd, config, *extra):
     """The CLI in an empty directory, with no device count in XLA_FLAGS (the dry run must set it), with
     a compilation cache directory in it (the dry run must not write one)."""
-    env = {**os.environ, "XLA_FLAGS": COMPILE_FLAGS}
+    env = {**os.environ, "XLA_FLAGS": FAST_COMPILE_FLAGS}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(cwd, "xla_cache")
     cmd = [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, config), "--dry_run"]
