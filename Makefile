@@ -16,7 +16,7 @@ TEST_STAMP := $(VENV)/.installed-test
 env: $(TEST_STAMP)
 
 # uv installs (pip's resolution, in seconds where pip takes a minute and a half); pip installs uv.
-UV_INSTALL := $(VENV)/bin/uv pip install -q --python $(PY)
+UV_INSTALL := $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY)
 # The CPU build of torch lies in pip's find-links folder (uv does not read pip's configuration).
 TORCH_WHEELS := $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
 

@@ -104,17 +104,23 @@ def test_second_trainer_is_refused_and_a_signal_during_start_up_stops_at_once(tm
     a.wait_for("initialising a new model")  # the initializer compiles now
     holder = json.loads((w / wl.LOCK_FILE).read_text())
     assert holder["pid"] == a.proc.pid
-    before = tree_digest(w)
-    second = subprocess.run(
-        train_cmd(w, INTERRUPTED),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    # the first trainer stopped (alive, holding the lock) while the second runs: what changes in
+    # the workdir meanwhile is the second's doing, and the first is still starting up after it
+    os.kill(a.proc.pid, signal.SIGSTOP)
+    try:
+        before = tree_digest(w)
+        second = subprocess.run(
+            train_cmd(w, INTERRUPTED),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert tree_digest(w) == before
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
     assert_one_line_error(second, str(w), f"pid {a.proc.pid}", f"host {socket.gethostname()}", "since")
-    assert tree_digest(w) == before
 
     rc, seconds, _, err = a.stop(signal.SIGINT)
     print(f"SIGINT while compiling the initializer: exit {rc} after {seconds:.2f} s; {err!r}")
