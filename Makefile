@@ -15,15 +15,16 @@ TEST_STAMP := $(VENV)/.installed-test
 
 env: $(TEST_STAMP)
 
-# uv installs (pip's resolution, in seconds where pip takes a minute and a half); pip installs uv.
-UV_INSTALL := $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY)
+# uv installs (pip's resolution, in under a minute where pip takes a minute and a half), with the
+# system's certificates as pip uses them; pip installs uv, and installs in its place if uv fails.
+UV_INSTALL := $(VENV)/bin/uv pip install -q --compile-bytecode --native-tls --python $(PY)
 # The CPU build of torch lies in pip's find-links folder (uv does not read pip's configuration).
 TORCH_WHEELS := $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
 
 $(TRAIN_STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q uv
-	$(UV_INSTALL) -e .
+	$(UV_INSTALL) -e . || $(PY) -m pip install -q -e .
 	@touch $@
 
 # torch first, pinned to the local CPU build (else pip's `torch==2.13.0`, which takes it too);
@@ -31,7 +32,7 @@ $(TRAIN_STAMP): pyproject.toml
 $(TEST_STAMP): $(TRAIN_STAMP)
 	$(UV_INSTALL) $(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS)) torch==2.13.0+cpu \
 		|| $(PY) -m pip install -q torch==2.13.0
-	$(UV_INSTALL) -e '.[test,interop,gpu_compile]'
+	$(UV_INSTALL) -e '.[test,interop,gpu_compile]' || $(PY) -m pip install -q -e '.[test,interop,gpu_compile]'
 	@touch $@
 
 train: $(TRAIN_STAMP)
