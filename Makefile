@@ -18,8 +18,9 @@ env: $(TEST_STAMP)
 # uv installs (pip's resolution, in under a minute where pip takes a minute and a half), with the
 # system's certificates as pip uses them; pip installs uv, and installs in its place if uv fails.
 UV_INSTALL := $(VENV)/bin/uv pip install -q --compile-bytecode --native-tls --python $(PY)
-# The CPU build of torch lies in pip's find-links folder (uv does not read pip's configuration).
-TORCH_WHEELS := $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+# The CPU build of torch lies in pip's find-links folder (uv does not read pip's configuration);
+# asked of pip only when torch is installed.
+TORCH_WHEELS = $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
 
 $(TRAIN_STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -230,8 +230,8 @@ def test_cli_gpu_target_file_that_does_not_fit(tmp_path):
 
 def test_kernel_cache_file_per_device_kind(monkeypatch, tmp_path):
     """A GPU compile's kernel cache: one file per platform, device kind and jaxlib, in jax's
-    compilation cache directory or else in one directory of the process; none for a CPU compile or
-    where XLA_FLAGS names the option."""
+    compilation cache directory where the process can write there, else in one directory of the
+    process; none for a CPU compile or where XLA_FLAGS names the option."""
     option = gpu_target.KERNEL_CACHE
     monkeypatch.setenv("XLA_FLAGS", FAST_COMPILE_FLAGS)
     monkeypatch.setattr(gpu_target, "_compilation_cache_dir", lambda: str(tmp_path))
@@ -244,6 +244,10 @@ def test_kernel_cache_file_per_device_kind(monkeypatch, tmp_path):
     own = gpu_target.kernel_cache_options("cuda", "NVIDIA H100 80GB HBM3")[option]
     assert os.path.isdir(os.path.dirname(own)) and not own.startswith(str(tmp_path))
     assert gpu_target.kernel_cache_options("cuda", "NVIDIA H100 80GB HBM3")[option] == own
+    # a cache directory the process cannot use (missing parent that cannot be made, remote): its own
+    for unusable in ("/proc/no_such_cache", "gs://bucket/xla_cache"):
+        monkeypatch.setattr(gpu_target, "_compilation_cache_dir", lambda d=unusable: d)
+        assert gpu_target.kernel_cache_options("cuda", "NVIDIA H100 80GB HBM3")[option] == own
     monkeypatch.setenv("XLA_FLAGS", f"{FAST_COMPILE_FLAGS} --{option}=/elsewhere/kernels.pb")
     assert gpu_target.kernel_cache_options("cuda", "NVIDIA H100 80GB HBM3") == {}
 

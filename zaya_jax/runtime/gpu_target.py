@@ -163,17 +163,31 @@ def kernel_cache_options(platform: str, device_kind: str) -> dict[str, str]:
     of one dry run (the fit search's remat policies, microbatches and layouts) and later dry runs
     share them. XLA keys a kernel by its fused computation, not by the GPU it was compiled for:
     each device kind and jaxlib has its own file, in jax's compilation cache directory when one is
-    set, else in a directory of this process, removed at exit. {} for a CPU compile, or where
-    XLA_FLAGS names the option (the user's file stands)."""
+    set and is a local directory this process can write to, else in a directory of this process,
+    removed at exit (the cache is a speed-up: it never stops a compile). {} for a CPU compile, or
+    where XLA_FLAGS names the option (the user's file stands)."""
     if platform not in ("cuda", "rocm") or xla_flags.current("--" + KERNEL_CACHE) is not None:
         return {}
     import jaxlib
 
-    root = _compilation_cache_dir()
-    folder = os.path.join(root, "xla_gpu_kernels") if root else _process_folder()
-    os.makedirs(folder, exist_ok=True)
     kind = re.sub(r"[^\w.-]+", "_", device_kind).strip("_")
-    return {KERNEL_CACHE: os.path.join(folder, f"{platform}-{kind}-jaxlib{jaxlib.__version__}.pb")}
+    name = f"{platform}-{kind}-jaxlib{jaxlib.__version__}.pb"
+    return {KERNEL_CACHE: os.path.join(_kernel_folder(_compilation_cache_dir()), name)}
+
+
+def _kernel_folder(cache_dir: str | None) -> str:
+    """`xla_gpu_kernels` in jax's compilation cache directory where that is a local directory that
+    can be made and written, else the process' own folder (a remote cache, gs://..., is jax's
+    to read; XLA opens the kernel file as a local path)."""
+    if cache_dir and "://" not in cache_dir:
+        folder = os.path.join(cache_dir, "xla_gpu_kernels")
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError:
+            return _process_folder()
+        if os.access(folder, os.W_OK):
+            return folder
+    return _process_folder()
 
 
 def _compilation_cache_dir() -> str | None:

@@ -169,7 +169,7 @@ def _accumulated(dtype: Any) -> Any:
 def _zero_sums(grad_fn: Any, params: Any, balancing: Any, mb: Batch, each: Callable = _upcast):
     """(0, zero StepAux, zero gradients): the sums before the first microbatch, in the shapes
     grad_fn gives for microbatch `mb` (the gradients as `each` makes them: the rank's shard where
-    reduce-scattered)."""
+    reduce-scattered). grad_fn is jitted: its trace here is the one the loop's body reuses."""
     zeros_of = lambda shapes: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
     (_, aux_shapes), _ = grad_fn.eval_shape(params, balancing, mb)
     return jnp.zeros(()), zeros_of(aux_shapes), zeros_of(jax.eval_shape(each, params))
