@@ -42,10 +42,12 @@ train: $(TRAIN_STAMP)
 # Two pytest workers (pytest-xdist) on CI's two cores: most of a test is one XLA compile on one
 # thread. Each test file stays in one worker (loadfile), where its shared compiled programs live;
 # the files go out heaviest first (tests/conftest.py orders them), so no long file starts last.
-# TEST_WORKERS=0: one process.
+# TEST_WORKERS=0: one process. compileall writes the repository's bytecode, which each of the tests'
+# ~200 Python processes reads: where PYTHONDONTWRITEBYTECODE is set, nothing else writes it.
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m compileall -q zaya_jax benchmarks tests
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 clean:

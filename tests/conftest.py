@@ -20,6 +20,9 @@ os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "zaya_jax_test_xla_cache")
 )
+# Programs of 0.2 s of compile or more are written (jax writes from 1 s): the CLI runs' eval steps
+# and initializers (0.2 to 0.9 s each) were compiled again in every process.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import gc
 
