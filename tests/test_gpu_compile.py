@@ -12,6 +12,7 @@ libraries (tests/rocm_standins.py: built with gcc from the plugin's undefined sy
 """
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -189,14 +190,20 @@ def test_zero1_collectives_hidden_behind_compute_on_mi300x(rocm):
 
 @pytest.mark.slow
 def test_cli_gpu_target_file_that_does_not_fit(tmp_path):
-    """`train --dry_run --dry_run_target=FILE --dry_run_fit` for a GPU with 4 MiB: the report
-    (memory next to the device's, the fit search, collectives, compiled work, device code), then
-    one `error:` line naming the overshoot, exit 2."""
+    """`train --dry_run --dry_run_target=FILE --dry_run_fit --dry_run_hardware=FILE --dry_run_json=FILE`
+    for a GPU file of 8 MiB (XLA compiles against it) and a hardware file of 4 MiB and its own bf16
+    peak: the report (memory next to the hardware file's, the fit search, collectives, compiled
+    work, device code, the predicted step), one `error:` line naming the overshoot, exit 2, and the
+    JSON report written all the same, with the contract's keys, its MFU against the file's peak and
+    a `hardware` object that is a valid hardware file."""
     spec = gpu_target.load_target("h100").config_text
-    small = spec.replace("device_memory_size: 84942979072", f"device_memory_size: {4 * 2**20}")
+    small = spec.replace("device_memory_size: 84942979072", f"device_memory_size: {8 * 2**20}")
     assert small != spec
     path = tmp_path / "small_gpu.txtpb"
     path.write_text(small)
+    override = tmp_path / "hw.json"
+    override.write_text(json.dumps({"peak_flops_per_second": {"bfloat16": 5e14}, "memory_bytes": 4 * 2**20}))
+    report = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     env["XLA_FLAGS"] = FAST_COMPILE_FLAGS  # the dry run sets its device count
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -204,6 +211,7 @@ def test_cli_gpu_target_file_that_does_not_fit(tmp_path):
     args = ["--config.model.num_hidden_layers=1", "--config.train.batch_size=8", "--config.mesh.data=8"]
     cmd = [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, "configs/tiny.py")]
     cmd += ["--dry_run", f"--dry_run_target={path}", "--dry_run_fit", *args]
+    cmd += [f"--dry_run_hardware={override}", f"--dry_run_json={report}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900, env=env)
     out = proc.stdout
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -218,11 +226,30 @@ def test_cli_gpu_target_file_that_does_not_fit(tmp_path):
     assert "does not fit" in layout and "--config.model.param_dtype=bfloat16" in layout, out
     for part in ("Collectives per device", "Compiled work per device", "zaya_gmm", "useful share", "cubin"):
         assert part in out, out
+    assert "Predicted step per device" in out and "MFU" in out
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "MiB more than the NVIDIA H100 80GB HBM3's 4.00 MiB" in errors[0], (
-        proc.stderr[-2000:]
-    )
-    # the three compiles' kernels, kept in the compilation cache directory for the next dry run
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    # the hardware file's 4 MiB decide, not the GPU file's 8
+    assert "MiB more than the NVIDIA H100 80GB HBM3's 4.00 MiB" in errors[0], errors[0]
+
+    data = json.loads(report.read_text())
+    p, hw, memory = data["prediction"], data["hardware"], data["memory"]
+    for key in ("step_seconds", "compute_seconds", "communication_seconds", "exposed_communication_seconds"):
+        assert p[key] >= 0, key
+    assert p["step_seconds"] > 0 and p["compute_seconds"] > 0 and p["communication_seconds"] > 0
+    assert p["step_seconds"] == pytest.approx(p["compute_seconds"] + p["exposed_communication_seconds"])
+    assert p["exposed_communication_seconds"] <= p["communication_seconds"] + 1e-12
+    assert hw["peak_flops_per_second"]["bfloat16"] == 5e14 and hw["name"] == "NVIDIA H100 80GB HBM3"
+    assert hw["hbm_bytes_per_second"] == hardware.builtin("h100")["hbm_bytes_per_second"]
+    assert p["mfu"] == pytest.approx(p["model_flops_per_device"] / (p["step_seconds"] * 5e14))
+    assert p["tokens_per_second_per_device"] == pytest.approx(8 * 128 / 8 / p["step_seconds"])  # 128 tokens
+    assert memory["device_bytes"] == 4 * 2**20 and memory["fits"] is False
+    assert memory["total_bytes"] > memory["device_bytes"] and memory["arguments_bytes"] > 0
+    assert memory["temporaries_bytes"] > 0
+    assert data["collectives"]["all-reduce"]["ops"] >= 1 and data["error"]
+    assert hardware.check(hw) == hw
+    assert sorted(os.listdir(tmp_path)) == ["hw.json", "report.json", "small_gpu.txtpb", "xla_cache"]
+    # the compiles' kernels, kept in the compilation cache directory for the next dry run
     [kernels] = os.listdir(tmp_path / "xla_cache" / "xla_gpu_kernels")
     assert kernels == f"cuda-NVIDIA_H100_80GB_HBM3-jaxlib{jaxlib.__version__}.pb"
     assert os.path.getsize(tmp_path / "xla_cache" / "xla_gpu_kernels" / kernels) > 0
