@@ -4,9 +4,9 @@ what a test asks (its train.lean_cpu_compile turns them off where XLA_FLAGS is s
 zaya_jax/runtime/host_memory.py). tests/test_train.py runs the CLI once with the trainer's default.
 
 Tests compile fast (FAST_COMPILE_FLAGS, the default of `xla_flags`): they run tiny models once or
-for a few steps, where LLVM's optimisation costs more than it saves, and with the fusion emitters
-off, which halves a train step's compile at LLVM's lowest level (docs/performance.md, "Test
-suite"). The test process (tests/conftest.py) and its subprocesses compile alike, so numbers a test
+for a few steps, where LLVM's optimisation costs more than it saves, with the fusion emitters off,
+which halves a train step's compile at LLVM's lowest level, and as one LLVM module
+(docs/performance.md, "Test suite"). The test process (tests/conftest.py) and its subprocesses compile alike, so numbers a test
 compares across processes round alike (tests/test_lm_eval_backend.py asks 1e-6 between one device
 and a 2 x 2 mesh in two processes). `xla_flags(n, fast=False)` keeps XLA's default code generation
 with the emitters on (COMPILE_FLAGS), for a run that checks a user's flag stands.
