@@ -6,10 +6,11 @@ zaya_jax/runtime/host_memory.py). tests/test_train.py runs the CLI once with the
 Tests compile fast (FAST_COMPILE_FLAGS, the default of `xla_flags`): they run tiny models once or
 for a few steps, where LLVM's optimisation costs more than it saves, with the fusion emitters off,
 which halves a train step's compile at LLVM's lowest level, and as one LLVM module
-(docs/performance.md, "Test suite"). The test process (tests/conftest.py) and its subprocesses compile alike, so numbers a test
-compares across processes round alike (tests/test_lm_eval_backend.py asks 1e-6 between one device
-and a 2 x 2 mesh in two processes). `xla_flags(n, fast=False)` keeps XLA's default code generation
-with the emitters on (COMPILE_FLAGS), for a run that checks a user's flag stands.
+(docs/performance.md, "Test suite"). The test process (tests/conftest.py) and its subprocesses
+compile alike, so numbers a test compares across processes round alike
+(tests/test_lm_eval_backend.py asks 1e-6 between one device and a 2 x 2 mesh in two processes).
+`xla_flags(n, fast=False)` keeps XLA's default code generation with the emitters on
+(COMPILE_FLAGS), for a run that checks a user's flag stands.
 """
 
 COMPILE_FLAGS = "--xla_cpu_use_fusion_emitters=true"
@@ -23,7 +24,7 @@ FAST_COMPILE = {
     "xla_llvm_disable_expensive_passes": True,
     "xla_cpu_use_fusion_emitters": False,
     # One LLVM module, not XLA's 32 compiled on parallel threads: the suite's two workers keep both
-    # cores busy, so splitting (cloning the module 32 ways) only adds work, ~14% of a compile's CPU.
+    # cores busy, so splitting (cloning the module 32 ways) only adds work (docs/performance.md).
     "xla_cpu_parallel_codegen_split_count": 1,
 }
 
