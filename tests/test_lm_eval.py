@@ -36,7 +36,7 @@ def run_lm_eval(d, monkeypatch, extra_args=""):
         model="hf",
         model_args=f"pretrained={d / 'hf'},dtype=float32,max_length={MAX_LEN}{extra_args}",
         tasks=["zaya_mc", "zaya_ppl"],
-        task_manager=TaskManager(include_path=str(d / "tasks")),
+        task_manager=TaskManager(include_path=str(d / "tasks"), include_defaults=False),
         device="cpu",
         batch_size=1,
         log_samples=True,

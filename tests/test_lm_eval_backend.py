@@ -11,11 +11,12 @@ import os
 import subprocess
 import sys
 
+import cli_fork
 import numpy as np
 import pytest
 from eval_models import orbax_from_hf, random_byte_model, write_harness_tasks
 from test_metrics import _event_tags
-from test_train import ROOT, SMALL
+from test_train import ROOT, SMALL, run_train
 from xla_env import COMPILE_FLAGS, xla_flags
 
 from zaya_jax.data.tokenizer import ByteTokenizer
@@ -211,9 +212,12 @@ def test_two_processes_match_one(model_dir):
     (XLA's default code generation): at LLVM O0 the two perplexities differ by more than 1e-6."""
     one, out = model_dir["dir"] / "one_device", model_dir["dir"] / "two_processes"
     env = _two_process_env()
-    cmd = [sys.executable, "-m", "zaya_jax.lm_eval", *cli_args(model_dir, one)]
+    # the one-device run forks from the CLI server (tests/cli_fork.py): jax read
+    # JAX_ENABLE_COMPILATION_CACHE at the server's import, so its programs may be cached (one device:
+    # none that deadlocks read back)
     one_device = {**env, "XLA_FLAGS": xla_flags(1, fast=False)}
-    r = subprocess.run(cmd, cwd=ROOT, env=one_device, capture_output=True, text=True, timeout=600)
+    server = cli_fork.shared(one_device)
+    r = server.run("lm_eval", *cli_args(model_dir, one), env=one_device, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     launch = [os.path.join(ROOT, "launch", "local_multiprocess.sh"), "2", "2", "--"]
     cmd = ["bash", *launch, sys.executable, "-m", "zaya_jax.lm_eval"]
@@ -230,18 +234,6 @@ def test_two_processes_match_one(model_dir):
     for task in ("zaya_mc", "zaya_ppl"):  # log-likelihoods of 10 to 1000 nats: fp32 rounding apart
         assert_logliks_agree(samples, my_samples, task)
     assert generations(samples) == generations(my_samples)
-
-
-def run_train(workdir, *extra, env_extra=None, check=True):
-    cmd = [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, "configs/tiny.py"),
-           "--workdir", str(workdir), *SMALL, *extra]  # fmt: skip
-    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
-    r = subprocess.run(
-        cmd, cwd=ROOT, env={**env, **(env_extra or {})}, capture_output=True, text=True, timeout=600
-    )
-    if check:
-        assert r.returncode == 0, r.stderr[-3000:]
-    return r
 
 
 @pytest.mark.slow
