@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 # The CLIs the server imports before forking (their `python -m` modules).
@@ -93,9 +94,11 @@ def serve() -> None:
 
 
 class ForkServer:
-    """A server process; `run` is subprocess.run for `python -m zaya_jax.X`, one run at a time."""
+    """A server process; `run` is subprocess.run for `python -m zaya_jax.X`, one run at a time (a
+    second thread's run waits for the first: they share the server and its output files)."""
 
     def __init__(self, env: dict[str, str] | None = None):
+        self._lock = threading.Lock()
         self._dir = tempfile.TemporaryDirectory(prefix="cli_fork_")
         self._proc = subprocess.Popen(
             [sys.executable, __file__],
@@ -110,6 +113,10 @@ class ForkServer:
     def run(
         self, module: str, *args, env: dict[str, str], cwd, umask: int = -1, timeout: float = 300
     ) -> subprocess.CompletedProcess:
+        with self._lock:
+            return self._run(module, args, env, cwd, umask, timeout)
+
+    def _run(self, module, args, env, cwd, umask, timeout) -> subprocess.CompletedProcess:
         out, err = (os.path.join(self._dir.name, name) for name in ("stdout", "stderr"))
         for path in (out, err):
             open(path, "w").close()

@@ -226,10 +226,16 @@ EVERY_MESH = [
 MESH_STEPS = 3
 
 
-@functools.cache
 def _mesh_run(mesh: tuple[tuple[str, int], ...], grad_accum: int = 1):
     """(losses, grad norms, final state on the host) of MESH_STEPS train steps of MESH_CFG as the
-    trainer builds them (train_program: ZeRO-1, distributed Muon, the balancing biases) on `mesh`."""
+    trainer builds them (train_program: ZeRO-1, distributed Muon, the balancing biases) on `mesh`;
+    once per (mesh, grad_accum) in the module, grad_accum given or not."""
+    return _mesh_run_once(mesh, grad_accum)
+
+
+@functools.cache
+def _mesh_run_once(mesh: tuple[tuple[str, int], ...], grad_accum: int):
+    """`_mesh_run`, cached on both arguments."""
     step = _compiled(mesh, grad_accum, cfg=MESH_CFG, steps=MESH_STEPS)
     losses, norms, state = _steps(step, MESH_STEPS)
     return losses, norms, jax.device_get(state)

@@ -5,7 +5,6 @@ kill -9 resume bit for bit with the master sharded over 8 data ranks."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import math
 
@@ -37,9 +36,11 @@ CAST = {
 }
 
 
-def _program(mesh: dict[str, int], cfg: ZayaConfig = BF16, **train):
-    c = tz._config(mesh, 1, cfg=cfg)
-    c.train.steps = tz.MESH_STEPS
+def _program(mesh: dict[str, int], cfg: ZayaConfig = BF16, zero1: bool = True, grad_accum: int = 1, **train):
+    """(config, validated model config, train_program) of MESH_STEPS steps of `cfg` on `mesh`:
+    mesh.zero1 `zero1`, `grad_accum` microbatches of 8 sequences, `train` overriding the rest."""
+    c = tz._config(mesh, grad_accum, cfg=cfg)
+    c.train.steps, c.mesh.zero1 = tz.MESH_STEPS, zero1
     for key, value in train.items():
         c.train[key] = value
     devices = jax.devices()[: math.prod(mesh.values())]
@@ -78,16 +79,31 @@ def test_master_is_sharded_with_the_moments_and_compute_weights_are_bf16():
     assert jax.tree.leaves(fp32_program.shardings.params) == jax.tree.leaves(replicated)
 
 
-@functools.cache
-def _run(mesh: tuple[tuple[str, int], ...], zero1: bool = True, grad_reduce_dtype: str = "float32"):
-    """(losses, grad norms, final params on the host) of MESH_STEPS steps of the bf16 model."""
-    c, cfg, program = _program(dict(mesh), grad_reduce_dtype=grad_reduce_dtype)
-    c.mesh.zero1 = zero1
-    program = train_program(c, cfg, program.mesh)
+def _bf16_run(mesh: tuple[tuple[str, int], ...], zero1: bool = True, grad_accum: int = 1, **train):
+    """(compiled HLO text, mesh, losses, grad norms, final params on the host) of MESH_STEPS steps of
+    the bf16 model (`_program`); nothing kept (the process' map limit: docs/xla-cpu-map-count.md)."""
+    c, cfg, program = _program(dict(mesh), zero1=zero1, grad_accum=grad_accum, **train)
     batch = abstract_batch(c.train.batch_size, c.train.seq_len, program.mesh)
     compiled = program.train_step.lower(program.abstract_state(), batch).compile(FAST_COMPILE)
     losses, norms, state = tz._steps(tz.Step(compiled, program, c, cfg, BF16), tz.MESH_STEPS)
-    return losses, norms, jax.device_get(state.params)
+    return compiled.as_text(), program.mesh, losses, norms, jax.device_get(state.params)
+
+
+def _run(
+    mesh: tuple[tuple[str, int], ...],
+    zero1: bool = True,
+    grad_reduce_dtype: str = "float32",
+    grad_accum: int = 1,
+):
+    """(losses, grad norms, final params on the host) of `_bf16_run` with the config's overlaps
+    ("auto": off on CPU); once per its arguments in the module, however the call spells them."""
+    return _run_once(mesh, zero1, grad_reduce_dtype, grad_accum)
+
+
+@functools.cache
+def _run_once(mesh: tuple[tuple[str, int], ...], zero1: bool, grad_reduce_dtype: str, grad_accum: int):
+    """`_run`, cached on all its arguments, positionally."""
+    return _bf16_run(mesh, zero1, grad_accum, grad_reduce_dtype=grad_reduce_dtype)[2:]
 
 
 @pytest.mark.slow
@@ -152,22 +168,15 @@ GATHER_MESHES = [
 
 
 def _gather_run(mesh: tuple[tuple[str, int], ...], grad_accum: int, gather: str, reduce: str = "off"):
-    """(compiled HLO text, losses, grad norms, final params on the host) of MESH_STEPS steps of the
-    bf16 model at `grad_accum` with the two overlaps as given; nothing kept (the process' map limit:
-    docs/xla-cpu-map-count.md)."""
-    c, cfg, program = _program(dict(mesh), overlap_param_gather=gather, overlap_grad_reduce=reduce)
-    c.train.grad_accum, c.train.batch_size = grad_accum, 8 * grad_accum
-    program = train_program(c, cfg, program.mesh)
-    batch = abstract_batch(c.train.batch_size, c.train.seq_len, program.mesh)
-    compiled = program.train_step.lower(program.abstract_state(), batch).compile(FAST_COMPILE)
-    losses, norms, state = tz._steps(tz.Step(compiled, program, c, cfg, BF16), tz.MESH_STEPS)
-    return compiled.as_text(), program.mesh, losses, norms, jax.device_get(state.params)
+    """`_bf16_run` at `grad_accum` with the two overlaps as given."""
+    return _bf16_run(mesh, grad_accum=grad_accum, overlap_param_gather=gather, overlap_grad_reduce=reduce)
 
 
-@functools.cache
 def _one_device(grad_accum: int):
-    """(losses, grad norms, final params) of `_gather_run` on one device."""
-    return _gather_run((("data", 1),), grad_accum, "off")[2:]
+    """(losses, grad norms, final params) of `_gather_run` on one device: `_run`'s, computed once
+    for the file. One device runs no per-rank loop, so both overlaps are off whatever their setting
+    (zaya_jax/parallel/overlap.py) and the config's "auto" builds the same step as "off"."""
+    return _run((("data", 1),), grad_accum=grad_accum)
 
 
 @pytest.mark.slow
@@ -223,12 +232,10 @@ def test_bf16_master_trains_and_resumes_bit_exact_after_kill_9(tmp_path):
     cmd = train_cmd(killed, *BF16_ARGS, "--config.fault.spike_zscore=0")
     resumed_from = kill_9_after_step(cmd, killed, 3, devices=8)
     assert resumed_from is not None and resumed_from < 8
-    # the uninterrupted run beside the restart (the kill above waits for steps: it runs alone);
-    # programs of 8 devices are never cached, one after the other would only add their compiles up
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        uninterrupted = pool.submit(run_train, ref, *BF16_ARGS, devices=8)
-        run_train(killed, *BF16_ARGS, devices=8)
-        uninterrupted.result()
+    # the restart, then the uninterrupted run (each compiles its step: programs of 8 devices with a
+    # collective in a loop are not cached)
+    run_train(killed, *BF16_ARGS, devices=8)
+    run_train(ref, *BF16_ARGS, devices=8)
     want, got = train_losses(ref), train_losses(killed)
     assert sorted(got) == list(range(1, 9)) and all(np.isfinite(list(want.values())))
     for s in range(resumed_from + 1, 9):
@@ -238,11 +245,12 @@ def test_bf16_master_trains_and_resumes_bit_exact_after_kill_9(tmp_path):
     for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"]), strict=True):
         assert x.dtype == np.float32  # the checkpoint holds the fp32 master
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    # resharded onto data=2 x expert=4 (the master split 2 ways, experts 4): the same fp32 state
+    # resharded onto data=2 x expert=4 (the master split 2 ways, experts 4): the same fp32 state as
+    # the killed run's step-8 checkpoint (`b`)
     resharded = tmp_path / "resharded"
     reshard(str(killed / "checkpoints" / "8"), str(resharded), {"data": 2, "expert": 4})
-    (_, c), (_, d) = _final_params(killed), _final_params(resharded)
-    for x, y in zip(jax.tree.leaves(c), jax.tree.leaves(d), strict=True):
+    (_, d) = _final_params(resharded)
+    for x, y in zip(jax.tree.leaves(b), jax.tree.leaves(d), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
