@@ -5,10 +5,10 @@ import os
 import subprocess
 import sys
 
+import cli_fork
 import jax
 import numpy as np
 import pytest
-from test_export import tiny_config
 from xla_env import xla_flags
 
 from zaya_jax import config as config_lib
@@ -48,6 +48,10 @@ def _continue(w):
 
 @pytest.mark.slow
 def test_reshard_to_other_meshes(tmp_path):
+    # imported here: test_export imports torch and transformers, which the one-device subprocess
+    # below (it imports this file) would import too
+    from test_export import tiny_config
+
     c = tiny_config(steps=STEPS)
     c.mesh.data, c.mesh.expert = 2, 4
     c.checkpoint.every_steps = 2
@@ -67,30 +71,17 @@ def test_reshard_to_other_meshes(tmp_path):
         for s in got:
             assert abs(got[s] - ref_losses[s]) < 1e-5, (name, s, got[s], ref_losses[s])
 
-    # One device: the CLI (replacing an unrelated directory), then training resumed from the
-    # resharded checkpoint, in a subprocess.
+    # One device: the CLI (replacing an unrelated directory; a process forked from one that imported
+    # the CLIs, tests/cli_fork.py), then training resumed from the resharded checkpoint, in a
+    # subprocess.
     one = tmp_path / "one"
     one.mkdir()
     (one / "old.txt").write_text("replaced by --overwrite")
     env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "zaya_jax.reshard",
-            "--src",
-            str(src / "checkpoints" / "2"),
-            "--dst",
-            str(one),
-            "--config.mesh.data=1",
-            "--config.mesh.expert=1",
-            "--overwrite",
-        ],
-        check=True,
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-    )
+    saved_at_2, to_one = src / "checkpoints" / "2", ["--config.mesh.data=1", "--config.mesh.expert=1"]
+    args = ["--src", saved_at_2, "--dst", one, *to_one, "--overwrite"]
+    cli = cli_fork.shared(env).run("reshard", *args, env=env, cwd=ROOT)
+    assert cli.returncode == 0, cli.stderr[-3000:]
     code = (
         "import sys, json; sys.path.insert(0, 'tests'); from test_reshard import _continue, _params;"
         "import numpy as np, jax;"

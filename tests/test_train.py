@@ -130,27 +130,12 @@ def test_train_on_prepared_text_file(tmp_path):
         "\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(300))
     )
     data = tmp_path / "data"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "zaya_jax.data.prepare",
-            "--input",
-            str(text),
-            "--out",
-            str(data),
-            "--doc-separator",
-            "blank-line",
-            "--eval-fraction",
-            "0.05",
-        ],
-        check=True,
-        cwd=ROOT,
-        capture_output=True,
-    )
+    args = ["--input", text, "--out", data, "--doc-separator", "blank-line", "--eval-fraction", "0.05"]
+    env = dict(os.environ)
+    prepared = cli_fork.shared(env).run("data.prepare", *args, env=env, cwd=ROOT)
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
     task = write_task(str(tmp_path / "task.jsonl"))
-    # the plan of the resumed run of test_train_writes_metrics_checkpoints_and_resumes (8 steps): its
-    # train and eval steps are read from the cache; one evaluation, at the last step
+    # 8 steps, one evaluation: at the last step
     run_train(
         tmp_path / "w",
         "--config.train.steps=8",
