@@ -72,21 +72,6 @@ def pytest_collection_modifyitems(items):
     )
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _torch_on_one_thread():
-    """torch (the reference models the tests compare against, in the pytest workers) on one thread.
-    Its default, a thread per core, only adds work here: the other pytest worker keeps the other
-    core busy, and on the tests' tiny matrices the second thread mostly spins waiting
-    (docs/performance.md, "Test suite"). Subprocesses keep torch's default (the benchmarks measure it)."""
-    try:
-        import torch
-    except ImportError:  # the test extra not installed: the tests that need torch skip
-        yield
-        return
-    torch.set_num_threads(1)
-    yield
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs(request):
     """Frees a test file's compiled programs when the file ends: its functools caches, jax's caches.

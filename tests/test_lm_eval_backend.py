@@ -15,6 +15,7 @@ import cli_fork
 import numpy as np
 import pytest
 from eval_models import orbax_from_hf, random_byte_model, write_harness_tasks
+from test_lm_eval import one_torch_thread  # noqa: F401  (autouse: lm-eval's HF model on one thread)
 from test_metrics import _event_tags
 from test_train import ROOT, SMALL, run_train
 from xla_env import COMPILE_FLAGS, xla_flags
