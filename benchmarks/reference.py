@@ -112,7 +112,7 @@ def overrides_or_exit(items: Sequence[str] | None) -> dict[str, Any]:
 def tiny_config(overrides: dict[str, Any]):
     from zaya_jax.model import ZayaConfig
 
-    # initializer_range 0.2 (as tests/hf_reference.py): peaked logits and decisive routing, a sharper
+    # initializer_range 0.2 (as tests/support/hf_reference.py): peaked logits and decisive routing, a sharper
     # agreement check than the near-uniform predictions of the 0.02 default
     return ZayaConfig.tiny(**{"vocab_size": 259, "dtype": "float32", "initializer_range": 0.2, **overrides})
 

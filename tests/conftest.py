@@ -2,9 +2,15 @@
 
 import collections
 import os
+import sys
 import tempfile
 
-from xla_env import xla_flags
+import pytest
+
+# The shared helpers' asserts report the values they compared, as the test files' own asserts do.
+pytest.register_assert_rewrite("support")
+
+from support.xla_env import xla_flags
 
 os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -27,7 +33,6 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 import gc
 
 import jax
-import pytest
 
 from zaya_jax.runtime import python_gc
 
@@ -74,7 +79,8 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs(request):
-    """Frees a test file's compiled programs when the file ends: its functools caches, jax's caches.
+    """Frees a test file's compiled programs when the file ends: its functools caches and those of
+    the shared helpers (tests/support/), then jax's caches.
 
     Every live XLA:CPU executable holds about three memory mappings per LLVM module of its code
     (code, constants, data), released when the executable is freed. A process that keeps every
@@ -82,10 +88,11 @@ def _free_compiled_programs(request):
     cannot map its code: XLA:CPU then crashes the process (docs/xla-cpu-map-count.md). A later file
     compiling the same program reads it back from the persistent cache."""
     yield
-    module = request.module
-    for value in vars(module).values():
-        # the file's own functools caches (a package's cache may be a singleton it relies on)
-        if hasattr(value, "cache_info") and getattr(value, "__module__", None) == module.__name__:
-            value.cache_clear()
+    modules = [request.module, *(m for name, m in list(sys.modules.items()) if name.startswith("support."))]
+    for module in modules:
+        for value in vars(module).values():
+            # the tests' own functools caches (a package's cache may be a singleton it relies on)
+            if hasattr(value, "cache_info") and getattr(value, "__module__", None) == module.__name__:
+                value.cache_clear()
     jax.clear_caches()
     gc.collect()

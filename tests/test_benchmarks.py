@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from xla_env import FAST_COMPILE_FLAGS, xla_flags
+from support.xla_env import FAST_COMPILE_FLAGS, xla_flags
 
 from zaya_jax.runtime import host_memory
 
@@ -146,7 +146,7 @@ def test_train_step_benchmark_writes_report(tmp_path):
     # how it was measured: torch as a user runs it (its default threads, OMP_WAIT_POLICY unset)
     method = report["method"]
     assert method["omp_wait_policy"] == "default" and method["omp_wait_policy_env"] is None
-    assert method["lean_cpu_compile"] is True  # XLA_FLAGS turns the emitters off (tests/xla_env.py)
+    assert method["lean_cpu_compile"] is True  # XLA_FLAGS turns the emitters off (tests/support/xla_env.py)
     assert method["torch_threads_set_by"] == "torch's default" and method["torch_threads"] >= 1
     assert "own spawned process" in method["processes"] and "flipped" in method["processes"]
     assert method["cores"] >= 1 and len(method["load_average_before"]) == 3
@@ -700,7 +700,7 @@ def test_gpu_check_cases_are_valid_one_device_configs():
 def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     """The script's whole path (compile, predict, run, time, report) on one CPU device; without
     --allow-cpu it refuses the CPU with one error line."""
-    from test_timeline import one_error
+    from support.cli_runs import one_error
 
     env = {**os.environ, "XLA_FLAGS": FAST_COMPILE_FLAGS}  # the script sets its device count
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

@@ -1,7 +1,6 @@
 """Checkpoints: retention, time-based saves, corrupted checkpoints, exact resume after kill -9,
 SIGTERM, the step watchdog, NaN / spike handling (events.jsonl)."""
 
-import glob
 import json
 import os
 import signal
@@ -12,15 +11,15 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
-from test_train import ROOT, SMALL, run_train, tiny_config, train_cmd, train_losses
-from xla_env import xla_flags
+from support.checkpoints import corrupt_state, final_params, kill_9_after_step, wait_for_step
+from support.configs import tiny_config
+from support.train_runs import ROOT, SMALL, run_train, train_cmd, train_losses
+from support.xla_env import xla_flags
 
 from zaya_jax.training.checkpoint import Checkpointer, CheckpointError, abstract_like, checkpoint_workdir
 from zaya_jax.training.events import EventLog, read_events
 from zaya_jax.training.fault import StepWatchdog
-from zaya_jax.training.metrics import read_metrics
 
 
 def _state(step):
@@ -33,21 +32,6 @@ def _save_steps(workdir, steps, **kw):
         ck.save(s, _state(s), {"pos": s}, {"seed": 0})
     ck.wait()
     return ck
-
-
-def _corrupt(workdir, step):
-    """Truncates every array data file of the checkpoint's `state` item."""
-    files = [
-        f
-        for f in glob.glob(
-            os.path.join(workdir, "checkpoints", str(step), "state", "**", "d", "*"), recursive=True
-        )
-        if os.path.isfile(f)
-    ]
-    assert files
-    for f in files:
-        with open(f, "r+b") as fh:
-            fh.truncate(max(os.path.getsize(f) // 3, 1))
 
 
 def test_replicated_arrays_are_sliced_per_replica_only_when_large(tmp_path, caplog):
@@ -79,7 +63,7 @@ def test_replicated_arrays_are_sliced_per_replica_only_when_large(tmp_path, capl
 
 def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, capsys):
     ck = _save_steps(tmp_path, [1, 2, 3])
-    _corrupt(tmp_path, 3)
+    corrupt_state(tmp_path, 3)
     seen = []
     step, state, data, config = ck.restore_latest(
         abstract_like(_state(0)), on_corrupt=lambda s, m: seen.append(s)
@@ -99,7 +83,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, capsys):
 def test_all_checkpoints_corrupt_is_a_clear_error(tmp_path):
     ck = _save_steps(tmp_path, [1, 2])
     for s in (1, 2):
-        _corrupt(tmp_path, s)
+        corrupt_state(tmp_path, s)
     with pytest.raises(CheckpointError, match="no readable checkpoint in .*checkpoints"):
         ck.restore_latest(abstract_like(_state(0)))
     ck.close()
@@ -161,15 +145,6 @@ def test_watchdog_dumps_stacks_and_exits_3(tmp_path):
     assert "WATCHDOG: step 7" in proc.stderr and "Thread" in proc.stderr
 
 
-def _final_params(workdir):
-    """(latest step, its saved TrainState as a pytree of arrays), read without a target structure."""
-    ck = Checkpointer(str(workdir), read_only=True)
-    step = ck.latest_step()
-    state = ck._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
-    ck.close()
-    return step, state
-
-
 # One plan for the fault tests' runs (fault.inject_* poisons batches on the host, the program is
 # the same): the first run compiles the train and eval steps, the others read them from the cache.
 FAULT_STEPS = 12
@@ -182,50 +157,6 @@ def _cmd(workdir, *extra):
 
 def _env():
     return {**os.environ, "XLA_FLAGS": xla_flags(1)}
-
-
-def _wait_for_step(proc, workdir, step, timeout=300):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        try:
-            if any(r["step"] >= step for r in read_metrics(str(workdir), split="train")):
-                return
-        except FileNotFoundError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError("timed out")
-
-
-def kill_9_after_step(cmd, workdir, step, devices: int = 1) -> int | None:
-    """Runs `cmd` (a training command into `workdir`) on `devices` simulated CPU devices, kills it
-    with SIGKILL once `step` is logged and a checkpoint is committed, and returns the latest
-    checkpoint step it left."""
-    env = {**os.environ, "XLA_FLAGS": xla_flags(devices)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _wait_for_step(proc, workdir, step)
-    _wait_for_a_checkpoint(proc, workdir)
-    proc.kill()
-    proc.wait()
-    return _latest_checkpoint(workdir)
-
-
-def _latest_checkpoint(workdir) -> int | None:
-    ck = Checkpointer(str(workdir), read_only=True)
-    try:
-        return ck.latest_step()
-    finally:
-        ck.close()
-
-
-def _wait_for_a_checkpoint(proc, workdir, timeout=120):
-    """Waits until a checkpoint is committed: saves are asynchronous, and on a loaded machine the
-    first one can still be in flight when `step` is logged (a kill then leaves nothing to resume)."""
-    t0 = time.time()
-    while time.time() - t0 < timeout and proc.poll() is None:
-        if os.path.isdir(os.path.join(workdir, "checkpoints")) and _latest_checkpoint(workdir) is not None:
-            return
-        time.sleep(0.2)
 
 
 @pytest.mark.slow
@@ -243,7 +174,7 @@ def test_kill_9_and_restart_matches_an_uninterrupted_run(tmp_path):
     assert sorted(got) == list(range(1, FAULT_STEPS + 1))
     for s in range(resumed_from + 1, FAULT_STEPS + 1):
         assert got[s] == ref_losses[s], (s, got[s], ref_losses[s])
-    (sa, a), (sb, b) = _final_params(ref), _final_params(killed)
+    (sa, a), (sb, b) = final_params(ref), final_params(killed)
     assert sa == sb == FAULT_STEPS
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -260,7 +191,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_143(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    _wait_for_step(proc, w, 3)
+    wait_for_step(proc, w, 3)
     proc.send_signal(signal.SIGTERM)
     sent_at = max(train_losses(w))
     _out, err = proc.communicate(timeout=120)

@@ -1,61 +1,22 @@
 """Every CLI turns user errors into one `error: ...` line naming the key / file, a non-zero exit and
 no traceback; a wrong command leaves the workdir it names byte-identical (each run a process of its
-own running the CLI's `__main__`, forked from one that imported the CLIs: tests/cli_fork.py). The
+own running the CLI's `__main__`, forked from one that imported the CLIs: tests/support/cli_fork.py). The
 bad inputs stop at validation, before anything compiles; the cases that need a trained run share
 one tiny workdir."""
 
-import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 
-import cli_fork
 import numpy as np
 import pytest
-from test_train import ROOT, SMALL, run_train, train_losses
-from xla_env import xla_flags
+from support.cli_runs import ENV, TINY, assert_one_line_error, prepare_text, run_cli, tree_digest
+from support.train_runs import ROOT, SMALL, run_train, train_losses
 
 from zaya_jax.runtime import device_memory
 from zaya_jax.training.checkpoint import Checkpointer
-
-TINY = os.path.join(ROOT, "configs/tiny.py")
-ENV = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
-ENV.pop("ZAYA_DEBUG", None)
-
-
-def run_cli(module, *args, env=None, cwd=ROOT, umask=-1):
-    """`python -m zaya_jax.MODULE ARGS` with ENV and `env` on top, forked from a process that has
-    imported the CLIs (tests/cli_fork.py): a CompletedProcess with its exit code, stdout and stderr."""
-    return cli_fork.shared(ENV).run(module, *args, env={**ENV, **(env or {})}, cwd=cwd, umask=umask)
-
-
-def assert_one_line_error(proc, *names):
-    """Exit 2, stderr is exactly one line `error: ...` containing each of `names`, no traceback."""
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
-    for name in names:
-        assert str(name) in lines[0], (name, lines[0])
-    print(f"\nCLI-ERROR {' '.join(proc.args[2:])}\n  -> {lines[0]}")  # the table of bad inputs (pytest -s)
-    return lines[0]
-
-
-def tree_digest(path):
-    """{relative path: (mode, sha256 of the file or 'dir')} of everything under `path`."""
-    out = {}
-    for root, dirs, files in os.walk(path):
-        for d in dirs:
-            p = os.path.join(root, d)
-            out[os.path.relpath(p, path)] = (os.lstat(p).st_mode, "dir")
-        for f in files:
-            p = os.path.join(root, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, path)] = (os.lstat(p).st_mode, hashlib.sha256(fh.read()).hexdigest())
-    return out
-
 
 STEPS = ["--config.train.steps=6", "--config.checkpoint.every_steps=3", "--config.eval.every_steps=0"]
 
@@ -130,24 +91,15 @@ def test_train_workdir_is_a_file(tmp_path):
     assert f.read_text() == "mine"
 
 
-def _prepare(tmp_path, *args):
-    text = tmp_path / "book.txt"
-    text.write_text("Call me Ishmael. Some years ago, never mind how long precisely. " * 40)
-    out = tmp_path / "data"
-    proc = run_cli("data.prepare", "--input", text, "--out", out, *args)
-    assert proc.returncode == 0, proc.stderr
-    return out
-
-
 def test_train_empty_eval_split_fails_at_start(tmp_path):
-    data = _prepare(tmp_path, "--eval-fraction", "0")
+    data = prepare_text(tmp_path, "--eval-fraction", "0")
     w = tmp_path / "w"
     assert_one_line_error(train_cli(w, f"--config.data.path={data}"), str(data), "eval")
     assert not (w / "checkpoints").exists() and not (w / "metrics.jsonl").exists()
 
 
 def test_train_truncated_shard_names_the_file(tmp_path):
-    data = _prepare(tmp_path)
+    data = prepare_text(tmp_path)
     shard = data / "train" / "shard_00000.npy"
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
@@ -442,7 +394,7 @@ def test_prepare_one_text_file_gets_an_eval_split(tmp_path):
     tail of the text, and the train split keeps the rest; every token is in exactly one."""
     from zaya_jax.data.prepared import load_split
 
-    data = _prepare(tmp_path)
+    data = prepare_text(tmp_path)
     meta = json.loads((data / "meta.json").read_text())
     n = len(("Call me Ishmael. Some years ago, never mind how long precisely. " * 40).encode())
     assert meta["splits"]["eval"]["num_docs"] == 1 and meta["eval_tail_tokens"] == int(
@@ -539,7 +491,7 @@ def test_reshard_copies_the_tokenizer(trained, tmp_path):
 
 @pytest.mark.slow
 def test_resume_on_data_of_another_tokenizer_is_refused(trained, tmp_path):
-    from test_tokenizer import build_hf_tokenizer
+    from support.tokenizers import build_hf_tokenizer
 
     from zaya_jax.data.tokenizer import HFTokenizer
 
@@ -570,10 +522,10 @@ def test_init_from_another_model_names_the_key(trained, tmp_path):
 def test_corrupt_checkpoint_warning_is_one_line(trained, tmp_path):
     """An unreadable newest checkpoint: one warning line naming the step and the file, then the
     run resumes from the one before."""
-    from test_checkpoint import _corrupt
+    from support.checkpoints import corrupt_state
 
     w = copy_run(trained, tmp_path)
-    _corrupt(w, 6)
+    corrupt_state(w, 6)
     proc = train_cli(w)
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if "cannot be restored" in line]
@@ -590,7 +542,7 @@ def test_debug_env_shows_the_traceback(tmp_path):
 
 
 def test_a_forked_run_is_what_python_dash_m_gives(tmp_path):
-    """run_cli's fork (tests/cli_fork.py) gives a fresh `python -m` process' exit code, stdout and
+    """run_cli's fork (tests/support/cli_fork.py) gives a fresh `python -m` process' exit code, stdout and
     stderr: an argparse CLI and an absl one, an error, a traceback, a usage message."""
     cases = [
         ("plot", [tmp_path / "missing"], {}),

@@ -1,7 +1,7 @@
 """Every numeric or enumerated flag of every CLI, and every enumerated or numeric config key,
 refuses a value outside what it declares with one `error:` line naming it, exit 2, before anything
 is loaded (zaya_jax/runtime/cli.py, "declared flag values"; zaya_jax/config.py). The flags are walked by
-tests/cli_walk.py in one subprocess through each CLI's real `__main__`; a new CLI is one row of its
+tests/support/cli_walk.py in one subprocess through each CLI's real `__main__`; a new CLI is one row of its
 CLIS table, a new flag is walked as soon as it is defined."""
 
 import ast
@@ -12,8 +12,8 @@ import sys
 
 import ml_collections
 import pytest
-from cli_walk import CLIS, ROOT
-from test_cli_errors import ENV, assert_one_line_error, run_cli
+from support.cli_runs import ENV, assert_one_line_error, run_cli
+from support.cli_walk import CLIS, ROOT
 
 from zaya_jax import config as config_lib
 
@@ -21,7 +21,7 @@ from zaya_jax import config as config_lib
 @pytest.fixture(scope="module")
 def walked():
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tests", "cli_walk.py")],
+        [sys.executable, os.path.join(ROOT, "tests", "support", "cli_walk.py")],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -56,7 +56,7 @@ def _cli_modules() -> set[str]:
 
 
 def test_every_cli_is_in_the_walk():
-    assert _cli_modules() == {c.run for c in CLIS}, "add the new CLI to tests/cli_walk.py CLIS"
+    assert _cli_modules() == {c.run for c in CLIS}, "add the new CLI to tests/support/cli_walk.py CLIS"
 
 
 def test_every_numeric_flag_declares_its_values(walked):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from xla_env import xla_flags
+from support.xla_env import xla_flags
 
 from zaya_jax.runtime import compile_cache
 

@@ -1,20 +1,11 @@
 """The training config schema (zaya_jax/config.py) and the shipped configs/."""
 
-import importlib.util
 import os
 
 import pytest
+from support.configs import CONFIGS, load
 
 from zaya_jax import config as config_lib
-
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
-
-
-def load(name, arg=None):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIGS, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg) if arg else module.get_config()
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_train import run_train, train_losses
-from xla_env import FAST_COMPILE
+from support.context_batch import CFG, B, S, padded_batch
+from support.train_runs import run_train, train_losses
+from support.xla_env import FAST_COMPILE
 
 from zaya_jax.config import base_config, validate
 from zaya_jax.kernels import reference_attention
@@ -58,16 +59,6 @@ from zaya_jax.training.train_state import (
     state_shardings,
 )
 
-# Block 1 has a sliding window (8) shorter than a context rank's chunk: its mask is on global positions.
-CFG = ZayaConfig.tiny(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_experts=8,
-    moe_intermediate_size=32,
-    vocab_size=128,
-    layer_types=("hybrid", "hybrid_sliding"),
-    sliding_window=8,
-)
 # (data, fsdp, expert, context)
 MESHES = {
     "context2_data4": (4, 1, 1, 2),
@@ -76,8 +67,7 @@ MESHES = {
     "context8": (1, 1, 1, 8),
     "context4_fsdp2": (1, 2, 1, 4),
 }
-B, S = 8, 32
-# Programs run once: tests/xla_env.py FAST_COMPILE (interpreted Pallas kernels are large while
+# Programs run once: tests/support/xla_env.py FAST_COMPILE (interpreted Pallas kernels are large while
 # loops; the model equality cases compile ~35% faster with it, measured).
 
 
@@ -157,19 +147,6 @@ def test_flat_tokens_stay_on_their_device():
     assert fold_sequences(x, mesh).shape == (16, 8, 3)
 
 
-def _padded_batch():
-    """Left- and right-padded rows and packed documents (segment ids), next-token targets."""
-    r = np.random.default_rng(3)
-    ids = r.integers(3, CFG.vocab_size, size=(B, S + 1)).astype(np.int32)
-    mask = np.ones((B, S), np.int32)
-    mask[1, :11] = 0  # padding that crosses the first context boundary (S/4 = 8)
-    mask[3, 13:] = 0
-    segments = np.zeros((B, S), np.int32)
-    segments[2, 9:] = 1
-    segments[5, 16:] = 1  # a document starting exactly at a rank boundary
-    return {"input_ids": ids[:, :-1], "targets": ids[:, 1:], "attention_mask": mask, "segment_ids": segments}
-
-
 @functools.cache
 def _variables(cfg: ZayaConfig):
     """init_variables(cfg, key 1) as one jitted program (FAST_COMPILE), not op by op (~20 s on a
@@ -202,7 +179,7 @@ def _loss_grads(mesh, layout=CONTIGUOUS, cfg=CFG, compiler_options=FAST_COMPILE)
         loss = jnp.sum(token_cross_entropy(out.logits, batch["targets"]) * w) / jnp.sum(w)
         return loss, (out.expert_counts, from_layout(out.logits, layout, context_size(mesh)))
 
-    batch = _padded_batch()
+    batch = padded_batch()
     if mesh is None:
         batch = jax.tree.map(jnp.asarray, batch)
     else:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.batches import KEYS, assert_batches_equal, take
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from zaya_jax.data import EMBEDDED_EVAL_FRACTION, EMBEDDED_SPLIT_SEED, load_embedded_corpus, split_documents
@@ -25,7 +26,6 @@ from zaya_jax.data.prepared import TokenDocuments, load_split
 from zaya_jax.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-KEYS = {"input_ids", "targets", "loss_mask"}
 
 
 def run_prepare(*args):
@@ -278,19 +278,6 @@ def test_packing_epochs_are_complete_and_reshuffled():
 
 # ------------------------------------------------------------------------------------------------
 # Determinism, sharding, checkpointing
-
-
-def take(ds_or_it, n):
-    it = iter(ds_or_it)
-    return [next(it) for _ in range(n)]
-
-
-def assert_batches_equal(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert set(x) == set(y) == KEYS
-        for k in KEYS:
-            np.testing.assert_array_equal(x[k], y[k])
 
 
 def test_determinism_by_seed(byte_data_dir):

@@ -14,7 +14,7 @@ import pytest
 from jax._src import config as jax_config  # a config option as a context: not public
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from xla_env import FAST_COMPILE_FLAGS
+from support.xla_env import FAST_COMPILE_FLAGS
 
 from zaya_jax.analysis import compiled as compiled_lib
 from zaya_jax.analysis import dry_run, fit, report

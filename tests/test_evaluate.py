@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from eval_models import TASK, TEXT, orbax_from_hf, save_byte_hf_model, write_task, write_text
+from support.eval_models import TASK, TEXT, orbax_from_hf, save_byte_hf_model, write_task, write_text
 
 from zaya_jax.data.tokenizer import ByteTokenizer
 from zaya_jax.evaluate import evaluate, parse_data_spec, parse_mesh

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from xla_env import FAST_COMPILE, XLA_DEFAULT_COMPILE
+from support.xla_env import FAST_COMPILE, XLA_DEFAULT_COMPILE
 
 from zaya_jax.analysis import hlo
 from zaya_jax.model import BALANCING, ZayaConfig, ZayaForCausalLM, init_variables
@@ -184,7 +184,7 @@ def test_capacity_factor_drops_and_counts_exactly():
 
 
 def _model_loss_and_grads(cfg, mesh, variables, batch):
-    """((mean token loss, dropped), gradients), compiled with FAST_COMPILE (tests/xla_env.py: a
+    """((mean token loss, dropped), gradients), compiled with FAST_COMPILE (tests/support/xla_env.py: a
     program run once; the single device and the meshes alike)."""
     model = ZayaForCausalLM(cfg, mesh)
 
@@ -237,7 +237,7 @@ def test_model_with_skewed_router_matches_single_device(mesh_shape, remat, model
 def test_bad_exchange_capacity_factor_is_a_one_line_error(tmp_path):
     """`--config.model.moe_exchange_capacity_factor=0`: one `error:` line naming the key, exit 2,
     and no workdir created."""
-    from test_cli_errors import TINY, assert_one_line_error, run_cli
+    from support.cli_runs import TINY, assert_one_line_error, run_cli
 
     workdir = tmp_path / "run"
     proc = run_cli(
@@ -257,9 +257,9 @@ def test_train_logs_the_spill_rounds(tmp_path):
     blocks of both expert groups take the spill round on every step, so metrics.jsonl and
     TensorBoard hold expert_exchange/spill_blocks = 4 and spill_step_fraction = 1, and `python -m
     zaya_jax.plot` draws them; at 4 on expert=4 alone (C = T: no bucket can overflow) both are 0."""
-    from test_metrics import _event_tags
-    from test_plot import _is_png, _run
-    from test_train import run_train
+    from support.events import event_tags
+    from support.plots import is_png, run_plot
+    from support.train_runs import run_train
 
     spills = {}
     for factor, devices in ((0.25, 8), (4.0, 4)):
@@ -271,11 +271,11 @@ def test_train_logs_the_spill_rounds(tmp_path):
         records = read_metrics(str(workdir), split="train")
         assert [r["step"] for r in records] == [2, 4]
         spills[factor] = [(r[SPILL_BLOCKS], r[SPILL_STEP_FRACTION]) for r in records]
-        tags = _event_tags(workdir / "tensorboard")
+        tags = event_tags(workdir / "tensorboard")
         assert [v for _, v in tags[f"train/{SPILL_BLOCKS}"]] == [b for b, _ in spills[factor]]
         assert [v for _, v in tags[f"train/{SPILL_STEP_FRACTION}"]] == [f for _, f in spills[factor]]
     assert spills == {0.25: [(4.0, 1.0), (4.0, 1.0)], 4.0: [(0.0, 0.0), (0.0, 0.0)]}
-    res = _run(tmp_path / "0.25")
+    res = run_plot(tmp_path / "0.25")
     assert res.returncode == 0, res.stderr
     assert str(tmp_path / "0.25" / "expert_exchange.png") in res.stdout.split()
-    assert _is_png(tmp_path / "0.25" / "expert_exchange.png")
+    assert is_png(tmp_path / "0.25" / "expert_exchange.png")

@@ -1,6 +1,5 @@
 """Export a training checkpoint to transformers and import it back (zaya_jax.export / import_hf)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from support.configs import small_train_config
+from support.xla_env import xla_flags
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from xla_env import xla_flags
 
 from zaya_jax import model
 from zaya_jax.data.tokenizer import ByteTokenizer, load_tokenizer
@@ -28,25 +28,10 @@ HELD_OUT = (
 )
 
 
-def tiny_config(steps=3):
-    spec = importlib.util.spec_from_file_location("tiny_cfg", os.path.join(ROOT, "configs/tiny.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    c = mod.get_config()
-    c.model.hidden_size, c.model.num_hidden_layers, c.model.num_experts = 64, 2, 4
-    c.model.moe_intermediate_size = 64
-    c.train.steps, c.train.batch_size, c.train.seq_len = steps, 8, 32
-    c.optim.warmup_steps = 1
-    c.eval.every_steps, c.eval.batches, c.eval.batch_size = 0, 1, 8
-    c.checkpoint.every_steps = 0
-    c.logging.tensorboard, c.logging.console, c.logging.every_steps = False, False, 1
-    return c
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     w = tmp_path_factory.mktemp("run")
-    train(tiny_config(), str(w))
+    train(small_train_config(), str(w))
     return w
 
 
@@ -164,7 +149,7 @@ def test_import_hf_then_init_from(trained, tmp_path):
     export(str(trained), str(tmp_path / "hf"), dtype="float32")
     (tmp_path / "imported").mkdir()
     (tmp_path / "imported" / "old.txt").write_text("replaced")
-    info = import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"), tiny_config(), overwrite=True)
+    info = import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"), small_train_config(), overwrite=True)
     assert not (tmp_path / "imported" / "old.txt").exists()
     assert info["step"] == 0 and info["tokenizer"] == "byte"
     # the tokenizer files come back: exporting the imported checkpoint writes the same ones
@@ -174,13 +159,13 @@ def test_import_hf_then_init_from(trained, tmp_path):
     ids = np.asarray([ByteTokenizer().encode(HELD_OUT)], np.int64)
     np.testing.assert_array_equal(_ours(tmp_path / "imported", ids), _ours(trained, ids))
 
-    c = tiny_config(steps=2)
+    c = small_train_config(steps=2)
     c.train.init_from = str(tmp_path / "imported")
     w = tmp_path / "phase2"
     summary = train(c, str(w))
     assert summary["start_step"] == 0 and summary["final_step"] == 2
     # It started from the imported params: the first loss is the trained model's, not a fresh init's.
-    fresh = train(tiny_config(steps=1), str(tmp_path / "fresh"))
+    fresh = train(small_train_config(steps=1), str(tmp_path / "fresh"))
     from zaya_jax.training.metrics import read_metrics
 
     first = read_metrics(str(w), split="train")[0]["loss"]

@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from test_train import ROOT, run_train, summary_of, train_losses
+from support.train_runs import ROOT, run_train, summary_of, train_losses
 
 from zaya_jax.config import base_config
 from zaya_jax.training.events import read_events
@@ -126,7 +126,7 @@ def test_rollback_decided_a_step_late_equals_the_synchronous_loop(tmp_path):
     reads every loss before the next dispatch (train.sync_every_step) and confirms with an eval step.
     Every step is logged, a step late too: its record (metrics, skipped count, data position) is the
     synchronous loop's."""
-    from test_checkpoint import _final_params
+    from support.checkpoints import final_params
 
     args = [
         "--config.train.steps=12",
@@ -143,7 +143,7 @@ def test_rollback_decided_a_step_late_equals_the_synchronous_loop(tmp_path):
         w = tmp_path / mode
         summary = summary_of(run_train(w, *args, f"--config.train.sync_every_step={mode == 'sync'}"))
         events = {kind: read_events(str(w), kind) for kind in ("skipped_update", "spike", "rollback", "save")}
-        runs[mode] = (summary, events, _train_records(w), _final_params(w))
+        runs[mode] = (summary, events, _train_records(w), final_params(w))
     (s_late, ev_late, loss_late, (step_late, p_late)), (s_sync, ev_sync, loss_sync, (step_sync, p_sync)) = (
         runs["late"],
         runs["sync"],

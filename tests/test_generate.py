@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hf_reference import Case, random_hf_model
+from support.hf_reference import Case, random_hf_model
 
 from zaya_jax import hf
 from zaya_jax.generate import (
@@ -115,7 +115,7 @@ def test_top_p_keeps_the_smallest_nucleus():
 
 
 def test_cli_from_orbax_and_hf_checkpoints_agree(tmp_path, capsys):
-    from eval_models import orbax_from_hf, save_byte_hf_model
+    from support.eval_models import orbax_from_hf, save_byte_hf_model
 
     from zaya_jax.data.tokenizer import ByteTokenizer
     from zaya_jax.generate import main

@@ -8,7 +8,7 @@ experts' compiled work stays at the routed work whatever the expert count, and t
 
 Compiles are shared (module fixtures) and small: one block of width 64, 8 sequences of 512 tokens
 (512 tokens per device on data=8). The MI300X ones load compile-only stand-ins for the ROCm
-libraries (tests/rocm_standins.py: built with gcc from the plugin's undefined symbols).
+libraries (tests/support/rocm_standins.py: built with gcc from the plugin's undefined symbols).
 """
 
 import functools
@@ -23,8 +23,8 @@ import pytest
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="the gpu_compile extra is not installed")
 
-import rocm_standins
-from xla_env import FAST_COMPILE_FLAGS
+from support import rocm_standins
+from support.xla_env import FAST_COMPILE_FLAGS
 
 from zaya_jax import sizing
 from zaya_jax.analysis import compiled as compiled_lib

@@ -12,8 +12,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from hf_reference import Case, hf_logits, random_case, random_hf_model, random_inputs
 from safetensors.numpy import load_file
+from support.hf_reference import Case, hf_logits, random_case, random_hf_model, random_inputs
 from transformers import AutoModelForCausalLM
 
 from zaya_jax import hf, model

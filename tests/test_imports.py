@@ -394,20 +394,43 @@ def test_architecture_doc_has_the_layer_table():
 BENCHMARK_TESTS = {"test_benchmarks.py", "test_systems_benchmarks.py"}
 
 
+def _imported_modules(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import in `path`, deferred ones included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.append((node.lineno, node.module or ""))
+    return found
+
+
 def test_tests_import_nothing_from_benchmarks_but_their_own():
     """Only the benchmarks' own tests import `benchmarks`; the helpers the tests share live in
-    tests/ or the package."""
+    tests/support/ or the package."""
     found = []
     for path in sorted((REPO / "tests").rglob("*.py")):
         if path.name in BENCHMARK_TESTS:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                names = [node.module or ""]
-            else:
-                continue
-            bad = [n for n in names if n == "benchmarks" or n.startswith("benchmarks.")]
-            found += [f"{path.relative_to(REPO)}:{node.lineno} imports {n}" for n in bad]
+        found += [
+            f"{path.relative_to(REPO)}:{line} imports {name}"
+            for line, name in _imported_modules(path)
+            if name == "benchmarks" or name.startswith("benchmarks.")
+        ]
+    assert not found, found
+
+
+def test_shared_test_helpers_live_in_support():
+    """tests/ holds test files and conftest.py; what several of them use lives in tests/support/, and
+    no test file or helper imports a test file."""
+    tests = (REPO / "tests").glob("*.py")
+    strays = [p.name for p in tests if p.name != "conftest.py" and not p.name.startswith("test_")]
+    assert not strays, f"move {strays} into tests/support/"
+    found = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        found += [
+            f"{path.relative_to(REPO)}:{line} imports {name}"
+            for line, name in _imported_modules(path)
+            if name.split(".")[0].startswith("test_") or name == "conftest"
+        ]
     assert not found, found

@@ -13,9 +13,10 @@ import threading
 import time
 
 import pytest
-from eval_models import BYTE_CASE, write_text
-from hf_reference import random_hf_model
-from test_cli_errors import ENV, ROOT, assert_one_line_error, run_cli, tree_digest
+from support.cli_runs import ENV, assert_one_line_error, run_cli, tree_digest
+from support.eval_models import BYTE_CASE, write_text
+from support.hf_reference import random_hf_model
+from support.train_runs import ROOT
 
 from zaya_jax.data.tokenizer import ByteTokenizer
 from zaya_jax.runtime import interrupt

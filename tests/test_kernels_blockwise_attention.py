@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_context_parallel import CFG, _padded_batch
-from test_train import run_train, train_losses
-from xla_env import FAST_COMPILE
+from support.context_batch import CFG, padded_batch
+from support.train_runs import run_train, train_losses
+from support.xla_env import FAST_COMPILE
 
 from zaya_jax.analysis import hlo
 from zaya_jax.kernels import attention_choice, block_sizes
@@ -178,7 +178,7 @@ def _model_loss_grads(impl: str, mesh):
     cfg = CFG.replace(attention_impl=impl)
     model = ZayaForCausalLM(cfg, mesh)
     variables = jax.jit(init_variables, static_argnums=0)(cfg, jax.random.key(1))  # one program
-    batch = jax.tree.map(jnp.asarray, _padded_batch())
+    batch = jax.tree.map(jnp.asarray, padded_batch())
     if mesh is not None:
         batch = jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh)), batch)
 
@@ -192,7 +192,7 @@ def _model_loss_grads(impl: str, mesh):
         w = batch["attention_mask"].astype(jnp.float32)
         return jnp.sum(token_cross_entropy(out.logits, batch["targets"]) * w) / jnp.sum(w)
 
-    # Each program runs once: FAST_COMPILE (tests/xla_env.py) compiles it faster.
+    # Each program runs once: FAST_COMPILE (tests/support/xla_env.py) compiles it faster.
     fn = jax.jit(jax.value_and_grad(objective)).lower(variables["params"])
     return fn.compile(compiler_options=FAST_COMPILE)(variables["params"])
 

@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_lowering import lowered_triton_kernels
-from xla_env import FAST_COMPILE
+from support.gmm_operands import operands
+from support.kernel_lowering import lowered_triton_kernels
+from support.xla_env import FAST_COMPILE
 
 from zaya_jax.kernels import grouped_matmul, reference_grouped_matmul, swiglu_grouped_pallas, tgmm
 from zaya_jax.kernels.grouped_matmul import make_tiles, num_tiles
@@ -33,14 +34,6 @@ def current_test() -> str:
 
 def run_compiled(fn, *args):
     return jax.jit(fn).lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
-
-
-def operands(t, k, n, g, dtype, seed=0):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
-    lhs = jax.random.normal(ks[0], (t, k), jnp.float32).astype(dtype)
-    rhs = jax.random.normal(ks[1], (g, k, n), jnp.float32).astype(dtype)
-    dout = jax.random.normal(ks[2], (t, n), jnp.float32)
-    return lhs, rhs, dout
 
 
 def check_gmm(lhs, rhs, dout, group_sizes, *, dtype, out_dtype=jnp.float32, **blocks):

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_lowering import lowered_triton_kernels
-from xla_env import FAST_COMPILE
+from support.kernel_lowering import lowered_triton_kernels
+from support.xla_env import FAST_COMPILE
 
 from zaya_jax.kernels import newton_schulz, reference_newton_schulz
 from zaya_jax.kernels.newton_schulz import orthogonalize

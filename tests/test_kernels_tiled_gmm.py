@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_kernels_gmm import operands
+from support.gmm_operands import operands
 
 from zaya_jax.kernels.tiled_grouped_matmul import (
     num_tiles,

@@ -99,7 +99,7 @@ def test_sbatch_xla_flags_parse_in_this_jaxlib():
 def test_the_processes_of_a_run_stop_together_on_a_workdir_in_use(tmp_path):
     """Process 0 holds the workdir lock for the run; on a workdir another run holds (this test
     process, alive) every process stops with its one-line error."""
-    from test_workdir_lock import own_lock
+    from support.workdir_locks import own_lock
 
     w = tmp_path / "w"
     own_lock(w)

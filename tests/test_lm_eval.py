@@ -7,24 +7,12 @@ import json
 
 import numpy as np
 import pytest
-import torch
-from eval_models import TASK, orbax_from_hf, random_byte_model, write_harness_tasks
+from support.eval_models import TASK, orbax_from_hf, random_byte_model, write_harness_tasks
 
 from zaya_jax.evaluate.__main__ import main as evaluate_main
 from zaya_jax.export import export
 
 MAX_LEN = 64  # several rolling windows per document
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """torch (lm-eval's HF model) on one thread for this file, then its own count again: on tiny
-    matrices, with the other pytest worker busy, a second thread mostly waits, and a forward pass
-    takes several times the CPU time of one thread's."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

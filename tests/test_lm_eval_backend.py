@@ -11,14 +11,14 @@ import os
 import subprocess
 import sys
 
-import cli_fork
 import numpy as np
 import pytest
-from eval_models import orbax_from_hf, random_byte_model, write_harness_tasks
-from test_lm_eval import one_torch_thread  # noqa: F401  (autouse: lm-eval's HF model on one thread)
-from test_metrics import _event_tags
-from test_train import ROOT, SMALL, run_train
-from xla_env import COMPILE_FLAGS, xla_flags
+from support import cli_fork
+from support.eval_models import orbax_from_hf, random_byte_model, write_harness_tasks
+from support.events import event_tags
+from support.torch_threads import one_torch_thread  # noqa: F401  (autouse: lm-eval's HF model on one thread)
+from support.train_runs import ROOT, SMALL, run_train
+from support.xla_env import COMPILE_FLAGS, xla_flags
 
 from zaya_jax.data.tokenizer import ByteTokenizer
 from zaya_jax.export import export
@@ -213,7 +213,7 @@ def test_two_processes_match_one(model_dir):
     (XLA's default code generation): at LLVM O0 the two perplexities differ by more than 1e-6."""
     one, out = model_dir["dir"] / "one_device", model_dir["dir"] / "two_processes"
     env = _two_process_env()
-    # the one-device run forks from the CLI server (tests/cli_fork.py): jax read
+    # the one-device run forks from the CLI server (tests/support/cli_fork.py): jax read
     # JAX_ENABLE_COMPILATION_CACHE at the server's import, so its programs may be cached (one device:
     # none that deadlocks read back)
     one_device = {**env, "XLA_FLAGS": xla_flags(1, fast=False)}
@@ -252,7 +252,7 @@ def test_training_logs_the_harness_metrics_of_the_cli(model_dir, tmp_path):
         "eval_harness/zaya_mc/acc", "eval_harness/zaya_mc/acc_norm", "eval_harness/zaya_gen/exact_match",
         *(f"eval_harness/zaya_ppl/{m}" for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")),
     }  # fmt: skip
-    tags = _event_tags(tmp_path / "w" / "tensorboard")
+    tags = event_tags(tmp_path / "w" / "tensorboard")
     assert all(tags[f"eval/{k[len('eval_') :]}"] == [(3, pytest.approx(v))] for k, v in logged.items())
 
     # the saved step, scored by the backend as `python -m zaya_jax.lm_eval` scores it

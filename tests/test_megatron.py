@@ -12,8 +12,8 @@ import sys
 
 import numpy as np
 import pytest
-from test_data import assert_batches_equal, take
-from test_train import ROOT, run_train, train_losses
+from support.batches import assert_batches_equal, take
+from support.train_runs import ROOT, run_train, train_losses
 
 from zaya_jax.data.megatron import MegatronOptions, load_megatron_split
 from zaya_jax.data.megatron_format import DTYPES, MegatronWriter, check_token_ids, read_index
@@ -163,7 +163,7 @@ def test_too_few_documents_hold_out_the_tail_of_the_last_as_prepare_does(tmp_pat
 
 
 def test_megatron_config_errors(corpus, tmp_path):
-    from test_config import load
+    from support.configs import load
     from tokenizers import Tokenizer, models, trainers
 
     from zaya_jax import config as config_lib
@@ -320,8 +320,8 @@ def test_a_megatron_dataset_trains_on_the_batches_of_the_prepared_documents(corp
 
 @pytest.mark.slow
 def test_kill_9_mid_mixture_of_megatron_and_prepared_resumes_with_identical_losses(corpus, tmp_path):
-    from test_checkpoint import kill_9_after_step
-    from test_train import SMALL
+    from support.checkpoints import kill_9_after_step
+    from support.train_runs import SMALL
 
     from zaya_jax.training.events import read_events
 

@@ -3,40 +3,15 @@ the console progress line."""
 
 import io
 import json
-import struct
 import subprocess
 import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.events import event_tags, tensorboard_events
 
 from zaya_jax.training.metrics import MetricsLogger, read_metrics, to_python, truncate_metrics
-
-
-def _events(logdir):
-    """Every Event in the tensorboardX event files under logdir. Parses the TFRecord framing by
-    hand (u64 length, u32 crc, payload, u32 crc): tensorboard itself is not a dependency."""
-    from tensorboardX.proto.event_pb2 import Event
-
-    events = []
-    for path in sorted(logdir.rglob("events.out.tfevents.*")):
-        data = path.read_bytes()
-        pos = 0
-        while pos < len(data):
-            (n,) = struct.unpack("<Q", data[pos : pos + 8])
-            events.append(Event.FromString(data[pos + 12 : pos + 12 + n]))
-            pos += 12 + n + 4
-    return events
-
-
-def _event_tags(logdir):
-    """{tag: [(step, value), ...]} of the scalars under logdir."""
-    tags = {}
-    for event in _events(logdir):
-        for v in event.summary.value:
-            tags.setdefault(v.tag, []).append((event.step, v.simple_value))
-    return tags
 
 
 def test_to_python():
@@ -109,7 +84,7 @@ def test_resume_drops_later_steps(tmp_path):
 
     starts = [
         e.step
-        for e in _events(tmp_path / "tensorboard")
+        for e in tensorboard_events(tmp_path / "tensorboard")
         if e.HasField("session_log") and e.session_log.status == SessionLog.START
     ]
     assert starts == [6]
@@ -141,7 +116,7 @@ def test_tensorboard_scalars(tmp_path):
                 },
             )
         log.log_eval(3, {"loss": 0.25})
-    tags = _event_tags(tmp_path / "tensorboard")
+    tags = event_tags(tmp_path / "tensorboard")
     assert [s for s, _ in tags["train/loss"]] == [1, 2, 3]
     assert tags["train/loss"][1][1] == pytest.approx(0.5)
     assert tags["train/expert_load_max_over_mean/layer_1"] == [(1, 1.0), (2, 2.0), (3, 3.0)]
@@ -161,7 +136,7 @@ def test_tensorboard_writer_does_not_import_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[-1] == "False"
-    assert _event_tags(tmp_path / "tensorboard")["train/loss"] == [(1, 1.0)]
+    assert event_tags(tmp_path / "tensorboard")["train/loss"] == [(1, 1.0)]
 
 
 class _Tty(io.StringIO):

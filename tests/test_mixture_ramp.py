@@ -9,10 +9,10 @@ import sys
 
 import numpy as np
 import pytest
-from test_checkpoint import kill_9_after_step
-from test_config import load
-from test_data import assert_batches_equal, take
-from test_train import ROOT, SMALL, run_train, train_losses
+from support.batches import assert_batches_equal, take
+from support.checkpoints import kill_9_after_step
+from support.configs import load
+from support.train_runs import ROOT, SMALL, run_train, train_losses
 
 from zaya_jax import config as config_lib
 from zaya_jax.data.mixture import mixed_sequences, parse_mixture

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from xla_env import FAST_COMPILE
+from support.xla_env import FAST_COMPILE
 
 from zaya_jax.config import base_config
 from zaya_jax.model import ZayaConfig

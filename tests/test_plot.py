@@ -2,23 +2,9 @@
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def _run(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "zaya_jax.plot", *map(str, args)], capture_output=True, text=True, timeout=120
-    )
-
-
-def _is_png(path):
-    data = path.read_bytes()
-    return data[:8] == PNG_MAGIC and len(data) > 5_000  # a real drawing, not an empty canvas
+from support.plots import is_png, run_plot
 
 
 def _write_run(workdir, num_layers=3, with_load=True):
@@ -50,19 +36,19 @@ def _write_run(workdir, num_layers=3, with_load=True):
 def test_cli_writes_pngs(tmp_path):
     workdir, out = tmp_path / "run", tmp_path / "plots"
     _write_run(workdir)
-    res = _run(workdir, "--out", out, "--log-y", "--smooth", "0.6")
+    res = run_plot(workdir, "--out", out, "--log-y", "--smooth", "0.6")
     assert res.returncode == 0, res.stderr
     written = res.stdout.split()
     assert written == [str(out / "loss.png"), str(out / "expert_load.png")]
-    assert _is_png(out / "loss.png") and _is_png(out / "expert_load.png")
+    assert is_png(out / "loss.png") and is_png(out / "expert_load.png")
 
 
 def test_cli_default_out_and_no_load(tmp_path):
     _write_run(tmp_path, with_load=False)
-    res = _run(tmp_path)
+    res = run_plot(tmp_path)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == [str(tmp_path / "loss.png")]
-    assert _is_png(tmp_path / "loss.png") and not (tmp_path / "expert_load.png").exists()
+    assert is_png(tmp_path / "loss.png") and not (tmp_path / "expert_load.png").exists()
     assert "expert_load.png not written" in res.stderr
 
 
@@ -73,7 +59,7 @@ def test_cli_errors(tmp_path, case):
         workdir.mkdir()
     if case == "no_loss":
         (workdir / "metrics.jsonl").write_text(json.dumps({"step": 1, "split": "train"}) + "\n")
-    res = _run(workdir)
+    res = run_plot(workdir)
     assert res.returncode == 2 and res.stdout == ""
     expected = {
         "no_workdir": "does not exist",
@@ -104,7 +90,7 @@ def test_heatmap_colour_bar_label_inside_the_image(tmp_path, num_layers, num_exp
             rec = {"step": step, "split": "train", "loss": 3.0 - step / 20, "expert_load": load}
             rec["balancing_bias"] = [[0.01 * e for e in range(num_experts)] for _ in range(num_layers)]
             f.write(json.dumps(rec) + "\n")
-    res = _run(tmp_path)
+    res = run_plot(tmp_path)
     assert res.returncode == 0, res.stderr
-    assert _is_png(tmp_path / "expert_load_heatmap.png")
+    assert is_png(tmp_path / "expert_load_heatmap.png")
     assert not _ink_on_border(tmp_path / "expert_load_heatmap.png")

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from test_train import ROOT
+from support.train_runs import ROOT
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

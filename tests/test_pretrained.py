@@ -6,7 +6,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from eval_models import BYTE_CASE, orbax_from_hf, save_byte_hf_model
+from support.eval_models import BYTE_CASE, orbax_from_hf, save_byte_hf_model
 
 from zaya_jax.data.tokenizer import ByteTokenizer
 from zaya_jax.hf.pretrained import load_model, resolve_prefix

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
-from xla_env import XLA_DEFAULT_COMPILE
+from support.xla_env import XLA_DEFAULT_COMPILE
 
 from zaya_jax import sizing
 from zaya_jax.analysis import compiled as compiled_lib

@@ -5,11 +5,12 @@ import os
 import subprocess
 import sys
 
-import cli_fork
 import jax
 import numpy as np
 import pytest
-from xla_env import xla_flags
+from support import cli_fork
+from support.configs import small_train_config
+from support.xla_env import xla_flags
 
 from zaya_jax import config as config_lib
 from zaya_jax.parallel.mesh import mesh_from_config
@@ -48,11 +49,7 @@ def _continue(w):
 
 @pytest.mark.slow
 def test_reshard_to_other_meshes(tmp_path):
-    # imported here: test_export imports torch and transformers, which the one-device subprocess
-    # below (it imports this file) would import too
-    from test_export import tiny_config
-
-    c = tiny_config(steps=STEPS)
+    c = small_train_config(steps=STEPS)
     c.mesh.data, c.mesh.expert = 2, 4
     c.checkpoint.every_steps = 2
     src = tmp_path / "src"
@@ -72,7 +69,7 @@ def test_reshard_to_other_meshes(tmp_path):
             assert abs(got[s] - ref_losses[s]) < 1e-5, (name, s, got[s], ref_losses[s])
 
     # One device: the CLI (replacing an unrelated directory; a process forked from one that imported
-    # the CLIs, tests/cli_fork.py), then training resumed from the resharded checkpoint, in a
+    # the CLIs, tests/support/cli_fork.py), then training resumed from the resharded checkpoint, in a
     # subprocess.
     one = tmp_path / "one"
     one.mkdir()

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_metrics import _event_tags
-from test_plot import _is_png
-from test_train import ROOT, run_train
+from support.events import event_tags
+from support.plots import is_png
+from support.train_runs import ROOT, run_train
 
 from zaya_jax.model import ZayaConfig, ZayaForCausalLM, init_variables
 from zaya_jax.optim import balancing as bal
@@ -86,7 +86,7 @@ def test_tensorboard_per_expert_scalars_in_one_event(tmp_path):
     assert tensorboard_scalars("train/x", [[1.0], 2.0]) == [] and tensorboard_scalars("train/x", "t") == []
     with MetricsLogger(tmp_path, console=False) as log:
         log.log_train(5, {"loss": 1.0, "expert_load": [[0.5, 0.25]], "router_entropy": [1.5]})
-    tags = _event_tags(tmp_path / "tensorboard")
+    tags = event_tags(tmp_path / "tensorboard")
     assert tags["train/expert_load/layer_0/expert_1"] == [(5, 0.25)]
     assert tags["train/router_entropy/layer_0"] == [(5, 1.5)] and tags["train/loss"] == [(5, 1.0)]
 
@@ -122,7 +122,7 @@ def test_training_logs_the_telemetry_and_plot_draws_it(tmp_path):
 
     saved = np.asarray(bal.get_balancing_biases(load_model(str(w)).variables))
     np.testing.assert_array_equal(np.float32(train[-1]["balancing_bias"]), saved[:, :num_experts])
-    tags = _event_tags(w / "tensorboard")
+    tags = event_tags(w / "tensorboard")
     assert [v for _, v in tags["train/expert_load/layer_1/expert_3"]] == [
         np.float32(r["expert_load"][1][3]) for r in train
     ]
@@ -138,7 +138,7 @@ def test_training_logs_the_telemetry_and_plot_draws_it(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert {w / "expert_load_heatmap.png", w / "balancing_bias.png"} <= {w / p for p in proc.stdout.split()}
-    assert _is_png(w / "expert_load_heatmap.png") and _is_png(w / "balancing_bias.png")
+    assert is_png(w / "expert_load_heatmap.png") and is_png(w / "balancing_bias.png")
 
 
 def test_plots_of_many_layers(tmp_path):
@@ -165,8 +165,8 @@ def test_plots_of_many_layers(tmp_path):
                 ],
             }
         )
-    assert _is_png(plot_expert_load_heatmap(records, tmp_path / "heatmap.png"))
-    assert _is_png(plot_balancing_biases(records, tmp_path / "bias.png"))
+    assert is_png(plot_expert_load_heatmap(records, tmp_path / "heatmap.png"))
+    assert is_png(plot_balancing_biases(records, tmp_path / "bias.png"))
     old = [{"step": 1, "split": "train", "loss": 2.0, "expert_load_max_over_mean": [1.0]}]
     assert plot_expert_load_heatmap(old, tmp_path / "h.png") is None
     assert plot_balancing_biases(old, tmp_path / "b.png") is None

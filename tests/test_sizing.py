@@ -283,7 +283,7 @@ def test_attention_scores_follow_the_resolved_attention_impl():
     """The dense XLA softmax keeps [Nq, S] scores per token (2f + b + 1 bytes each); the flash
     kernels keep the fp32 log-sum-exp, blockwise plus one [Nq, 512, 512] tile per sequence. Phase 3
     (32k tokens over context 2) is sized with the impl its platform resolves 'auto' to."""
-    from test_config import load
+    from support.configs import load
 
     from zaya_jax.config import model_config
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from xla_env import xla_flags
+from support.xla_env import xla_flags
 
 from benchmarks import collectives, gemm, membw
 from zaya_jax.analysis import exchange

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from xla_env import FAST_COMPILE_FLAGS
+from support.cli_runs import one_error
+from support.xla_env import FAST_COMPILE_FLAGS
 
 from zaya_jax.analysis import hardware, timeline
 
@@ -330,12 +331,6 @@ def train_cli(cwd, *args: str, timeout: int = 900) -> subprocess.CompletedProces
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "zaya_jax.train", "--config", os.path.join(ROOT, "configs/tiny.py"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env, check=False)
-
-
-def one_error(proc) -> str:
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    return errors[0]
 
 
 def test_cli_bad_hardware_file_is_one_line_at_start_up(tmp_path):

@@ -7,12 +7,14 @@ import subprocess
 import sys
 import types
 
-import cli_fork
 import jax
 import numpy as np
 import pytest
-from eval_models import write_harness_tasks, write_task
-from xla_env import xla_flags
+from support import cli_fork
+from support.configs import tiny_config
+from support.eval_models import write_harness_tasks, write_task
+from support.train_runs import SMALL, run_train, summary_of, train_losses
+from support.xla_env import xla_flags
 
 from zaya_jax.evaluate import evaluate
 from zaya_jax.export import export
@@ -20,76 +22,6 @@ from zaya_jax.runtime import host_memory
 from zaya_jax.training.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = [
-    "--config.model.hidden_size=64",
-    "--config.model.num_hidden_layers=2",
-    "--config.model.num_experts=4",
-    "--config.model.moe_intermediate_size=64",
-    "--config.train.batch_size=8",
-    "--config.train.seq_len=32",
-    "--config.optim.warmup_steps=2",
-    "--config.eval.every_steps=3",
-    "--config.eval.batches=2",
-    "--config.eval.batch_size=8",
-    "--config.checkpoint.every_steps=3",
-    "--config.logging.every_steps=1",
-    "--config.logging.tensorboard=False",
-]
-
-
-def train_cmd(workdir, *extra) -> list[str]:
-    """`python -m zaya_jax.train` of the small tiny config into `workdir`, then `extra` flags."""
-    tiny = os.path.join(ROOT, "configs/tiny.py")
-    return [
-        sys.executable,
-        "-m",
-        "zaya_jax.train",
-        "--config",
-        tiny,
-        "--workdir",
-        str(workdir),
-        *SMALL,
-        *extra,
-    ]
-
-
-def run_train(workdir, *extra, check=True, devices=1, env=None, fresh=False):
-    """Runs the CLI on `devices` simulated CPU devices (the default mesh takes them all): forked from
-    a process that imported the CLIs (tests/cli_fork.py), or `fresh`, a new Python process (a run
-    whose start-up is checked)."""
-    cmd = train_cmd(workdir, *extra)
-    env = {**os.environ, "XLA_FLAGS": xla_flags(devices), **(env or {})}
-    if fresh:
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
-    else:
-        proc = cli_fork.shared(env).run("train", *cmd[3:], env=env, cwd=ROOT, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def train_losses(workdir):
-    return {r["step"]: r["loss"] for r in read_metrics(str(workdir), split="train")}
-
-
-def summary_of(proc):
-    return json.loads(proc.stdout.strip().splitlines()[-1])["summary"]
-
-
-def tiny_config(*args):
-    """configs/tiny.py with `--config.SECTION.KEY=VALUE` overrides, for an in-process `train()`."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs/tiny.py"))
-    tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tiny)
-    c = tiny.get_config()
-    for arg in args:
-        key, value = arg[len("--config.") :].split("=")
-        section, name = key.split(".")
-        c[section][name] = type(c[section][name])(value == "True" if value in ("True", "False") else value)
-    c.logging.console = False
-    return c
 
 
 @pytest.mark.slow

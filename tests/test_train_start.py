@@ -13,10 +13,10 @@ import threading
 import time
 
 import pytest
-from test_cli_errors import _prepare, assert_one_line_error, run_cli, tree_digest
-from test_train import ROOT, SMALL, run_train, summary_of, train_cmd, train_losses
-from test_workdir_lock import _dead_pid, _write_lock, own_lock
-from xla_env import xla_flags
+from support.cli_runs import assert_one_line_error, prepare_text, run_cli, tree_digest
+from support.train_runs import ROOT, SMALL, run_train, summary_of, train_cmd, train_losses
+from support.workdir_locks import dead_pid, own_lock, write_lock
+from support.xla_env import xla_flags
 
 from zaya_jax import config as config_lib
 from zaya_jax.runtime import workdir_lock as wl
@@ -109,7 +109,7 @@ def test_second_trainer_is_refused_and_a_signal_during_start_up_stops_at_once(tm
     os.kill(a.proc.pid, signal.SIGSTOP)
     try:
         before = tree_digest(w)
-        # forked from a process that imported the CLIs (tests/cli_fork.py), as the other refused
+        # forked from a process that imported the CLIs (tests/support/cli_fork.py), as the other refused
         # runs of this file: a process of its own, refused by the lock
         second = _train(w, INTERRUPTED)
         assert tree_digest(w) == before
@@ -170,7 +170,7 @@ def _train(workdir, *extra):
 def test_resume_says_what_it_does_and_refuses_another_plan_or_data(finished, tmp_path):
     w = _copy(finished, tmp_path)
     # a lock left by a killed run (its pid is gone) does not block the next run
-    _write_lock(w, host=socket.gethostname(), pid=_dead_pid(), pid_start=None, boot_id=wl.boot_id())
+    write_lock(w, host=socket.gethostname(), pid=dead_pid(), pid_start=None, boot_id=wl.boot_id())
     done = _train(w, "--config.train.steps=3")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
@@ -189,7 +189,7 @@ def test_resume_says_what_it_does_and_refuses_another_plan_or_data(finished, tmp
         "--config.train.steps=3",
         "--config.train.allow_schedule_change=True",
     )
-    data = _prepare(tmp_path)
+    data = prepare_text(tmp_path)
     other = _train(w, "--config.train.steps=4", f"--config.data.path={data}")
     assert_one_line_error(other, f"config.data.path='{data}'", "--config.data.allow_path_change=True")
     assert tree_digest(w) == before

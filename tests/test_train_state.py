@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_train import run_train, summary_of, train_losses
+from support.train_runs import run_train, summary_of, train_losses
 
 from zaya_jax.config import base_config
 from zaya_jax.model import ZayaConfig

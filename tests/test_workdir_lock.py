@@ -6,28 +6,13 @@ import fcntl
 import json
 import os
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
+from support.workdir_locks import dead_pid, own_lock, write_lock
 
 from zaya_jax.runtime import workdir_lock as wl
 from zaya_jax.runtime.cli import UserError
-
-
-def _write_lock(workdir, **holder):
-    os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, wl.LOCK_FILE)
-    with open(path, "w") as f:
-        json.dump({"command": "train", "since": time.time(), **holder}, f)
-    return path
-
-
-def _dead_pid():
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
 
 
 def test_a_live_lock_refuses_and_release_removes_it(tmp_path):
@@ -55,17 +40,17 @@ def test_a_live_lock_refuses_and_release_removes_it(tmp_path):
 def test_same_host_lock_of_a_dead_or_reused_pid_is_stale(tmp_path, capsys):
     w = str(tmp_path / "w")
     host = socket.gethostname()
-    _write_lock(w, host=host, pid=_dead_pid(), pid_start=None, boot_id=wl.boot_id())
+    write_lock(w, host=host, pid=dead_pid(), pid_start=None, boot_id=wl.boot_id())
     wl.check_free(w)  # stale: nothing to refuse
     lock = wl.acquire(w, "train")
     assert "removed a stale lock" in capsys.readouterr().out
     lock.release()
     # a live pid whose start time differs: the pid was reused by another process
-    _write_lock(w, host=host, pid=os.getppid(), pid_start="1", boot_id=wl.boot_id())
+    write_lock(w, host=host, pid=os.getppid(), pid_start="1", boot_id=wl.boot_id())
     if wl.process_start(os.getppid()) is not None:
         wl.acquire(w, "train").release()
     # the same live process: refused, whatever its heartbeat's age
-    path = _write_lock(
+    path = write_lock(
         w, host=host, pid=os.getppid(), pid_start=wl.process_start(os.getppid()), boot_id=wl.boot_id()
     )
     os.utime(path, (time.time() - 10_000, time.time() - 10_000))
@@ -75,7 +60,7 @@ def test_same_host_lock_of_a_dead_or_reused_pid_is_stale(tmp_path, capsys):
 
 def test_other_host_lock_is_stale_after_its_heartbeat_timeout(tmp_path, monkeypatch):
     w = str(tmp_path / "w")
-    path = _write_lock(w, host="another-node", pid=1, pid_start="5", boot_id="x")
+    path = write_lock(w, host="another-node", pid=1, pid_start="5", boot_id="x")
     with pytest.raises(wl.WorkdirLocked, match="another-node"):
         wl.acquire(w, "train")
     old = time.time() - 2 * wl.DEFAULT_STALE_S
@@ -92,7 +77,7 @@ def test_other_host_lock_is_stale_after_its_heartbeat_timeout(tmp_path, monkeypa
 
 def test_a_stale_looking_lock_whose_flock_is_held_is_kept(tmp_path):
     w = str(tmp_path / "w")
-    path = _write_lock(w, host=socket.gethostname(), pid=_dead_pid(), pid_start=None, boot_id=None)
+    path = write_lock(w, host=socket.gethostname(), pid=dead_pid(), pid_start=None, boot_id=None)
     fd = os.open(path, os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)  # its holder is alive after all (e.g. a stopped job)
     try:
@@ -118,20 +103,9 @@ def test_the_holder_refreshes_its_heartbeat(tmp_path, monkeypatch):
     lock.release()
 
 
-def own_lock(workdir):
-    """A lock held by this (live) test process, as a running trainer holds it."""
-    return _write_lock(
-        workdir,
-        host=socket.gethostname(),
-        pid=os.getpid(),
-        pid_start=wl.process_start(os.getpid()),
-        boot_id=wl.boot_id(),
-    )
-
-
 def test_import_hf_and_export_refuse_a_held_workdir(tmp_path):
     """(`reshard --dst`: tests/test_train_start.py, which has a checkpoint to read.)"""
-    from test_cli_errors import assert_one_line_error, run_cli, tree_digest
+    from support.cli_runs import assert_one_line_error, run_cli, tree_digest
 
     w = tmp_path / "w"
     own_lock(w)

@@ -10,84 +10,38 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from xla_env import FAST_COMPILE
+from support.xla_env import FAST_COMPILE
+from support.zero1_steps import (
+    CFG,
+    DATA4_EXPERT2,
+    DATA4_FSDP2,
+    MESH_CFG,
+    MESH_STEPS,
+    Step,
+    run_steps,
+    step_config,
+    step_program,
+)
 
 from zaya_jax import config as config_lib
 from zaya_jax import sizing
 from zaya_jax.analysis import hlo as hlo_lib
 from zaya_jax.analysis import report
-from zaya_jax.config import base_config, set_model
+from zaya_jax.config import base_config
 from zaya_jax.model import ZayaConfig, init_variables
 from zaya_jax.optim.chain import make_optimizer
 from zaya_jax.parallel import make_mesh
 from zaya_jax.parallel.mesh import MESH_AXES, mesh_from_config
 from zaya_jax.parallel.overlap import BLOCK_REDUCE_SCOPE
-from zaya_jax.parallel.sharding import batch_sharding, opt_state_shardings, param_shardings
+from zaya_jax.parallel.sharding import opt_state_shardings, param_shardings
 from zaya_jax.parallel.zero1 import owner_plan, step_bytes
-from zaya_jax.training.train_state import TrainProgram, abstract_batch, train_program
-
-# 8 layers: the data axis (8 or 4) divides the layer stacks, so every rank owns whole matrices.
-CFG = ZayaConfig.tiny(num_hidden_layers=8, vocab_size=128, moe_intermediate_size=32)
-
-
-def _config(
-    mesh: dict[str, int],
-    grad_accum: int,
-    grad_reduce: str = "step",
-    cfg: ZayaConfig = CFG,
-    steps: int = 0,
-    overlap: str = "auto",
-):
-    c = base_config()
-    set_model(c, cfg)
-    c.train.seq_len, c.train.batch_size, c.train.grad_accum = 32, 8 * grad_accum, grad_accum
-    c.train.grad_reduce, c.train.overlap_grad_reduce = grad_reduce, overlap
-    c.optim.schedule, c.optim.warmup_steps = "constant", 0  # the first step moves the params
-    # AdamW's eps 1e-6 instead of 1e-8: an embedding entry whose gradient sums to ~1e-8 (its
-    # tokens' contributions cancel) moves by lr * g / (|g| + eps), and fp32 rounding of that sum
-    # differs with the reduction order by a few percent, so its update differed between one device
-    # and data=8 by 1.2e-5 (lr 1e-3) on an Intel box: rounding amplified, not a reduction wrong.
-    c.optim.adamw.eps = 1e-6
-    if steps:
-        c.train.steps = steps
-    for axis, size in mesh.items():
-        c.mesh[axis] = size
-    return c
-
-
-class Step(NamedTuple):
-    """A compiled train step and what it was built from."""
-
-    compiled: Any  # jax.stages.Compiled
-    program: TrainProgram
-    c: Any  # the config
-    cfg: ZayaConfig  # the validated model config
-    model: ZayaConfig  # the model config it was built from (the initial state's key)
-
-    @property
-    def mesh(self):
-        return self.program.mesh
-
-    @property
-    def state(self):  # the abstract train state it was compiled for
-        return self.program.abstract_state()
-
-
-@functools.cache
-def _program(mesh: tuple[tuple[str, int], ...], grad_accum: int, grad_reduce: str, cfg: ZayaConfig, steps: int):
-    """(config, validated model config, train_program) of the tiny train step on as many devices as
-    the mesh has: the train step as the trainer builds it (traced, nothing compiled)."""
-    c = _config(dict(mesh), grad_accum, grad_reduce, cfg, steps)
-    devices = jax.devices()[: math.prod(size for _, size in mesh)]
-    cfg = config_lib.validate(c, "cpu")
-    return c, cfg, train_program(c, cfg, mesh_from_config(c, devices=devices))
+from zaya_jax.training.train_state import abstract_batch, train_program
 
 
 @functools.cache
@@ -98,51 +52,18 @@ def _compiled(
     cfg: ZayaConfig = CFG,
     steps: int = 0,
 ) -> Step:
-    """The train step of `_program` compiled from abstract state and batch, not run; once per
+    """The train step of `step_program` compiled from abstract state and batch, not run; once per
     (mesh, grad_accum, grad_reduce, cfg, train.steps) in the module."""
     model = cfg
-    c, cfg, program = _program(mesh, grad_accum, grad_reduce, model, steps)
+    c, cfg, program = step_program(mesh, grad_accum, grad_reduce, model, steps)
     batch = abstract_batch(c.train.batch_size, c.train.seq_len, program.mesh)
     compiled = program.train_step.lower(program.abstract_state(), batch).compile(FAST_COMPILE)
     return Step(compiled, program, c, cfg, model)
 
 
-@functools.cache
-def _initial_state_on_host(cfg: ZayaConfig):
-    """The config's initial train state (train_program's create(), the same seed and values whatever
-    the mesh), created once on one device and kept on the host: each mesh's run starts from it laid
-    out by its own shardings, so no mesh compiles its own initializer."""
-    _, _, program = _program((("data", 1),), 1, "step", cfg, 0)
-    return jax.device_get(jax.jit(program.create).lower().compile(FAST_COMPILE)())
-
-
-def _steps(step: Step, steps: int):
-    """(losses, grad norms, final state) of `steps` steps of the compiled train step from the
-    config's initial state, on the same random batches whatever the mesh."""
-    c, cfg, program = step.c, step.cfg, step.program
-    host = _initial_state_on_host(step.model)
-    shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
-    assert shapes(host) == shapes(program.abstract_state())
-    state = jax.device_put(host, program.shardings)
-    rng = np.random.default_rng(0)
-    losses, norms = [], []
-    for _ in range(steps):
-        ids = rng.integers(3, cfg.vocab_size, size=(c.train.batch_size, c.train.seq_len + 1))
-        batch = {
-            "input_ids": ids[:, :-1].astype(np.int32),
-            "targets": ids[:, 1:].astype(np.int32),
-            "loss_mask": (rng.random((c.train.batch_size, c.train.seq_len)) > 0.2).astype(np.float32),
-        }
-        batch = jax.device_put(batch, batch_sharding(program.mesh))
-        state, metrics = step.compiled(state, batch)
-        losses.append(float(metrics["loss"]))
-        norms.append(float(metrics["grad_norm"]))
-    return losses, norms, state
-
-
 def _train(mesh: tuple[tuple[str, int], ...], grad_accum: int, grad_reduce: str = "step", steps: int = 2):
     """(losses, final params) of `steps` steps of the compiled train step (`_compiled`)."""
-    losses, _, state = _steps(_compiled(mesh, grad_accum, grad_reduce), steps)
+    losses, _, state = run_steps(_compiled(mesh, grad_accum, grad_reduce), steps)
     return losses, jax.device_get(state.params)
 
 
@@ -206,7 +127,7 @@ def test_grad_reduce_microbatch_bytes_are_its_formula_and_memory_falls():
     temp = {s.c.train.grad_reduce: s.compiled.memory_analysis().temp_size_in_bytes for s in (step, micro)}
     shape = {a: int(s) for a, s in micro.mesh.shape.items()}
     est = {
-        mode: sizing.config_memory_per_device(_config(dict(data8), GRAD_ACCUM, mode), CFG, shape, "cpu")
+        mode: sizing.config_memory_per_device(step_config(dict(data8), GRAD_ACCUM, mode), CFG, shape, "cpu")
         for mode in ("step", "microbatch")
     }
     assert est["microbatch"].sharded_sum and est["step"].grad_buffers == 2
@@ -215,15 +136,11 @@ def test_grad_reduce_microbatch_bytes_are_its_formula_and_memory_falls():
     assert 0.75 * saved <= temp["step"] - temp["microbatch"] <= 1.25 * saved, (temp, saved)
 
 
-# Every mesh of the 8 devices with two or three axes larger than 1 (a pair both ways round). Two
-# layers: the layer stacks divide among neither the data ranks nor distributed Muon's owners, so
-# each matrix stack is padded and moved (zaya_jax/parallel/zero1.py, owned_orthogonalize).
-MESH_CFG = ZayaConfig.tiny(num_hidden_layers=2, vocab_size=128, moe_intermediate_size=32)
+# Every mesh of the 8 devices with two or three axes larger than 1 (a pair both ways round).
 EVERY_MESH = [
     *(((a, 4), (b, 2)) for a, b in itertools.permutations(MESH_AXES, 2)),
     *(tuple((a, 2) for a in axes) for axes in itertools.combinations(MESH_AXES, 3)),
 ]
-MESH_STEPS = 3
 
 
 def _mesh_run(mesh: tuple[tuple[str, int], ...], grad_accum: int = 1):
@@ -237,7 +154,7 @@ def _mesh_run(mesh: tuple[tuple[str, int], ...], grad_accum: int = 1):
 def _mesh_run_once(mesh: tuple[tuple[str, int], ...], grad_accum: int):
     """`_mesh_run`, cached on both arguments."""
     step = _compiled(mesh, grad_accum, cfg=MESH_CFG, steps=MESH_STEPS)
-    losses, norms, state = _steps(step, MESH_STEPS)
+    losses, norms, state = run_steps(step, MESH_STEPS)
     return losses, norms, jax.device_get(state)
 
 
@@ -279,7 +196,7 @@ def test_block_gradients_reduced_in_backward_equal_one_device(mesh, grad_accum):
     after = _compiled(mesh, 1, cfg=MESH_CFG, steps=MESH_STEPS) if cached else _uncached(mesh, grad_accum)
     bytes_after = report.data_parallel_bytes(after.compiled.as_text(), after.mesh)
     assert report.data_parallel_bytes(hlo, step.mesh) == bytes_after
-    losses, norms, state = _steps(step, MESH_STEPS)
+    losses, norms, state = run_steps(step, MESH_STEPS)
     _assert_equals_one_device(_mesh_run((("data", 1),), grad_accum), (losses, norms, jax.device_get(state)))
 
 
@@ -295,7 +212,7 @@ def _context_reductions_in_model(hlo: str, mesh: jax.sharding.Mesh) -> list[hlo_
 
 def _uncached(mesh: tuple[tuple[str, int], ...], grad_accum: int, overlap: str = "auto") -> Step:
     """`_compiled` of MESH_CFG for MESH_STEPS steps, built afresh and kept by nobody."""
-    c = _config(dict(mesh), grad_accum, "step", MESH_CFG, MESH_STEPS, overlap)
+    c = step_config(dict(mesh), grad_accum, "step", MESH_CFG, MESH_STEPS, overlap)
     cfg = config_lib.validate(c, "cpu")
     devices = jax.devices()[: math.prod(size for _, size in mesh)]
     program = train_program(c, cfg, mesh_from_config(c, devices=devices))
@@ -361,9 +278,6 @@ def test_distributed_muon_equals_muon_and_orthogonalises_each_matrix_once():
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
     ns = report.flops_per_step(hlo_lib.work(compiled.as_text()))
     assert ns == pytest.approx(sizing.newton_schulz_flops(CFG) / 8, rel=0.01)
-
-
-DATA4_EXPERT2, DATA4_FSDP2 = (4, 1, 2, 1), (4, 2, 1, 1)  # (data, fsdp, expert, context)
 
 
 @pytest.mark.parametrize(

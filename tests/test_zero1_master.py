@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import test_zero1 as tz
-from test_checkpoint import _final_params, kill_9_after_step
-from test_train import run_train, train_cmd, train_losses
-from xla_env import FAST_COMPILE
+from support.checkpoints import final_params, kill_9_after_step
+from support.train_runs import run_train, train_cmd, train_losses
+from support.xla_env import FAST_COMPILE
+from support.zero1_steps import DATA4_EXPERT2, DATA4_FSDP2, MESH_CFG, MESH_STEPS, Step, run_steps, step_config
 
 from zaya_jax import config as config_lib
 from zaya_jax.analysis import hlo, report
@@ -39,8 +39,8 @@ CAST = {
 def _program(mesh: dict[str, int], cfg: ZayaConfig = BF16, zero1: bool = True, grad_accum: int = 1, **train):
     """(config, validated model config, train_program) of MESH_STEPS steps of `cfg` on `mesh`:
     mesh.zero1 `zero1`, `grad_accum` microbatches of 8 sequences, `train` overriding the rest."""
-    c = tz._config(mesh, grad_accum, cfg=cfg)
-    c.train.steps, c.mesh.zero1 = tz.MESH_STEPS, zero1
+    c = step_config(mesh, grad_accum, cfg=cfg)
+    c.train.steps, c.mesh.zero1 = MESH_STEPS, zero1
     for key, value in train.items():
         c.train[key] = value
     devices = jax.devices()[: math.prod(mesh.values())]
@@ -73,7 +73,7 @@ def test_master_is_sharded_with_the_moments_and_compute_weights_are_bf16():
     assert dtypes["embed_tokens"]["embedding"] == jnp.float32  # looked up in fp32
     assert dtypes["layers"]["mlp"]["gate"]["down_proj"]["kernel"] == jnp.float32  # the fp32 router
 
-    _, fp32, fp32_program = _program({"data": 8}, cfg=tz.MESH_CFG)
+    _, fp32, fp32_program = _program({"data": 8}, cfg=MESH_CFG)
     assert not shards_master(fp32.params_dtype, fp32.compute_dtype)
     replicated = param_shardings(fp32_program.abstract_state().params, fp32_program.mesh)
     assert jax.tree.leaves(fp32_program.shardings.params) == jax.tree.leaves(replicated)
@@ -85,7 +85,7 @@ def _bf16_run(mesh: tuple[tuple[str, int], ...], zero1: bool = True, grad_accum:
     c, cfg, program = _program(dict(mesh), zero1=zero1, grad_accum=grad_accum, **train)
     batch = abstract_batch(c.train.batch_size, c.train.seq_len, program.mesh)
     compiled = program.train_step.lower(program.abstract_state(), batch).compile(FAST_COMPILE)
-    losses, norms, state = tz._steps(tz.Step(compiled, program, c, cfg, BF16), tz.MESH_STEPS)
+    losses, norms, state = run_steps(Step(compiled, program, c, cfg, BF16), MESH_STEPS)
     return compiled.as_text(), program.mesh, losses, norms, jax.device_get(state.params)
 
 
@@ -240,7 +240,7 @@ def test_bf16_master_trains_and_resumes_bit_exact_after_kill_9(tmp_path):
     assert sorted(got) == list(range(1, 9)) and all(np.isfinite(list(want.values())))
     for s in range(resumed_from + 1, 9):
         assert got[s] == want[s], (s, got[s], want[s])
-    (sa, a), (sb, b) = _final_params(ref), _final_params(killed)
+    (sa, a), (sb, b) = final_params(ref), final_params(killed)
     assert sa == sb == 8
     for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"]), strict=True):
         assert x.dtype == np.float32  # the checkpoint holds the fp32 master
@@ -249,7 +249,7 @@ def test_bf16_master_trains_and_resumes_bit_exact_after_kill_9(tmp_path):
     # the killed run's step-8 checkpoint (`b`)
     resharded = tmp_path / "resharded"
     reshard(str(killed / "checkpoints" / "8"), str(resharded), {"data": 2, "expert": 4})
-    (_, d) = _final_params(resharded)
+    (_, d) = final_params(resharded)
     for x, y in zip(jax.tree.leaves(b), jax.tree.leaves(d), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -257,10 +257,10 @@ def test_bf16_master_trains_and_resumes_bit_exact_after_kill_9(tmp_path):
 @pytest.mark.parametrize(
     "shape, stored, mesh",
     [
-        ((8, 4, 32, 64), jax.P("data", "expert", None, None), tz.DATA4_EXPERT2),  # its own block
-        ((12, 64, 32), jax.P("data", None, None), tz.DATA4_EXPERT2),  # padded
-        ((2, 64, 32), jax.P(None, None, "data"), tz.DATA4_EXPERT2),  # moved whole and back
-        ((4, 64, 32), jax.P(None, "fsdp", "data"), tz.DATA4_FSDP2),
+        ((8, 4, 32, 64), jax.P("data", "expert", None, None), DATA4_EXPERT2),  # its own block
+        ((12, 64, 32), jax.P("data", None, None), DATA4_EXPERT2),  # padded
+        ((2, 64, 32), jax.P(None, None, "data"), DATA4_EXPERT2),  # moved whole and back
+        ((4, 64, 32), jax.P(None, "fsdp", "data"), DATA4_FSDP2),
         ((4, 64, 64), jax.P(None, None, ("fsdp", "data")), (2, 2, 2, 1)),
     ],
     ids=["aligned", "padded", "moved", "fsdp", "fsdp_data_one_dim"],

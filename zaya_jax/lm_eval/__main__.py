@@ -54,7 +54,7 @@ def _verbosity(text: str) -> str:
 
 
 # lm-eval's numeric and enumerated flags of `run`, declared with zaya_jax.runtime.cli's values (the walking
-# test, tests/cli_walk.py, feeds each the values it refuses).
+# test, tests/support/cli_walk.py, feeds each the values it refuses).
 DECLARED = {
     "--limit": cli.Parsed(_limit, "a whole count >= 1 or a fraction in (0, 1)", ("0", "2.5", "-1")),
     "--num_fewshot": cli.Int(min=0),

@@ -1,6 +1,6 @@
 """Walks every numeric or enumerated flag of every CLI with values outside what the flag declares
 (zaya_jax/runtime/cli.py, "declared flag values"), each through the CLI's real `__main__` entry point
-(runpy, as `python -m MODULE` runs it), all in this one process: `python tests/cli_walk.py` prints
+(runpy, as `python -m MODULE` runs it), all in this one process: `python tests/support/cli_walk.py` prints
 one JSON object (see `walk`). tests/test_cli_ranges.py runs it and checks every case.
 
 The flags are read off each CLI's own parser, so a flag is walked as soon as it is added:
@@ -30,7 +30,7 @@ import os
 import runpy
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny.py")
 BAD_CHOICE = "no-such-choice"
 

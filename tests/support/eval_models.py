@@ -6,8 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from hf_reference import Case, random_hf_model
-
+from support.hf_reference import Case, random_hf_model
 from zaya_jax.data.tokenizer import ByteTokenizer
 from zaya_jax.import_hf import import_hf
 

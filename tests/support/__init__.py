@@ -1,0 +1,1 @@
+"""Helpers the test files share: test files import them from here, never from one another."""
