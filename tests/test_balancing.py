@@ -216,16 +216,11 @@ def test_default_demo_router_is_not_drowned_by_the_bias_steps():
     class in under 10% of 100 steps, and the busiest class takes under half of them on average. A
     tiny router of width 32 at balancing lr 1e-2 does so in 92% of the steps, 0.97 on average (one
     expert taking every token for ~80 steps of the real run: docs/model.md §2.2.6)."""
-    import importlib.util
-    import os
+    from support.configs import load
 
     from zaya_jax.config import model_config
 
-    path = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
-    spec = importlib.util.spec_from_file_location("tiny_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config()
+    c = load("tiny")
     for cfg, lr in ((model_config(c), c.balancing.lr), (ZayaConfig(), bal.BalancingConfig().lr)):
         shares = _frozen_router_top_shares(cfg, lr)
         assert (shares > 0.95).mean() < 0.1 and shares.mean() < 0.5, (cfg.router_hidden_size, lr, shares)

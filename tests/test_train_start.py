@@ -14,6 +14,7 @@ import time
 
 import pytest
 from support.cli_runs import assert_one_line_error, prepare_text, run_cli, tree_digest
+from support.configs import load
 from support.train_runs import ROOT, SMALL, run_train, summary_of, train_cmd, train_losses
 from support.workdir_locks import dead_pid, own_lock, write_lock
 from support.xla_env import xla_flags
@@ -229,12 +230,7 @@ def test_a_short_run_of_tiny_names_the_warmup_fix(tmp_path):
     line = assert_one_line_error(proc, "config.optim.warmup_steps", "--config.optim.warmup_steps=2")
     assert not (tmp_path / "w").exists(), line
     # the named fix is a valid config
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tiny", TINY)
-    tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tiny)
-    c = tiny.get_config()
+    c = load("tiny")
     c.train.steps, c.optim.warmup_steps = 20, 2
     config_lib.validate(c)
 

@@ -39,6 +39,7 @@ def final_params(workdir):
 
 
 def wait_for_step(proc, workdir, step, timeout=300):
+    """Waits until the run `proc` writing into `workdir` has logged `step`; fails if it ends first."""
     t0 = time.time()
     while time.time() - t0 < timeout:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
@@ -65,6 +66,7 @@ def kill_9_after_step(cmd, workdir, step, devices: int = 1) -> int | None:
 
 
 def latest_checkpoint(workdir) -> int | None:
+    """The newest committed checkpoint step of `workdir`, None if there is none."""
     ck = Checkpointer(str(workdir), read_only=True)
     try:
         return ck.latest_step()

@@ -8,6 +8,7 @@ CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 
 
 def load(name, arg=None):
+    """configs/NAME.py's get_config(arg), or get_config() without `arg`."""
     spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIGS, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -16,10 +17,7 @@ def load(name, arg=None):
 
 def tiny_config(*args):
     """configs/tiny.py with `--config.SECTION.KEY=VALUE` overrides, for an in-process `train()`."""
-    spec = importlib.util.spec_from_file_location("tiny", os.path.join(CONFIGS, "tiny.py"))
-    tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tiny)
-    c = tiny.get_config()
+    c = load("tiny")
     for arg in args:
         key, value = arg[len("--config.") :].split("=")
         section, name = key.split(".")
@@ -31,10 +29,7 @@ def tiny_config(*args):
 def small_train_config(steps=3):
     """configs/tiny.py at the small model for `steps` steps, evaluations and periodic checkpoints off, no
     console, for an in-process `train()`."""
-    spec = importlib.util.spec_from_file_location("tiny_cfg", os.path.join(CONFIGS, "tiny.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    c = mod.get_config()
+    c = load("tiny")
     c.model.hidden_size, c.model.num_hidden_layers, c.model.num_experts = 64, 2, 4
     c.model.moe_intermediate_size = 64
     c.train.steps, c.train.batch_size, c.train.seq_len = steps, 8, 32

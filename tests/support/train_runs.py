@@ -67,4 +67,3 @@ def train_losses(workdir):
 
 def summary_of(proc):
     return json.loads(proc.stdout.strip().splitlines()[-1])["summary"]
-
